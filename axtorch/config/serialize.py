@@ -1,0 +1,84 @@
+"""Round-trip a typed config through YAML, keeping which implementation fills each slot.
+
+Plain ``OmegaConf.to_yaml`` loses the concrete class of a polymorphic child (a
+``GatedFeedForwardConfig`` in a ``FeedForwardConfig`` slot looks like any other mapping). Here a
+node whose class differs from its field's declared type carries ``_type_: module.Class``, so a run
+directory's ``config.yaml`` alone is enough to rebuild the exact model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import importlib
+import typing
+from typing import Any, TypeVar
+
+from omegaconf import OmegaConf
+
+TYPE_KEY = "_type_"
+T = TypeVar("T")
+
+
+def _class_path(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _import_class(path: str) -> type:
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def _declared_dataclass(annotation: Any) -> type | None:
+    if dataclasses.is_dataclass(annotation):
+        return annotation
+    for arg in typing.get_args(annotation):  # Optional[SomeConfig]
+        if dataclasses.is_dataclass(arg):
+            return arg
+    return None
+
+
+def _to_plain(value: Any, declared: type | None) -> Any:
+    if dataclasses.is_dataclass(value):
+        hints = typing.get_type_hints(type(value))
+        node: dict[str, Any] = {}
+        if declared is not None and type(value) is not declared:
+            node[TYPE_KEY] = _class_path(type(value))
+        for field in dataclasses.fields(value):
+            node[field.name] = _to_plain(getattr(value, field.name), _declared_dataclass(hints[field.name]))
+        return node
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, (list, tuple)):
+        return [_to_plain(v, None) for v in value]
+    return value
+
+
+def config_to_dict(config: Any) -> dict[str, Any]:
+    return _to_plain(config, type(config))
+
+
+def config_to_yaml(config: Any) -> str:
+    return OmegaConf.to_yaml(OmegaConf.create(config_to_dict(config)))
+
+
+def _typed_nodes(node: Any) -> Any:
+    """Replace every mapping with a ``_type_`` by a structured node of that class."""
+    if isinstance(node, dict):
+        cls = _import_class(node[TYPE_KEY]) if TYPE_KEY in node else None
+        children = {k: _typed_nodes(v) for k, v in node.items() if k != TYPE_KEY}
+        if cls is None:
+            return children
+        return OmegaConf.merge(OmegaConf.structured(cls), children)
+    if isinstance(node, list):
+        return [_typed_nodes(v) for v in node]
+    return node
+
+
+def config_from_dict(data: dict[str, Any], schema: type[T]) -> T:
+    merged = OmegaConf.merge(OmegaConf.structured(schema), _typed_nodes(data))
+    return OmegaConf.to_object(merged)
+
+
+def config_from_yaml(text: str, schema: type[T]) -> T:
+    return config_from_dict(OmegaConf.to_container(OmegaConf.create(text)), schema)

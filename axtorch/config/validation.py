@@ -1,0 +1,20 @@
+"""Cross-field checks that no single config can make alone; run before anything is built."""
+
+from __future__ import annotations
+
+from axtorch.config.errors import ConfigError
+from axtorch.config.schema import TrainConfig
+
+
+def validate_train_config(config: TrainConfig) -> None:
+    """Raise ``ConfigError`` for the first impossible setting, naming its key."""
+    config.model.validate("model")
+    config.loss.validate("loss")
+    config.optim.validate("optim")
+    config.trainer.validate("trainer")
+    if config.data.seq_len > config.model.max_seq_len:
+        raise ConfigError(
+            "data.seq_len", config.data.seq_len, f"at most model.max_seq_len={config.model.max_seq_len}",
+            reason="sequences longer than the model's positions allow",
+        )
+    config.mesh.resolve(1, "mesh")  # the single backend runs on exactly one device

@@ -1,0 +1,215 @@
+"""Tokenize a corpus once, split it by document, and cache the token streams as ``.npy`` files.
+
+A cache entry is ``<cache_dir>/<key>/`` with ``tokenizer.json``, ``train_tokens.npy``,
+``val_tokens.npy`` and ``meta.json``. The key covers everything the arrays depend on (corpus
+fingerprint, tokenizer identity, split settings), so an entry is never stale; ``meta.json`` is
+written last and marks the entry complete. Every file is written to a temporary name and renamed,
+so an interrupted run leaves either nothing or a whole file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from itertools import chain, islice
+from pathlib import Path
+from typing import Any, BinaryIO, Callable, Iterator
+
+import numpy as np
+from tqdm import tqdm
+
+from axtorch.config.errors import ConfigError
+from axtorch.data.config import DataConfig
+from axtorch.data.sources import DocumentSource, SourceConfig, stable_hash
+from axtorch.data.tokenizer import (
+    TOKENIZER_FILE,
+    Tokenizer,
+    load_or_train_tokenizer,
+    tokenizer_fingerprint,
+    validate_tokenizer_config,
+)
+
+TRAIN_TOKENS_FILE = "train_tokens.npy"
+VAL_TOKENS_FILE = "val_tokens.npy"
+META_FILE = "meta.json"
+# Bump when the layout or meaning of cached arrays changes, so old entries are not reused.
+_CACHE_FORMAT = 1
+_ENCODE_BATCH_DOCUMENTS = 64
+
+
+def validate_data_config(cfg: DataConfig) -> None:
+    """Reject a bad ``data`` section before any file is read or any token is made."""
+    if not isinstance(cfg.source, SourceConfig):
+        raise ConfigError(
+            "data.source", cfg.source, "a SourceConfig subclass instance, e.g. PythonStdlibSourceConfig()"
+        )
+    if cfg.seq_len < 1:
+        raise ConfigError("data.seq_len", cfg.seq_len, "an integer >= 1")
+    if not 0.0 <= cfg.val_fraction < 0.5:
+        raise ConfigError("data.val_fraction", cfg.val_fraction, "a number in [0, 0.5)")
+    validate_tokenizer_config(cfg.tokenizer)
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The narrowest dtype that holds every id: halves the cache and page-cache use for most vocabs."""
+    return np.dtype(np.uint16) if vocab_size <= np.iinfo(np.uint16).max + 1 else np.dtype(np.int32)
+
+
+def _document_score(index: int, seed: int) -> float:
+    """A uniform number in [0, 1) fixed by (index, seed), independent of the document's content."""
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2**64
+
+
+def assign_validation(num_documents: int, val_fraction: float, seed: int) -> np.ndarray:
+    """Which documents go to validation (bool per document).
+
+    About ``val_fraction`` of them, never all: at least one when ``val_fraction > 0`` and there are
+    two or more documents, and at least one training document always.
+    """
+    scores = np.array([_document_score(index, seed) for index in range(num_documents)])
+    is_validation = scores < val_fraction
+    if val_fraction > 0 and num_documents >= 2 and not is_validation.any():
+        is_validation[scores.argmin()] = True
+    if num_documents > 0 and is_validation.all():
+        is_validation[scores.argmax()] = False
+    return is_validation
+
+
+def _batched(documents: Iterator[str], size: int) -> Iterator[list[str]]:
+    while batch := list(islice(documents, size)):
+        yield batch
+
+
+def tokenize_documents(source: DocumentSource, tokenizer: Tokenizer) -> tuple[np.ndarray, np.ndarray]:
+    """All documents' tokens, each followed by EOS, and each document's length (EOS included)."""
+    dtype = token_dtype(tokenizer.vocab_size)
+    eos = (tokenizer.eos_id,)
+    chunks: list[np.ndarray] = []
+    lengths: list[int] = []
+    with tqdm(desc="tokenizing", unit=" docs") as progress:
+        for documents in _batched(source.iter_documents(), _ENCODE_BATCH_DOCUMENTS):
+            encoded = tokenizer.encode_batch(documents)
+            batch_lengths = [len(ids) + 1 for ids in encoded]
+            flat = chain.from_iterable(chain(ids, eos) for ids in encoded)
+            chunks.append(np.fromiter(flat, dtype=dtype, count=sum(batch_lengths)))
+            lengths.extend(batch_lengths)
+            progress.update(len(documents))
+    if not lengths:
+        raise ValueError("data.source yielded no documents")
+    return np.concatenate(chunks), np.array(lengths, dtype=np.int64)
+
+
+def split_by_document(
+    tokens: np.ndarray, document_lengths: np.ndarray, is_validation: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """(train, validation) token streams, each the in-order concatenation of its documents."""
+    token_is_validation = np.repeat(is_validation, document_lengths)
+    return tokens[~token_is_validation], tokens[token_is_validation]
+
+
+def _write_atomically(path: Path, write: Callable[[BinaryIO], None]) -> None:
+    descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(descriptor, "wb") as file:
+            write(file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    finally:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+
+
+@dataclass(frozen=True)
+class PackedCorpus:
+    """A complete cache entry: the tokenizer and the memory-mapped train/validation token streams."""
+
+    directory: Path
+    tokenizer: Tokenizer
+    train_tokens: np.ndarray
+    val_tokens: np.ndarray
+
+    @property
+    def tokenizer_path(self) -> Path:
+        return self.directory / TOKENIZER_FILE
+
+
+def _pack(
+    directory: Path, source: DocumentSource, tokenizer: Tokenizer, cfg: DataConfig, identity: dict[str, Any]
+) -> None:
+    """Tokenize and split the corpus into ``directory``; ``identity`` (the cache key's parts) goes into meta."""
+    tokens, lengths = tokenize_documents(source, tokenizer)
+    is_validation = assign_validation(len(lengths), cfg.val_fraction, cfg.seed)
+    train, val = split_by_document(tokens, lengths, is_validation)
+    _write_atomically(directory / TRAIN_TOKENS_FILE, lambda file: np.save(file, train))
+    _write_atomically(directory / VAL_TOKENS_FILE, lambda file: np.save(file, val))
+    meta = {
+        **identity,
+        "vocab_size": tokenizer.vocab_size,
+        "eos_id": tokenizer.eos_id,
+        "dtype": str(tokens.dtype),
+        "train_documents": int((~is_validation).sum()),
+        "val_documents": int(is_validation.sum()),
+        "train_tokens": int(train.size),
+        "val_tokens": int(val.size),
+    }
+    _write_atomically(directory / META_FILE, lambda file: file.write(json.dumps(meta, indent=2).encode()))
+
+
+def prepare_corpus(cfg: DataConfig) -> PackedCorpus:
+    """Validate ``cfg``, then load its cache entry, tokenizing and writing it first if absent."""
+    validate_data_config(cfg)
+    source = cfg.source.build()
+    identity = {
+        "format": _CACHE_FORMAT,
+        "source_fingerprint": source.fingerprint(),
+        "tokenizer_fingerprint": tokenizer_fingerprint(cfg.tokenizer),
+        "val_fraction": cfg.val_fraction,
+        "seed": cfg.seed,
+    }
+    directory = Path(cfg.cache_dir).expanduser() / stable_hash(identity)
+    tokenizer = load_or_train_tokenizer(cfg.tokenizer, source, directory)
+    if not (directory / META_FILE).exists():
+        _pack(directory, source, tokenizer, cfg, identity)
+    return PackedCorpus(
+        directory=directory,
+        tokenizer=tokenizer,
+        train_tokens=np.load(directory / TRAIN_TOKENS_FILE, mmap_mode="r"),
+        val_tokens=np.load(directory / VAL_TOKENS_FILE, mmap_mode="r"),
+    )
+
+
+class PackedSequences:
+    """One split's token stream cut into overlapping windows of ``seq_len + 1`` tokens.
+
+    Window ``i`` is ``tokens[i * seq_len : (i + 1) * seq_len + 1]``: its first ``seq_len`` tokens
+    are the inputs and its last ``seq_len`` the labels, so consecutive windows share one token and
+    every token but the first is a label exactly once.
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, split: str):
+        if seq_len < 1:
+            raise ConfigError("data.seq_len", seq_len, "an integer >= 1")
+        if 0 < tokens.size <= seq_len:
+            raise ConfigError(
+                "data.seq_len",
+                seq_len,
+                f"at most {tokens.size - 1}",
+                f"the {split} split has only {tokens.size} tokens, too few for one sequence",
+            )
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self._count = max(0, (tokens.size - 1) // seq_len)
+
+    def __len__(self) -> int:
+        return self._count
+
+    def gather(self, indices: np.ndarray) -> np.ndarray:
+        """Windows ``indices`` as an int64 array of shape ``[len(indices), seq_len + 1]``."""
+        starts = np.asarray(indices, dtype=np.int64) * self.seq_len
+        positions = starts[:, None] + np.arange(self.seq_len + 1)
+        return self.tokens[positions].astype(np.int64)

@@ -1,0 +1,109 @@
+"""Position-wise feed-forward blocks. ``FeedForwardConfig`` is the slot type of a layer's FFN.
+
+``GatedFeedForward`` is SwiGLU with ``activation=silu`` (Llama, Mistral, Qwen) and GeGLU with
+``gelu``; ``FeedForward`` is the classic two-matrix MLP (GPT-2).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from omegaconf import MISSING
+from torch import nn
+
+from axtorch.config.errors import ConfigError
+from axtorch.layers.linear import LinearConfig
+
+
+class Activation(enum.Enum):
+    silu = "silu"
+    gelu = "gelu"
+    gelu_tanh = "gelu_tanh"
+    relu = "relu"
+
+
+def activate(x: torch.Tensor, activation: Activation) -> torch.Tensor:
+    if activation is Activation.silu:
+        return F.silu(x)
+    if activation is Activation.gelu:
+        return F.gelu(x)
+    if activation is Activation.gelu_tanh:
+        return F.gelu(x, approximate="tanh")
+    return F.relu(x)
+
+
+@dataclass
+class FeedForwardInput:
+    hidden_states: torch.Tensor  # [B, S, dim]
+
+
+@dataclass
+class FeedForwardOutput:
+    hidden_states: torch.Tensor  # [B, S, dim]
+    #: Auxiliary loss the block wants added to the training objective (e.g. MoE load balancing).
+    aux_loss: Optional[torch.Tensor] = None
+
+
+@dataclass
+class FeedForwardConfig:
+    """Slot type for a feed-forward block; concrete configs build with ``build(dim)``."""
+
+    hidden_dim: int = MISSING
+    activation: Activation = Activation.silu
+    projection: LinearConfig = field(default_factory=LinearConfig)
+    output_projection: LinearConfig = field(default_factory=LinearConfig)
+
+    def validate(self, key: str) -> None:
+        if self.hidden_dim <= 0:
+            raise ConfigError(f"{key}.hidden_dim", self.hidden_dim, "a positive integer")
+
+    def build(self, dim: int) -> nn.Module:
+        raise NotImplementedError(f"{type(self).__name__} is a slot type: choose a concrete feed-forward config")
+
+
+@dataclass
+class GatedFeedForwardConfig(FeedForwardConfig):
+    def build(self, dim: int) -> GatedFeedForward:
+        return GatedFeedForward(self, dim)
+
+
+@dataclass
+class MLPFeedForwardConfig(FeedForwardConfig):
+    activation: Activation = Activation.gelu
+
+    def build(self, dim: int) -> FeedForward:
+        return FeedForward(self, dim)
+
+
+class GatedFeedForward(nn.Module):
+    """``down(act(gate(x)) * up(x))``."""
+
+    def __init__(self, config: GatedFeedForwardConfig, dim: int):
+        super().__init__()
+        self.activation = config.activation
+        self.gate_proj = config.projection.build(dim, config.hidden_dim)
+        self.up_proj = config.projection.build(dim, config.hidden_dim)
+        self.down_proj = config.output_projection.build(config.hidden_dim, dim)
+
+    def forward(self, inputs: FeedForwardInput) -> FeedForwardOutput:
+        x = inputs.hidden_states
+        h = activate(self.gate_proj(x), self.activation) * self.up_proj(x)
+        return FeedForwardOutput(hidden_states=self.down_proj(h))
+
+
+class FeedForward(nn.Module):
+    """``down(act(up(x)))``."""
+
+    def __init__(self, config: MLPFeedForwardConfig, dim: int):
+        super().__init__()
+        self.activation = config.activation
+        self.up_proj = config.projection.build(dim, config.hidden_dim)
+        self.down_proj = config.output_projection.build(config.hidden_dim, dim)
+
+    def forward(self, inputs: FeedForwardInput) -> FeedForwardOutput:
+        h = activate(self.up_proj(inputs.hidden_states), self.activation)
+        return FeedForwardOutput(hidden_states=self.down_proj(h))

@@ -1,0 +1,94 @@
+"""Decoder-only causal language model: embedding, decoder stack, output head."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from omegaconf import MISSING
+from torch import nn
+
+from axtorch.config.errors import ConfigError
+from axtorch.layers.embedding import EmbeddingConfig
+from axtorch.layers.kv_cache import KVCache
+from axtorch.layers.linear import LinearConfig
+from axtorch.layers.transformer import DecoderConfig, DecoderInput
+
+
+@dataclass
+class CausalLMConfig:
+    vocab_size: int = MISSING
+    dim: int = MISSING
+    #: Longest sequence the model is configured for (training length and KV-cache size bound).
+    max_seq_len: int = 2048
+    embedding: EmbeddingConfig = field(default_factory=EmbeddingConfig)
+    decoder: DecoderConfig = field(default_factory=DecoderConfig)
+    #: Reuse the embedding table as the output head.
+    tie_embeddings: bool = False
+    lm_head: LinearConfig = field(default_factory=LinearConfig)
+
+    def validate(self, key: str = "model") -> None:
+        for name in ("vocab_size", "dim", "max_seq_len"):
+            value = getattr(self, name)
+            if value <= 0:
+                raise ConfigError(f"{key}.{name}", value, "a positive integer")
+        self.decoder.validate(self.dim, f"{key}.decoder")
+
+    def build(self) -> CausalLM:
+        return CausalLM(self)
+
+
+@dataclass
+class CausalLMInput:
+    input_ids: torch.Tensor  # [B, S] int64
+    #: [B, S] absolute positions; None means 0..S-1 for every row.
+    positions: Optional[torch.Tensor] = None
+    #: One cache per layer for incremental decoding (see ``CausalLM.allocate_kv_caches``).
+    kv_caches: Optional[list[KVCache]] = None
+
+
+@dataclass
+class CausalLMOutput:
+    logits: torch.Tensor  # [B, S, vocab_size]
+    aux_loss: Optional[torch.Tensor] = None
+    kv_caches: Optional[list[KVCache]] = None
+
+
+class CausalLM(nn.Module):
+    def __init__(self, config: CausalLMConfig):
+        super().__init__()
+        config.validate()
+        self.config = config
+        self.embedding = config.embedding.build(config.vocab_size, config.dim)
+        self.decoder = config.decoder.build(config.dim)
+        self.lm_head = None if config.tie_embeddings else config.lm_head.build(config.dim, config.vocab_size)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Initialise every parameter from its layer's config, in module order (seeded => deterministic)."""
+        for module in self.modules():
+            reset = getattr(module, "reset_parameters", None)
+            if module is not self and callable(reset):
+                reset()
+
+    def allocate_kv_caches(
+        self, batch_size: int, max_len: int, *, dtype: torch.dtype, device: torch.device
+    ) -> list[KVCache]:
+        return [
+            layer.attention.allocate_kv_cache(batch_size, max_len, dtype=dtype, device=device)
+            for layer in self.decoder.layers
+        ]
+
+    def forward(self, inputs: CausalLMInput) -> CausalLMOutput:
+        ids = inputs.input_ids
+        positions = inputs.positions
+        if positions is None:
+            positions = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
+        hidden = self.embedding(ids)
+        decoded = self.decoder(DecoderInput(hidden, positions, inputs.kv_caches))
+        if self.lm_head is None:
+            logits = self.embedding.attend(decoded.hidden_states)
+        else:
+            logits = self.lm_head(decoded.hidden_states)
+        return CausalLMOutput(logits=logits, aux_loss=decoded.aux_loss, kv_caches=decoded.kv_caches)

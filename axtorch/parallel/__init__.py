@@ -1,0 +1,1 @@
+"""Device meshes and the backends that place a model on them."""

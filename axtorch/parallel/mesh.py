@@ -1,0 +1,48 @@
+"""The named device mesh: how many devices each parallelism axis spans."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from axtorch.config.errors import ConfigError
+
+#: Axis order of the mesh, outermost (slowest interconnect) first.
+MESH_AXES = ("data", "fsdp", "seq", "expert", "model")
+
+
+@dataclass
+class MeshConfig:
+    """Sizes of the named mesh axes; at most one may be -1, meaning "whatever the devices leave"."""
+
+    data: int = 1
+    fsdp: int = 1
+    seq: int = 1
+    expert: int = 1
+    model: int = 1
+
+    def resolve(self, num_devices: int, key: str = "mesh") -> dict[str, int]:
+        """Axis sizes whose product is ``num_devices``, or a ConfigError naming the mismatch."""
+        sizes = {f.name: getattr(self, f.name) for f in fields(self)}
+        inferred = [axis for axis, size in sizes.items() if size == -1]
+        for axis, size in sizes.items():
+            if size == 0 or size < -1:
+                raise ConfigError(f"{key}.{axis}", size, "a positive integer, or -1 to infer it")
+        if len(inferred) > 1:
+            raise ConfigError(f"{key}.{inferred[1]}", -1, "at most one axis set to -1", reason=f"{inferred} are all -1")
+        known = 1
+        for size in sizes.values():
+            known *= size if size > 0 else 1
+        if inferred:
+            if num_devices % known:
+                raise ConfigError(
+                    f"{key}.{inferred[0]}", -1, f"an axis product dividing {num_devices} devices",
+                    reason=f"the other axes multiply to {known}",
+                )
+            sizes[inferred[0]] = num_devices // known
+        elif known != num_devices:
+            described = " x ".join(f"{axis}={size}" for axis, size in sizes.items() if size != 1) or "all axes 1"
+            raise ConfigError(
+                key, described, f"axis sizes whose product is the device count {num_devices}",
+                reason=f"mesh axes {described} need {known} devices, found {num_devices}",
+            )
+        return sizes

@@ -1,0 +1,3 @@
+from axtorch.cli.train import main
+
+main()

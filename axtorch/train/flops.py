@@ -1,0 +1,91 @@
+"""Model FLOPs per token and model FLOPs utilisation (MFU), with a measured peak for machines whose peak is unknown."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+
+def transformer_flops_per_token(
+    num_params_non_embedding: int,
+    num_layers: int,
+    dim: int,
+    seq_len: int,
+    vocab_size: int,
+    tied: bool,
+) -> float:
+    """Training FLOPs (forward + backward) per token of a decoder-only transformer.
+
+    Follows the PaLM paper, appendix B: ``6 * N + 12 * num_layers * dim * seq_len``, where ``N``
+    counts the weights of every matmul including the output head, and the second term is the
+    attention scores and weighted values over the full ``seq_len`` (causal masking is not
+    discounted, so numbers compare with published MFU figures).
+
+    ``num_params_non_embedding`` is every parameter except the input token-embedding table. A tied
+    output head shares that table, so its ``vocab_size * dim`` weights are added here; an untied
+    head is already in the count. Norm gains and biases are counted as if they were matmul weights,
+    an overcount well under 0.1% for models of interest.
+    """
+    for name, value in (
+        ("num_params_non_embedding", num_params_non_embedding),
+        ("num_layers", num_layers),
+        ("dim", dim),
+        ("seq_len", seq_len),
+        ("vocab_size", vocab_size),
+    ):
+        if value <= 0:
+            raise ValueError(f"{name} must be positive, got {value}")
+    matmul_params = num_params_non_embedding + (vocab_size * dim if tied else 0)
+    return float(6 * matmul_params + 12 * num_layers * dim * seq_len)
+
+
+def measure_matmul_peak_flops(
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+    size: int = 2048,
+    seconds: float = 1.0,
+) -> float:
+    """Achieved FLOP/s of a ``size x size`` matmul on ``device``: the MFU denominator where no datasheet peak applies.
+
+    It measures under the current settings (CPU threads, ``torch.backends.cuda.matmul.allow_tf32``),
+    which are the settings training runs under. Only CPU and CUDA are supported: timing a lazy
+    device such as XLA needs its own graph execution, and such chips have known peaks.
+    """
+    device = torch.device(device)
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(
+            f"measuring the matmul peak on device type {device.type!r} is not supported (cpu, cuda); "
+            "pass the chip's datasheet peak FLOP/s instead"
+        )
+    if size <= 0 or seconds <= 0:
+        raise ValueError(f"size and seconds must be positive, got size={size}, seconds={seconds}")
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    out = torch.empty_like(a)
+
+    def run(iterations: int) -> float:
+        start = time.perf_counter()
+        for _ in range(iterations):
+            torch.matmul(a, b, out=out)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start
+
+    run(1)  # library initialisation and kernel selection, not timed
+    estimate_iterations = 3
+    seconds_per_matmul = run(estimate_iterations) / estimate_iterations
+    iterations = max(1, math.ceil(seconds / max(seconds_per_matmul, 1e-9)))
+    elapsed = run(iterations)
+    return 2 * size**3 * iterations / elapsed
+
+
+def mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float) -> float:
+    """Model FLOPs utilisation: the fraction of ``peak_flops`` (FLOP/s) that the model's training FLOPs use.
+
+    ``tokens_per_s`` and ``peak_flops`` must cover the same devices: both per device, or both summed.
+    """
+    if peak_flops <= 0:
+        raise ValueError(f"peak_flops must be positive, got {peak_flops}")
+    return tokens_per_s * flops_per_token / peak_flops

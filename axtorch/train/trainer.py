@@ -1,0 +1,259 @@
+"""The single-device training loop: data, model, optimizer, evaluation, checkpoints, metrics.
+
+Everything the loop touches comes from ``TrainConfig``; the loop itself knows nothing about which
+layers the model is made of.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+import random
+import resource
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from tqdm.auto import tqdm
+
+from axtorch.cli.plot import plot_runs
+from axtorch.config.errors import ConfigError
+from axtorch.config.schema import TrainConfig
+from axtorch.config.serialize import config_to_yaml
+from axtorch.data.loader import Batch, build_data
+from axtorch.models.causal_lm import CausalLM, CausalLMInput
+from axtorch.parallel.single import resolve_device
+from axtorch.train.checkpoint import Checkpointer
+from axtorch.train.config import Precision
+from axtorch.train.flops import measure_matmul_peak_flops, mfu, transformer_flops_per_token
+from axtorch.train.loss import LossInput
+from axtorch.train.metrics import MetricsLogger
+from axtorch.train.optimizer import build_optimizer
+from axtorch.train.rng import capture_rng_state, restore_rng_state
+from axtorch.train.schedule import learning_rate
+
+CONFIG_FILE = "config.yaml"
+TOKENIZER_FILE = "tokenizer.json"
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    step: int
+    #: Held-out loss before the first step of this run directory (None when resumed past it).
+    initial_eval_loss: Optional[float]
+    final_eval_loss: Optional[float]
+    checkpoint: Optional[Path]
+
+
+def config_digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def build_model(config: TrainConfig, device: torch.device) -> CausalLM:
+    """Build on the meta device (no memory), materialise on ``device``, initialise under the seed."""
+    with torch.device("meta"):
+        model = config.model.build()
+    model.to_empty(device=device)
+    torch.manual_seed(config.trainer.seed)
+    model.init_weights()
+    return model
+
+
+class Trainer:
+    def __init__(self, config: TrainConfig):
+        self.config = config
+        self.run_dir = Path(config.run_dir)
+        self.device = resolve_device(config.trainer.device)
+        random.seed(config.trainer.seed)
+        self.data = build_data(config.data)
+        if self.data.tokenizer.vocab_size > config.model.vocab_size:
+            raise ConfigError(
+                "model.vocab_size", config.model.vocab_size, f"at least the tokenizer's {self.data.tokenizer.vocab_size}",
+                reason="token ids would index past the embedding table",
+            )
+        self.model = build_model(config, self.device)
+        self.loss_fn = config.loss.build()
+        self.optimizer = build_optimizer(self.model, config.optim)
+        self.checkpointer = Checkpointer(
+            self.run_dir / "checkpoints", config.trainer.keep_checkpoints, config.trainer.async_checkpoint
+        )
+        trainer = config.trainer
+        self.micro_batch_size = trainer.batch_size // trainer.grad_accum_steps
+        self.train_batches = self.data.train_batches(trainer.batch_size)
+        self.step = 0
+        self.tokens_per_step = trainer.batch_size * config.data.seq_len
+        self.flops_per_token = self._flops_per_token()
+        self._peak_flops: Optional[float] = trainer.peak_flops
+        self.config_text = config_to_yaml(config)
+        self.model_digest = config_digest(config_to_yaml(config.model))
+
+    # ----------------------------------------------------------------------------------- setup
+
+    def _flops_per_token(self) -> float:
+        model_cfg = self.config.model
+        non_embedding = sum(p.numel() for n, p in self.model.named_parameters() if n != "embedding.weight")
+        return transformer_flops_per_token(
+            non_embedding, model_cfg.decoder.num_layers, model_cfg.dim, self.config.data.seq_len,
+            model_cfg.vocab_size, model_cfg.tie_embeddings,
+        )
+
+    def peak_flops(self) -> float:
+        if self._peak_flops is None:
+            dtype = torch.bfloat16 if self.config.trainer.precision is Precision.bf16 else torch.float32
+            self._peak_flops = measure_matmul_peak_flops(self.device, dtype)
+        return self._peak_flops
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        enabled = self.config.trainer.precision is Precision.bf16
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=enabled)
+
+    def _prepare_run_dir(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / CONFIG_FILE).write_text(self.config_text)
+        shutil.copyfile(self.data.tokenizer_path, self.run_dir / TOKENIZER_FILE)
+
+    # ---------------------------------------------------------------------------------- resume
+
+    def trainer_state(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "data": self.train_batches.state_dict(),
+            "rng": capture_rng_state(),
+            "model_config_digest": self.model_digest,
+            "config_digest": config_digest(self.config_text),
+        }
+
+    def resume(self, path: Path) -> None:
+        state = self.checkpointer.load(path, self.model, self.optimizer)
+        if state["model_config_digest"] != self.model_digest:
+            raise ConfigError(
+                "model", "(changed)", f"the model config the checkpoint {path} was trained with",
+                reason="the run directory holds checkpoints of a different model; use a new run_dir",
+            )
+        self.step = state["step"]
+        self.train_batches.load_state_dict(state["data"])
+        restore_rng_state(state["rng"])
+
+    def save_checkpoint(self) -> Path:
+        return self.checkpointer.save(self.step, self.model, self.optimizer, self.trainer_state())
+
+    # ------------------------------------------------------------------------------ the step
+
+    def _micro_batches(self, batch: Batch) -> list[Batch]:
+        return [
+            {k: v[i : i + self.micro_batch_size].to(self.device, non_blocking=True) for k, v in batch.items()}
+            for i in range(0, self.config.trainer.batch_size, self.micro_batch_size)
+        ]
+
+    def train_step(self, batch: Batch) -> dict[str, float]:
+        """One optimizer step over ``batch`` (the global batch), with gradient accumulation."""
+        micro_batches = self._micro_batches(batch)
+        num_targets = sum((mb["labels"] != self.config.loss.ignore_index).sum() for mb in micro_batches)
+        total_loss = torch.zeros((), device=self.device)
+        for mb in micro_batches:
+            with self._autocast():
+                output = self.model(CausalLMInput(input_ids=mb["input_ids"]))
+                loss = self.loss_fn(LossInput(output.logits, mb["labels"], num_target_tokens=num_targets))
+                objective = loss.loss
+                if output.aux_loss is not None:
+                    objective = objective + output.aux_loss / len(micro_batches)
+            objective.backward()
+            total_loss += loss.cross_entropy.detach()
+        max_norm = self.config.optim.grad_clip_norm
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm if max_norm else math.inf)
+        lr = learning_rate(self.config.optim.schedule, self.config.optim.lr, self.step, self.config.trainer.max_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return {"train/loss": float(total_loss), "train/grad_norm": float(grad_norm), "train/lr": lr}
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Token-weighted cross-entropy over the held-out split."""
+        self.model.eval()
+        total, tokens = 0.0, 0
+        for batch in self.data.val_batches(self.micro_batch_size, self.config.trainer.eval_batches):
+            with self._autocast():
+                output = self.model(CausalLMInput(input_ids=batch["input_ids"].to(self.device)))
+                loss = self.loss_fn(LossInput(output.logits, batch["labels"].to(self.device)))
+            total += float(loss.cross_entropy) * int(loss.num_tokens)
+            tokens += int(loss.num_tokens)
+        self.model.train()
+        mean = total / max(tokens, 1)
+        return {"eval/loss": mean, "eval/perplexity": math.exp(min(mean, 50.0))}
+
+    # ------------------------------------------------------------------------------ the loop
+
+    def fit(self, until_step: Optional[int] = None) -> TrainResult:
+        """Train to ``trainer.max_steps`` (or stop early at ``until_step``, e.g. before a preemption).
+
+        Resumes from the newest checkpoint in the run directory. Stopping early still checkpoints,
+        so a later ``fit`` continues exactly where this one stopped.
+        """
+        trainer = self.config.trainer
+        stop = trainer.max_steps if until_step is None else min(until_step, trainer.max_steps)
+        self._prepare_run_dir()
+        latest = self.checkpointer.latest()
+        if latest is not None:
+            self.resume(latest)
+            print(f"resumed from {latest} at step {self.step}")
+        initial_eval = final_eval = None
+        last_checkpoint = latest
+        with MetricsLogger(self.run_dir, enable_tensorboard=trainer.tensorboard) as metrics:
+            if self.step == 0:
+                initial_eval = self.evaluate()["eval/loss"]
+                metrics.log(0, {"eval/loss": initial_eval, "eval/perplexity": math.exp(min(initial_eval, 50.0))})
+            progress = tqdm(
+                total=stop, initial=self.step, disable=not trainer.progress_bar, desc="train", unit="step", dynamic_ncols=True
+            )
+            window: list[dict[str, float]] = []
+            window_time = 0.0
+            self.model.train()
+            while self.step < stop:
+                batch = next(self.train_batches)
+                started = time.perf_counter()
+                window.append(self.train_step(batch))
+                window_time += time.perf_counter() - started
+                if self.step % trainer.log_every == 0 or self.step == stop:
+                    logged = self._window_metrics(window, window_time)
+                    metrics.log(self.step, logged)
+                    progress.set_postfix(loss=f"{logged['train/loss']:.3f}", tok_s=f"{logged['train/tokens_per_s']:.0f}")
+                    window, window_time = [], 0.0
+                progress.update(1)
+                if self.step % trainer.eval_every == 0 or self.step == trainer.max_steps:
+                    evaluated = self.evaluate()
+                    final_eval = evaluated["eval/loss"]
+                    metrics.log(self.step, evaluated)
+                    progress.write(f"step {self.step}: eval loss {final_eval:.4f} (ppl {evaluated['eval/perplexity']:.1f})")
+                if self.step % trainer.checkpoint_every == 0 or self.step == stop:
+                    last_checkpoint = self.save_checkpoint()
+            progress.close()
+        self.checkpointer.wait()
+        if trainer.plot:
+            plot_runs([self.run_dir], self.run_dir / "loss.png")
+        return TrainResult(self.run_dir, self.step, initial_eval, final_eval, last_checkpoint)
+
+    def _window_metrics(self, window: list[dict[str, float]], seconds: float) -> dict[str, float]:
+        tokens_per_s = self.tokens_per_step * len(window) / max(seconds, 1e-9)
+        logged = {
+            "train/loss": sum(m["train/loss"] for m in window) / len(window),
+            "train/grad_norm": sum(m["train/grad_norm"] for m in window) / len(window),
+            "train/lr": window[-1]["train/lr"],
+            "train/tokens_per_s": tokens_per_s,
+            "train/mfu": mfu(tokens_per_s, self.flops_per_token, self.peak_flops()),
+            "train/memory_gb": _peak_memory_gb(self.device),
+        }
+        return logged
+
+
+def _peak_memory_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is KiB on Linux

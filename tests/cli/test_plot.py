@@ -1,0 +1,65 @@
+"""axtorch-plot draws a valid PNG from runs' metrics.jsonl and fails clearly without one."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from axtorch.cli.plot import main, plot_runs
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _write_run(run_dir: Path, scale: float) -> Path:
+    run_dir.mkdir(parents=True)
+    lines = []
+    for step in range(1, 101):
+        lines.append({"step": step, "train/loss": scale * 5.0 / step**0.5})
+        if step % 20 == 0:
+            lines.append({"step": step, "eval/loss": scale * 5.5 / step**0.5, "eval/perplexity": 2.0})
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return run_dir
+
+
+def _assert_png(path: Path) -> None:
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC and len(data) > 1000
+
+
+def test_plot_two_runs(tmp_path: Path) -> None:
+    runs = [_write_run(tmp_path / "baseline", 1.0), _write_run(tmp_path / "rope", 0.9)]
+    out = plot_runs(runs, tmp_path / "plots" / "compare.png", title="baseline vs rope", log_y=True)
+    assert out == tmp_path / "plots" / "compare.png"
+    _assert_png(out)
+
+
+def test_cli_single_run_defaults_to_run_dir(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = _write_run(tmp_path / "run", 1.0)
+    assert main([str(run)]) == 0
+    assert capsys.readouterr().out.strip() == str(run / "loss.png")
+    _assert_png(run / "loss.png")
+
+
+def test_cli_several_runs_default_to_cwd(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    runs = [_write_run(tmp_path / "a", 1.0), _write_run(tmp_path / "b", 0.9)]
+    monkeypatch.chdir(tmp_path)
+    assert main([str(run) for run in runs] + ["--metrics", "train/loss", "eval/loss", "eval/perplexity"]) == 0
+    assert capsys.readouterr().out.strip() == "loss.png"
+    _assert_png(tmp_path / "loss.png")
+
+
+def test_cli_missing_metrics_file_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "empty").mkdir()
+    assert main([str(tmp_path / "empty"), "--out", str(tmp_path / "x.png")]) == 2
+    assert "has no metrics.jsonl" in capsys.readouterr().err
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_cli_unknown_metric_names_the_logged_ones(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = _write_run(tmp_path / "run", 1.0)
+    assert main([str(run), "--metrics", "train/los"]) == 2
+    assert "logged metrics: ['eval/loss', 'eval/perplexity', 'train/loss']" in capsys.readouterr().err
