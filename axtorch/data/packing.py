@@ -11,19 +11,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from dataclasses import dataclass
 from itertools import chain, islice
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterator
+from typing import Any, Iterator
 
 import numpy as np
 from tqdm import tqdm
 
 from axtorch.config.errors import ConfigError
 from axtorch.data.config import DataConfig
-from axtorch.data.sources import DocumentSource, SourceConfig, stable_hash
+from axtorch.data.sources import DocumentSource, SourceConfig, stable_hash, write_file_atomically
 from axtorch.data.tokenizer import (
     TOKENIZER_FILE,
     Tokenizer,
@@ -85,7 +83,11 @@ def _batched(documents: Iterator[str], size: int) -> Iterator[list[str]]:
 
 
 def tokenize_documents(source: DocumentSource, tokenizer: Tokenizer) -> tuple[np.ndarray, np.ndarray]:
-    """All documents' tokens, each followed by EOS, and each document's length (EOS included)."""
+    """All documents' tokens, each followed by EOS, and each document's length (EOS included).
+
+    The whole stream is held in memory (2 bytes a token for vocabularies up to 65536), which is
+    what lets the split pick documents by index after they are all known.
+    """
     dtype = token_dtype(tokenizer.vocab_size)
     eos = (tokenizer.eos_id,)
     chunks: list[np.ndarray] = []
@@ -111,19 +113,6 @@ def split_by_document(
     return tokens[~token_is_validation], tokens[token_is_validation]
 
 
-def _write_atomically(path: Path, write: Callable[[BinaryIO], None]) -> None:
-    descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(descriptor, "wb") as file:
-            write(file)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
-    finally:
-        if os.path.exists(temporary):
-            os.remove(temporary)
-
-
 @dataclass(frozen=True)
 class PackedCorpus:
     """A complete cache entry: the tokenizer and the memory-mapped train/validation token streams."""
@@ -141,12 +130,12 @@ class PackedCorpus:
 def _pack(
     directory: Path, source: DocumentSource, tokenizer: Tokenizer, cfg: DataConfig, identity: dict[str, Any]
 ) -> None:
-    """Tokenize and split the corpus into ``directory``; ``identity`` (the cache key's parts) goes into meta."""
+    """Tokenize and split the corpus into ``directory``; meta.json also records ``identity``."""
     tokens, lengths = tokenize_documents(source, tokenizer)
     is_validation = assign_validation(len(lengths), cfg.val_fraction, cfg.seed)
     train, val = split_by_document(tokens, lengths, is_validation)
-    _write_atomically(directory / TRAIN_TOKENS_FILE, lambda file: np.save(file, train))
-    _write_atomically(directory / VAL_TOKENS_FILE, lambda file: np.save(file, val))
+    write_file_atomically(directory / TRAIN_TOKENS_FILE, lambda file: np.save(file, train))
+    write_file_atomically(directory / VAL_TOKENS_FILE, lambda file: np.save(file, val))
     meta = {
         **identity,
         "vocab_size": tokenizer.vocab_size,
@@ -157,7 +146,7 @@ def _pack(
         "train_tokens": int(train.size),
         "val_tokens": int(val.size),
     }
-    _write_atomically(directory / META_FILE, lambda file: file.write(json.dumps(meta, indent=2).encode()))
+    write_file_atomically(directory / META_FILE, lambda file: file.write(json.dumps(meta, indent=2).encode()))
 
 
 def prepare_corpus(cfg: DataConfig) -> PackedCorpus:

@@ -12,10 +12,11 @@ import hashlib
 import json
 import os
 import sysconfig
+import tempfile
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, BinaryIO, Callable, Iterator, Optional
 
 from omegaconf import MISSING
 
@@ -24,10 +25,30 @@ from axtorch.config.errors import ConfigError
 _STDLIB_EXCLUDED_DIRS = frozenset({"site-packages", "test", "tests", "idlelib"})
 
 
+# Cache helpers: the fingerprints start here, and the tokenizer and packing caches both write files.
+
+
 def stable_hash(*parts: Any) -> str:
     """A short hex digest of JSON-able parts, identical across processes and Python versions."""
     payload = json.dumps(parts, sort_keys=True, default=str).encode("utf-8")
     return hashlib.sha256(payload).hexdigest()[:16]
+
+
+def write_file_atomically(path: Path, write: Callable[[BinaryIO], None]) -> None:
+    """Write through a temporary file and rename it, so ``path`` is either absent or complete.
+
+    A run killed mid-write must not leave a truncated cache file that the next run would trust.
+    """
+    descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(descriptor, "wb") as file:
+            write(file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    finally:
+        if os.path.exists(temporary):
+            os.remove(temporary)
 
 
 class DocumentSource(ABC):
@@ -64,7 +85,7 @@ def _files_fingerprint(kind: str, files: list[Path], **settings: Any) -> str:
     return stable_hash(kind, settings, stats)
 
 
-def resolve_globs(patterns: list[str], key: str) -> list[Path]:
+def _resolve_globs(patterns: list[str], key: str) -> list[Path]:
     """Expand ``~`` and (recursive) globs into a sorted, deduplicated list of files.
 
     A pattern that matches no file is a ConfigError on ``key``: a typo in a path should fail
@@ -138,7 +159,7 @@ class TextFilesSourceConfig(SourceConfig):
     paths: list[str] = MISSING
 
     def build(self) -> TextFilesSource:
-        return TextFilesSource(resolve_globs(self.paths, "data.source.paths"))
+        return TextFilesSource(_resolve_globs(self.paths, "data.source.paths"))
 
 
 class JsonlSource(DocumentSource):
@@ -182,7 +203,7 @@ class JsonlSourceConfig(SourceConfig):
     text_field: str = "text"
 
     def build(self) -> JsonlSource:
-        return JsonlSource(resolve_globs(self.paths, "data.source.paths"), self.text_field)
+        return JsonlSource(_resolve_globs(self.paths, "data.source.paths"), self.text_field)
 
 
 class HFDatasetSource(DocumentSource):

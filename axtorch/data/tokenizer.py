@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Optional
@@ -17,7 +16,7 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from axtorch.config.errors import ConfigError
-from axtorch.data.sources import DocumentSource, stable_hash
+from axtorch.data.sources import DocumentSource, stable_hash, write_file_atomically
 
 TOKENIZER_FILE = "tokenizer.json"
 
@@ -52,15 +51,8 @@ class Tokenizer:
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write atomically, so a crash never leaves a half-written file that a later run would load."""
-        path = Path(path)
-        descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        os.close(descriptor)
-        try:
-            self._inner.save(temporary)
-            os.replace(temporary, path)
-        finally:
-            if os.path.exists(temporary):
-                os.remove(temporary)
+        serialized = self._inner.to_str(pretty=True).encode("utf-8")
+        write_file_atomically(Path(path), lambda file: file.write(serialized))
 
     # Special tokens are never added: packing appends EOS itself, and decode is the exact inverse.
     def encode(self, text: str) -> list[int]:

@@ -49,7 +49,7 @@ class RMSNorm(nn.Module):
         compute = torch.promote_types(x.dtype, torch.float32)
         h = x.to(compute)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return self.weight.to(x.dtype) * h.to(x.dtype)
 
 
 class LayerNorm(nn.Module):

@@ -99,8 +99,9 @@ def test_hf_dataset_reads_a_local_json_file(tmp_path, monkeypatch):
     source = config.build()
     assert list(source.iter_documents()) == ["x", "y", "z"]
     assert config.build().fingerprint() == source.fingerprint()
+    wrong_field = HFDatasetSourceConfig(path="json", data_files=[str(path)], text_field="body").build()
     with pytest.raises(ConfigError) as error:
-        list(HFDatasetSourceConfig(path="json", data_files=[str(path)], text_field="body").build().iter_documents())
+        list(wrong_field.iter_documents())
     assert error.value.key == "data.source.text_field"
 
 

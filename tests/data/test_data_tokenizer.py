@@ -1,6 +1,6 @@
 """Tokenizer: byte-level BPE training is deterministic, cached, and round-trips any text."""
 
-from pathlib import Path
+import hashlib
 from typing import Iterator
 
 import pytest
@@ -27,7 +27,7 @@ class ListSource(DocumentSource):
         yield from self.documents
 
     def fingerprint(self) -> str:
-        return str(hash(tuple(self.documents)))
+        return hashlib.sha256("\0".join(self.documents).encode()).hexdigest()
 
 
 CONFIG = TokenizerConfig(vocab_size=300)
@@ -44,7 +44,9 @@ def test_train_save_load_round_trip(tmp_path):
     assert Tokenizer.load(copy, CONFIG.eos_token).encode(DOCUMENTS[0]) == trained.encode(DOCUMENTS[0])
 
 
-@pytest.mark.parametrize("text", ["doc 1: alpha beta.\n", "naïve café — 日本語 🙂\n\tdef f(x):  return x\r\n", ""])
+@pytest.mark.parametrize(
+    "text", ["doc 1: alpha beta.\n", "naïve café — 日本語 🙂\n\tdef f(x):  return x\r\n", ""]
+)
 def test_encode_decode_round_trip(tmp_path, text):
     tokenizer = load_or_train_tokenizer(CONFIG, ListSource(DOCUMENTS), tmp_path)
     ids = tokenizer.encode(text)
@@ -71,15 +73,17 @@ def test_cached_tokenizer_is_reused(tmp_path):
     assert second.encode(DOCUMENTS[5]) == first.encode(DOCUMENTS[5])
 
 
-def test_training_reads_at_most_train_max_bytes():
-    def first_document_only() -> Iterator[str]:
+class FirstDocumentOnly(ListSource):
+    """Fails if training reads beyond its first (long) document."""
+
+    def iter_documents(self) -> Iterator[str]:
         yield DOCUMENTS[0] * 20
         raise AssertionError("read past train_max_bytes")
 
-    source = ListSource([])
-    source.iter_documents = first_document_only
+
+def test_training_reads_at_most_train_max_bytes(tmp_path):
     config = TokenizerConfig(vocab_size=280, train_max_bytes=len(DOCUMENTS[0]) * 10)
-    assert load_or_train_tokenizer(config, source, Path(pytest.importorskip("tempfile").mkdtemp())).vocab_size > 257
+    assert load_or_train_tokenizer(config, FirstDocumentOnly([]), tmp_path).vocab_size > 257
 
 
 def test_configured_path_is_loaded_and_copied_to_cache(tmp_path):

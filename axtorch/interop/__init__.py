@@ -1,0 +1,1 @@
+"""Conversion between axtorch models and other ecosystems' checkpoints."""

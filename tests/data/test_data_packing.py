@@ -1,0 +1,132 @@
+"""Packing: documents are split whole and deterministically, and the cache is reused, never stale."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from omegaconf import MISSING
+
+from axtorch.config.errors import ConfigError
+from axtorch.data import DataConfig, PackedSequences, TextFilesSourceConfig, TokenizerConfig, build_data
+from axtorch.data.packing import assign_validation
+
+WORDS = "alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega".split()
+DOCUMENTS = [
+    f"doc {i}: " + " ".join(WORDS[(i * 5 + j * 3) % len(WORDS)] for j in range(20 + i % 7)) + ".\n"
+    for i in range(40)
+]
+
+
+def corpus_config(tmp_path: Path, **overrides) -> DataConfig:
+    """A 40-file corpus; file names sort in document order."""
+    corpus = tmp_path / "corpus"
+    if not corpus.exists():
+        corpus.mkdir()
+        for index, text in enumerate(DOCUMENTS):
+            (corpus / f"{index:03d}.txt").write_text(text, encoding="utf-8")
+    settings = dict(
+        source=TextFilesSourceConfig(paths=[str(corpus / "*.txt")]),
+        tokenizer=TokenizerConfig(vocab_size=300),
+        seq_len=16,
+        val_fraction=0.2,
+        seed=3,
+        cache_dir=str(tmp_path / "cache"),
+    )
+    settings.update(overrides)
+    return DataConfig(**settings)
+
+
+def documents_of(tokens: np.ndarray, data) -> list[str]:
+    """Decode a split's token stream back into its documents (each ends with EOS)."""
+    ends = np.flatnonzero(tokens == data.tokenizer.eos_id)
+    starts = np.concatenate([[0], ends[:-1] + 1])
+    assert ends[-1] == len(tokens) - 1
+    return [data.tokenizer.decode(tokens[start:end].tolist()) for start, end in zip(starts, ends)]
+
+
+def test_validation_assignment_is_deterministic_and_never_degenerate():
+    first = assign_validation(1000, 0.2, seed=0)
+    assert np.array_equal(first, assign_validation(1000, 0.2, seed=0))
+    assert not np.array_equal(first, assign_validation(1000, 0.2, seed=1))
+    assert 150 < first.sum() < 250
+    assert not assign_validation(1000, 0.0, seed=0).any()
+    assert assign_validation(5, 1e-9, seed=0).sum() == 1
+    assert not assign_validation(1, 0.49, seed=0).any()
+    for seed in range(50):
+        split = assign_validation(2, 0.49, seed)
+        assert split.sum() == 1
+
+
+def test_split_is_by_whole_document_in_order(tmp_path):
+    config = corpus_config(tmp_path)
+    data = build_data(config)
+    is_validation = assign_validation(len(DOCUMENTS), config.val_fraction, config.seed)
+    tokens_dir = data.tokenizer_path.parent
+    train = np.load(tokens_dir / "train_tokens.npy")
+    val = np.load(tokens_dir / "val_tokens.npy")
+    assert train.dtype == val.dtype == np.uint16
+    assert documents_of(val, data) == [d for d, v in zip(DOCUMENTS, is_validation) if v]
+    assert documents_of(train, data) == [d for d, v in zip(DOCUMENTS, is_validation) if not v]
+    assert data.train_num_sequences == (len(train) - 1) // config.seq_len
+    assert data.val_num_sequences == (len(val) - 1) // config.seq_len > 0
+
+
+def test_cache_is_reused_and_invalidated_by_changes(tmp_path):
+    config = corpus_config(tmp_path)
+    first = build_data(config)
+    directory = first.tokenizer_path.parent
+    assert sorted(p.name for p in directory.iterdir()) == [
+        "meta.json",
+        "tokenizer.json",
+        "train_tokens.npy",
+        "val_tokens.npy",
+    ]
+    mtimes = {p.name: p.stat().st_mtime_ns for p in directory.iterdir()}
+    second = build_data(config)
+    assert second.tokenizer_path == first.tokenizer_path
+    assert {p.name: p.stat().st_mtime_ns for p in directory.iterdir()} == mtimes
+
+    assert build_data(corpus_config(tmp_path, seed=4)).tokenizer_path.parent != directory
+    (tmp_path / "corpus" / "000.txt").write_text("doc 0 was edited, and is longer now.\n")
+    assert build_data(config).tokenizer_path.parent != directory
+
+
+def test_sequences_overlap_by_one_token():
+    tokens = np.arange(50, dtype=np.uint16)
+    sequences = PackedSequences(tokens, seq_len=8, split="train")
+    assert len(sequences) == (50 - 1) // 8
+    windows = sequences.gather(np.array([0, 2, 5]))
+    assert windows.dtype == np.int64 and windows.shape == (3, 9)
+    assert windows[:, 0].tolist() == [0, 16, 40]
+    assert windows[1].tolist() == list(range(16, 25))
+
+
+def test_too_few_tokens_names_seq_len_and_split_size():
+    with pytest.raises(ConfigError, match=r"validation split has only 8 tokens") as error:
+        PackedSequences(np.arange(8, dtype=np.uint16), seq_len=8, split="validation")
+    assert error.value.key == "data.seq_len"
+    assert len(PackedSequences(np.arange(9, dtype=np.uint16), seq_len=8, split="validation")) == 1
+    assert len(PackedSequences(np.arange(0, dtype=np.uint16), seq_len=8, split="validation")) == 0
+
+
+def test_seq_len_longer_than_corpus_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError) as error:
+        build_data(corpus_config(tmp_path, seq_len=100_000))
+    assert error.value.key == "data.seq_len"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        ({"val_fraction": 0.5}, "data.val_fraction"),
+        ({"val_fraction": -0.01}, "data.val_fraction"),
+        ({"seq_len": 0}, "data.seq_len"),
+        ({"source": MISSING}, "data.source"),
+        ({"tokenizer": TokenizerConfig(vocab_size=10)}, "data.tokenizer.vocab_size"),
+    ],
+)
+def test_bad_data_config(tmp_path, overrides, key):
+    with pytest.raises(ConfigError) as error:
+        build_data(corpus_config(tmp_path, **overrides))
+    assert error.value.key == key
+    assert not (tmp_path / "cache").exists()
