@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 from pathlib import Path
 from typing import Sequence
 
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
-from hydra.errors import HydraException
+from hydra.errors import HydraException, MissingConfigException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -55,26 +56,24 @@ def check_overrides(overrides: Sequence[str]) -> None:
     a chosen child (``data.source.paths`` for ``data/source=text_files``) are known.
     """
     value_overrides = [o for o in overrides if _is_value_override(o)]
-    if not value_overrides:
-        return
-    base = _compose([o for o in overrides if not _is_value_override(o)])
-    for override in value_overrides:
-        key, value = override.split("=", 1)
-        node = base
-        walked = []
+    if value_overrides:
+        check_keys_exist(_compose([o for o in overrides if not _is_value_override(o)]), value_overrides)
+
+
+def check_keys_exist(base: DictConfig, overrides: Sequence[str]) -> None:
+    """Raise ``ConfigError`` for the first ``key=value`` whose dotted key is not in ``base``."""
+    for override in overrides:
+        key, _, value = override.partition("=")
+        node, walked = base, []
         for part in key.split("."):
-            if not isinstance(node, DictConfig) or part not in node:
+            if not isinstance(node, DictConfig) or part not in node.keys():
                 parent = ".".join(walked) or "<root>"
                 allowed = sorted(node.keys()) if isinstance(node, DictConfig) else []
                 close = difflib.get_close_matches(part, allowed, n=1)
                 hint = f" (did you mean {'.'.join(walked + close)}?)" if close else ""
-                raise ConfigError(
-                    key, value, f"keys of {parent}: {allowed}",
-                    reason=f"{parent} has no key {part!r}{hint}",
-                )
+                raise ConfigError(key, value, f"keys of {parent}: {allowed}", reason=f"{parent} has no key {part!r}{hint}")
             walked.append(part)
-            node = node._get_node(part) if isinstance(node, DictConfig) else node
-            node = node if isinstance(node, DictConfig) else None
+            node = node._get_node(part)
 
 
 def to_train_config(cfg: DictConfig) -> TrainConfig:
@@ -93,9 +92,12 @@ def compose_train_config(overrides: Sequence[str] = ()) -> DictConfig:
     check_overrides(overrides)
     try:
         return _compose(overrides)
+    except MissingConfigException as error:
+        group, _, option = (error.missing_cfg_file or "?/?").rpartition("/")
+        raise ConfigError(group, option, f"one of {sorted(error.options or [])}", reason=_first_line(error)) from error
     except (HydraException, OmegaConfBaseException) as error:
         raise ConfigError(_failing_key(error), _failing_value(error, overrides), _allowed(error),
-                          reason=_first_line(error)) from error
+                          reason=_first_line(_root_cause(error))) from error
 
 
 def load_train_config(overrides: Sequence[str] = ()) -> TrainConfig:
@@ -127,6 +129,10 @@ def _failing_value(error: BaseException, overrides: Sequence[str]) -> str:
 
 
 def _allowed(error: BaseException) -> str:
-    cause = _root_cause(error)
-    lines = [line.strip() for line in str(cause).strip().splitlines()]
-    return "; ".join(line for line in lines[1:] if line and not line.startswith(("full_key", "object_type"))) or lines[0]
+    """What the failing key accepts, read off OmegaConf's or Hydra's message."""
+    message = _first_line(_root_cause(error))
+    if match := re.search(r"could not be converted to (\w+)", message):
+        return f"a value of type {match.group(1)}"
+    if match := re.search(r"expected one of (\[.*?\])", message):
+        return f"one of {match.group(1)}"
+    return message

@@ -149,11 +149,11 @@ class Checkpointer:
             self._pending = None
         self._raise_pending_error()
 
-    def load(self, path: Path, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> dict[str, Any]:
+    def load(self, path: Path, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> None:
+        """Restore parameters (and optimizer state) in place; trainer state is read separately."""
         model.load_state_dict(read_model_tensors(path), strict=True)
         if optimizer is not None:
             load_optimizer_tensors(optimizer, load_file(path / OPTIMIZER_FILE))
-        return read_trainer_state(path)
 
     def _write(self, path: Path, model_tensors, optim_tensors, state) -> None:
         try:

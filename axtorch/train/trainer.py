@@ -27,7 +27,7 @@ from axtorch.config.serialize import config_to_yaml
 from axtorch.data.loader import Batch, build_data
 from axtorch.models.causal_lm import CausalLM, CausalLMInput
 from axtorch.parallel.single import resolve_device
-from axtorch.train.checkpoint import Checkpointer
+from axtorch.train.checkpoint import Checkpointer, read_trainer_state
 from axtorch.train.config import Precision
 from axtorch.train.flops import measure_matmul_peak_flops, mfu, transformer_flops_per_token
 from axtorch.train.loss import LossInput
@@ -129,12 +129,13 @@ class Trainer:
         }
 
     def resume(self, path: Path) -> None:
-        state = self.checkpointer.load(path, self.model, self.optimizer)
+        state = read_trainer_state(path)
         if state["model_config_digest"] != self.model_digest:
             raise ConfigError(
                 "model", "(changed)", f"the model config the checkpoint {path} was trained with",
                 reason="the run directory holds checkpoints of a different model; use a new run_dir",
             )
+        self.checkpointer.load(path, self.model, self.optimizer)
         self.step = state["step"]
         self.train_batches.load_state_dict(state["data"])
         restore_rng_state(state["rng"])

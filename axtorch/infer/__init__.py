@@ -1,0 +1,1 @@
+"""Inference: token sampling and KV-cache generation."""

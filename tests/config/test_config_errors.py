@@ -1,0 +1,91 @@
+"""Bad configuration fails before any compute, naming the key, the value and what is allowed."""
+
+import pytest
+
+from axtorch.config.compose import load_train_config
+from axtorch.config.errors import ConfigError
+
+
+def _error(*overrides) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        load_train_config(list(overrides))
+    return info.value
+
+
+def test_unknown_key_lists_allowed_keys_and_suggests_the_closest():
+    error = _error("trainer.max_step=5")
+    assert error.key == "trainer.max_step"
+    assert "max_steps" in error.allowed
+    assert "did you mean trainer.max_steps" in str(error)
+
+
+def test_unknown_key_of_a_chosen_child_is_checked_against_that_child():
+    error = _error("data=text_files", "data.source.pathz=[a]")
+    assert "paths" in error.allowed
+
+
+def test_wrong_type_names_key_and_value():
+    error = _error("trainer.max_steps=many")
+    assert error.key == "trainer.max_steps"
+    assert "many" in str(error)
+    assert "int" in str(error).lower()
+
+
+def test_invalid_enum_lists_choices():
+    error = _error("trainer.precision=fp8")
+    assert error.key == "trainer.precision"
+    assert "bf16" in str(error) and "fp32" in str(error)
+
+
+def test_unknown_group_option_lists_available_options():
+    with pytest.raises(ConfigError) as info:
+        load_train_config(["model/ffn=relu2"])
+    assert "swiglu" in str(info.value) and "gelu" in str(info.value)
+
+
+def test_heads_must_divide_width():
+    error = _error("model.decoder.layer.attention.num_heads=5")
+    assert error.key == "model.decoder.layer.attention.num_heads"
+    assert error.value == 5
+    assert "divisor of model.dim=192" in error.allowed
+
+
+def test_kv_heads_must_divide_heads():
+    error = _error("model.decoder.layer.attention.num_kv_heads=4")
+    assert error.key == "model.decoder.layer.attention.num_kv_heads"
+    assert "[1, 2, 3, 6]" in error.allowed
+
+
+def test_sequence_longer_than_positions():
+    error = _error("data.seq_len=2048")
+    assert error.key == "data.seq_len"
+    assert "model.max_seq_len=1024" in error.allowed
+
+
+def test_batch_not_divisible_by_accumulation():
+    error = _error("trainer.batch_size=16", "trainer.grad_accum_steps=3")
+    assert error.key == "trainer.grad_accum_steps"
+    assert "[1, 2, 4, 8, 16]" in error.allowed
+
+
+def test_mesh_must_match_device_count():
+    error = _error("mesh.fsdp=4")
+    assert error.key == "mesh"
+    assert "need 4 devices, found 1" in str(error)
+
+
+def test_missing_required_value_is_named():
+    error = _error("data=text_files")
+    assert "data.source.paths" in str(error)
+
+
+def test_swapping_a_child_is_a_config_change():
+    from axtorch.layers.feed_forward import MLPFeedForwardConfig
+    from axtorch.layers.norm import LayerNormConfig
+
+    config = load_train_config(["model/ffn=gelu", "model/norm=layernorm"])
+    assert isinstance(config.model.decoder.layer.feed_forward, MLPFeedForwardConfig)
+    assert isinstance(config.model.decoder.layer.norm, LayerNormConfig)
+    model = config.model.build()
+    assert type(model.decoder.layers[0].feed_forward).__name__ == "FeedForward"
+    assert type(model.decoder.final_norm).__name__ == "LayerNorm"
