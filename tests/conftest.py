@@ -5,3 +5,19 @@ import pytest
 def data_cache(tmp_path_factory):
     """One tokenized-corpus cache shared by a test module's runs, isolated from the user's."""
     return tmp_path_factory.getbasetemp() / "data-cache"
+
+
+@pytest.fixture
+def float64_hf_rmsnorm(monkeypatch):
+    """HF's RMSNorms compute in float32 even for float64 inputs; make the oracles float64 throughout."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    def forward(self, hidden_states):
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+    models = transformers.models
+    for norm in (models.llama.modeling_llama.LlamaRMSNorm, models.mistral.modeling_mistral.MistralRMSNorm,
+                 models.qwen2.modeling_qwen2.Qwen2RMSNorm):
+        monkeypatch.setattr(norm, "forward", forward)

@@ -5,6 +5,7 @@ Examples::
     axtorch-train                                   # the quickstart experiment on the stdlib corpus
     axtorch-train experiment=debug trainer.max_steps=50
     axtorch-train model/ffn=gelu optim.lr=1e-3 run_dir=runs/gelu
+    torchrun --nproc-per-node 4 -m axtorch.train backend=native mesh.fsdp=2 mesh.model=2 sharding=fsdp_tp
 """
 
 from __future__ import annotations
@@ -27,9 +28,15 @@ def _fail(error: ConfigError) -> None:
 
 def _train(cfg: DictConfig) -> None:
     try:
-        result = Trainer(to_train_config(cfg)).fit()
+        trainer = Trainer(to_train_config(cfg))
     except ConfigError as error:
         _fail(error)
+    try:
+        result = trainer.fit()
+    finally:
+        trainer.backend.close()
+    if not trainer.backend.is_main_process:
+        return
     start = f"{result.initial_eval_loss:.4f} -> " if result.initial_eval_loss is not None else ""
     print(f"done: step {result.step}, held-out loss {start}{result.final_eval_loss or float('nan'):.4f}")
     print(f"run directory: {result.run_dir} (config.yaml, metrics.jsonl, tensorboard/, checkpoints/, loss.png)")

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from axtorch.data.config import DataConfig
 from axtorch.models.causal_lm import CausalLMConfig
 from axtorch.parallel.mesh import MeshConfig
+from axtorch.parallel.rules import ShardingConfig
 from axtorch.train.config import TrainerConfig
 from axtorch.train.loss import CrossEntropyLossConfig
 from axtorch.train.optimizer import OptimConfig
@@ -16,6 +17,8 @@ from axtorch.train.optimizer import OptimConfig
 class Backend(enum.Enum):
     #: One device (CPU or one CUDA GPU), no sharding.
     single = "single"
+    #: torch.distributed under torchrun: FSDP2 and DTensor tensor parallelism over the mesh.
+    native = "native"
 
 
 @dataclass
@@ -26,6 +29,8 @@ class TrainConfig:
     run_dir: str = "runs/${name}"
     backend: Backend = Backend.single
     mesh: MeshConfig = field(default_factory=MeshConfig)
+    #: How parameters and activations are split over the mesh (a ``conf/sharding/`` preset).
+    sharding: ShardingConfig = field(default_factory=ShardingConfig)
     model: CausalLMConfig = field(default_factory=CausalLMConfig)
     loss: CrossEntropyLossConfig = field(default_factory=CrossEntropyLossConfig)
     data: DataConfig = field(default_factory=DataConfig)

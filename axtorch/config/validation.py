@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from axtorch.config.errors import ConfigError
-from axtorch.config.schema import TrainConfig
+from axtorch.config.schema import Backend, TrainConfig
 
 
 def validate_train_config(config: TrainConfig) -> None:
@@ -17,4 +17,5 @@ def validate_train_config(config: TrainConfig) -> None:
             "data.seq_len", config.data.seq_len, f"at most model.max_seq_len={config.model.max_seq_len}",
             reason="sequences longer than the model's positions allow",
         )
-    config.mesh.resolve(1, "mesh")  # the single backend runs on exactly one device
+    if config.backend is Backend.single:
+        config.mesh.resolve(1, "mesh")  # distributed backends check the mesh against their world size

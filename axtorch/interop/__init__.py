@@ -1,1 +1,6 @@
-"""Conversion between axtorch models and other ecosystems' checkpoints."""
+"""Conversion between axtorch models and other ecosystems' checkpoints (HF transformers, llama.cpp GGUF)."""
+
+from axtorch.interop.gguf import from_gguf
+from axtorch.interop.hf import from_hf, to_hf
+
+__all__ = ["from_gguf", "from_hf", "to_hf"]

@@ -98,9 +98,11 @@ class GroupedQueryAttention(nn.Module):
     def forward(self, inputs: AttentionInput) -> AttentionOutput:
         x = inputs.hidden_states
         batch, seq, _ = x.shape
-        q = self.q_proj(x).view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        # Head counts come from the projections' outputs, so a tensor-parallel backend that splits
+        # the projections by heads runs this code unchanged on its local heads.
+        q = self.q_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         q, k = self.position(q, k, inputs.positions)
 
         if inputs.kv_cache is not None:
@@ -117,7 +119,7 @@ class GroupedQueryAttention(nn.Module):
             attn_mask=mask,
             is_causal=is_causal,
             dropout_p=self.config.dropout if self.training else 0.0,
-            enable_gqa=self.num_kv_heads != self.num_heads,
+            enable_gqa=q.shape[1] != k.shape[1],
         )
-        out = out.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim)
+        out = out.transpose(1, 2).reshape(batch, seq, -1)
         return AttentionOutput(hidden_states=self.o_proj(out), kv_cache=inputs.kv_cache)

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import math
+from typing import Any, Optional
+
 import torch
+from torch import nn
 
 from axtorch.config.errors import ConfigError
 
@@ -18,3 +22,32 @@ def resolve_device(name: str, key: str = "trainer.device") -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(key, name, "auto or cpu", reason="CUDA is not available on this machine")
     return device
+
+
+class SingleDeviceBackend:
+    rank = 0
+    world_size = 1
+    data_parallel_rank = 0
+    data_parallel_size = 1
+    is_main_process = True
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def parallelize(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def clip_grad_norm(self, parameters: list[nn.Parameter], max_norm: Optional[float]) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm if max_norm is not None else math.inf)
+
+    def barrier(self) -> None:
+        pass
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return [obj]
+
+    def close(self) -> None:
+        pass

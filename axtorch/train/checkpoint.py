@@ -1,14 +1,16 @@
-"""Checkpoints: safetensors for tensors, JSON for trainer state, atomic directories, optional async.
+"""Checkpoints: safetensors pieces plus an index, JSON trainer state, atomic directories, optional async.
 
 Layout of ``<run_dir>/checkpoints/step_<8-digit step>/``::
 
-    model.safetensors               parameters by fully qualified name
-    model.safetensors.index.json    HF-style weight map (name -> file), so readers never guess
-    optimizer.safetensors           "<param name>/<state key>" -> tensor (e.g. ".../exp_avg")
-    trainer_state.json              step, data position, RNG states, config hashes
+    model.safetensors                   one process: every parameter, whole (loadable by HF tools)
+    model-00000-of-00004.safetensors    several processes: each writes the blocks it owns
+    model.safetensors.index.json        per tensor: global shape and the pieces (file, offsets, shape)
+    optimizer*.safetensors (+ index)    "<param name>/<state key>" tensors, stored the same way
+    trainer_state.json                  step, data position, RNG states, config digests
 
-A checkpoint is written into a temporary directory and renamed into place, so a crash never leaves
-a half-written ``step_*`` directory; readers only ever see complete checkpoints.
+Every process writes only its own blocks (``tensor_shards``), so no host ever gathers a whole
+sharded model, and any mesh can load what any other mesh saved. A checkpoint is assembled in a
+hidden temporary directory and renamed into place, so readers only ever see complete ones.
 """
 
 from __future__ import annotations
@@ -19,16 +21,39 @@ import re
 import shutil
 import threading
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-MODEL_FILE = "model.safetensors"
-MODEL_INDEX_FILE = "model.safetensors.index.json"
-OPTIMIZER_FILE = "optimizer.safetensors"
+from axtorch.train.tensor_shards import Piece, load_into, owned_piece, read_block
+
+MODEL = "model"
+OPTIMIZER = "optimizer"
 TRAINER_STATE_FILE = "trainer_state.json"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+class Collective(Protocol):
+    """The little a multi-process save needs from a backend."""
+
+    rank: int
+    world_size: int
+
+    def barrier(self) -> None: ...
+
+    def all_gather_object(self, obj: Any) -> list[Any]: ...
+
+
+class LocalCollective:
+    rank = 0
+    world_size = 1
+
+    def barrier(self) -> None:
+        pass
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return [obj]
 
 
 def checkpoint_dir_name(step: int) -> str:
@@ -43,8 +68,16 @@ def list_checkpoints(root: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def index_file(prefix: str) -> str:
+    return f"{prefix}.safetensors.index.json"
+
+
+def _shard_file(prefix: str, rank: int, world_size: int) -> str:
+    return f"{prefix}.safetensors" if world_size == 1 else f"{prefix}-{rank:05d}-of-{world_size:05d}.safetensors"
+
+
 def optimizer_tensors(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """Flatten optimizer state to ``"<param name>/<key>"`` tensors using the groups' ``names``."""
+    """Optimizer state as ``"<param name>/<key>"`` tensors, using the param groups' ``names``."""
     tensors = {}
     for group in optimizer.param_groups:
         for name, param in zip(group["names"], group["params"]):
@@ -53,71 +86,96 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tenso
     return tensors
 
 
-def load_optimizer_tensors(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor]) -> None:
-    """Inverse of ``optimizer_tensors``: every parameter's state must be present."""
-    by_param: dict[str, dict[str, torch.Tensor]] = {}
-    for flat_name, value in tensors.items():
-        name, key = flat_name.rsplit("/", 1)
-        by_param.setdefault(name, {})[key] = value
-    state_dict = optimizer.state_dict()
-    state: dict[int, dict[str, torch.Tensor]] = {}
-    index = 0
-    for group in optimizer.param_groups:
-        for name in group["names"]:
-            if name in by_param:
-                state[index] = by_param.pop(name)
-            index += 1
-    if by_param:
-        raise KeyError(f"optimizer state for unknown parameters: {sorted(by_param)[:5]}")
-    state_dict["state"] = state
-    optimizer.load_state_dict(state_dict)
+def _pieces(tensors: dict[str, torch.Tensor], rank: int) -> dict[str, Piece]:
+    return {name: piece for name, t in tensors.items() if (piece := owned_piece(t, rank)) is not None}
 
 
-def _cpu_snapshot(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    # Copies are taken before an async write so that training may keep updating the originals.
-    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in tensors.items()}
-
-
-def write_checkpoint(
-    path: Path, model_tensors: dict[str, torch.Tensor], optimizer_tensors_: dict[str, torch.Tensor], state: dict[str, Any]
-) -> None:
-    """Write one complete checkpoint directory atomically."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file(model_tensors, tmp / MODEL_FILE, metadata={"format": "pt"})
-    index = {
-        "metadata": {"total_size": sum(t.numel() * t.element_size() for t in model_tensors.values())},
-        "weight_map": {name: MODEL_FILE for name in sorted(model_tensors)},
+def _write_pieces(directory: Path, prefix: str, pieces: dict[str, Piece], collective: Collective) -> None:
+    """Each process writes its pieces; the first writes the index describing all of them."""
+    file = _shard_file(prefix, collective.rank, collective.world_size)
+    save_file({name: p.tensor for name, p in pieces.items()}, directory / file, metadata={"format": "pt"})
+    described = {
+        name: {"shape": list(p.global_shape), "dtype": str(p.tensor.dtype).removeprefix("torch."),
+               "piece": {"file": file, "offsets": list(p.offsets), "shape": list(p.tensor.shape)}}
+        for name, p in pieces.items()
     }
-    (tmp / MODEL_INDEX_FILE).write_text(json.dumps(index, indent=2))
-    save_file(optimizer_tensors_, tmp / OPTIMIZER_FILE)
-    (tmp / TRAINER_STATE_FILE).write_text(json.dumps(state, indent=2))
-    if path.exists():  # a re-save of the same step (e.g. the final step after a resume)
-        shutil.rmtree(path)
-    os.replace(tmp, path)
+    everything = collective.all_gather_object(described)
+    if collective.rank != 0:
+        return
+    tensors: dict[str, dict[str, Any]] = {}
+    for part in everything:
+        for name, info in part.items():
+            entry = tensors.setdefault(name, {"shape": info["shape"], "dtype": info["dtype"], "pieces": []})
+            entry["pieces"].append(info["piece"])
+    index: dict[str, Any] = {"metadata": {"format": "axtorch", "world_size": collective.world_size}, "tensors": tensors}
+    if collective.world_size == 1:  # whole tensors in one file: also a valid HF weight map
+        index["weight_map"] = {name: file for name in sorted(tensors)}
+    (directory / index_file(prefix)).write_text(json.dumps(index, indent=1))
 
 
-def read_model_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """All parameters of a checkpoint, following its index across however many files it names."""
-    index = json.loads((path / MODEL_INDEX_FILE).read_text())
-    tensors: dict[str, torch.Tensor] = {}
-    for file in sorted(set(index["weight_map"].values())):
-        tensors.update(load_file(path / file))
-    return tensors
+def read_index(path: Path, prefix: str = MODEL) -> dict[str, dict[str, Any]]:
+    return json.loads((path / index_file(prefix)).read_text())["tensors"]
+
+
+def read_model_tensors(path: Path, prefix: str = MODEL) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint, whole, whatever mesh wrote it (for single-process readers)."""
+    return {
+        name: read_block(path, entry, name, tuple(entry["shape"]), (0,) * len(entry["shape"]))
+        for name, entry in read_index(path, prefix).items()
+    }
 
 
 def read_trainer_state(path: Path) -> dict[str, Any]:
     return json.loads((path / TRAINER_STATE_FILE).read_text())
 
 
-class Checkpointer:
-    """Saves, prunes and finds checkpoints under one directory; saves may run in a thread."""
+def load_model(path: Path, model: torch.nn.Module) -> None:
+    """Load parameters in place into ``model``'s (possibly sharded) layout; every name must match."""
+    index = read_index(path, MODEL)
+    state = model.state_dict()
+    missing, unexpected = sorted(set(state) - set(index)), sorted(set(index) - set(state))
+    if missing or unexpected:
+        raise KeyError(f"checkpoint {path} does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    for name, target in state.items():
+        load_into(target, path, index[name], name)
 
-    def __init__(self, root: Path, keep: int, async_save: bool = False):
+
+def load_optimizer(path: Path, optimizer: torch.optim.Optimizer) -> None:
+    """Recreate each parameter's optimizer state in the parameter's own layout, then fill it."""
+    index = read_index(path, OPTIMIZER)
+    keys: dict[str, list[str]] = {}
+    for flat_name in index:
+        name, key = flat_name.rsplit("/", 1)
+        keys.setdefault(name, []).append(key)
+    for group in optimizer.param_groups:
+        for name, param in zip(group["names"], group["params"]):
+            state = {}
+            for key in keys.pop(name, []):
+                entry = index[f"{name}/{key}"]
+                if entry["shape"]:  # moments: same layout as the parameter
+                    state[key] = torch.zeros_like(param)
+                else:  # scalars such as the step count
+                    state[key] = torch.zeros((), dtype=getattr(torch, entry["dtype"]))
+                load_into(state[key], path, entry, f"{name}/{key}")
+            if state:
+                optimizer.state[param] = state
+    if keys:
+        raise KeyError(f"optimizer state for parameters the model lacks: {sorted(keys)[:5]}")
+
+
+class Checkpointer:
+    """Saves, prunes and finds checkpoints under one directory.
+
+    With one process a save may run in a background thread (``async_save``): tensors are first
+    copied to host memory, so training continues while the files are written. With several
+    processes every process writes its own pieces and saves are synchronous.
+    """
+
+    def __init__(self, root: Path, keep: int, async_save: bool = False, collective: Optional[Collective] = None):
         self.root = root
         self.keep = keep
-        self.async_save = async_save
+        self.collective = collective or LocalCollective()
+        self.async_save = async_save and self.collective.world_size == 1
         self._pending: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
 
@@ -125,20 +183,16 @@ class Checkpointer:
         checkpoints = list_checkpoints(self.root)
         return checkpoints[-1] if checkpoints else None
 
-    def save(
-        self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
-    ) -> Path:
+    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> Path:
         self.wait()
         path = self.root / checkpoint_dir_name(step)
-        model_tensors = _cpu_snapshot(model.state_dict())
-        optim_tensors = _cpu_snapshot(optimizer_tensors(optimizer))
+        rank = self.collective.rank
+        pieces = {MODEL: _pieces(model.state_dict(), rank), OPTIMIZER: _pieces(optimizer_tensors(optimizer), rank)}
         if self.async_save:
-            self._pending = threading.Thread(
-                target=self._write, args=(path, model_tensors, optim_tensors, state), name="axtorch-checkpoint"
-            )
+            self._pending = threading.Thread(target=self._write, args=(path, pieces, state), name="axtorch-checkpoint")
             self._pending.start()
         else:
-            self._write(path, model_tensors, optim_tensors, state)
+            self._write(path, pieces, state)
             self._raise_pending_error()
         return path
 
@@ -151,16 +205,28 @@ class Checkpointer:
 
     def load(self, path: Path, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> None:
         """Restore parameters (and optimizer state) in place; trainer state is read separately."""
-        model.load_state_dict(read_model_tensors(path), strict=True)
+        load_model(path, model)
         if optimizer is not None:
-            load_optimizer_tensors(optimizer, load_file(path / OPTIMIZER_FILE))
+            load_optimizer(path, optimizer)
 
-    def _write(self, path: Path, model_tensors, optim_tensors, state) -> None:
+    def _write(self, path: Path, pieces: dict[str, dict[str, Piece]], state: dict[str, Any]) -> None:
+        collective = self.collective
+        tmp = path.with_name(f".{path.name}.tmp")
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
-            write_checkpoint(path, model_tensors, optim_tensors, state)
-            for old in list_checkpoints(self.root)[: -self.keep]:
-                shutil.rmtree(old, ignore_errors=True)
+            if collective.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+            collective.barrier()
+            for prefix, prefix_pieces in pieces.items():
+                _write_pieces(tmp, prefix, prefix_pieces, collective)
+            if collective.rank == 0:
+                (tmp / TRAINER_STATE_FILE).write_text(json.dumps(state, indent=2))
+                if path.exists():  # a re-save of the same step (e.g. the final step after a resume)
+                    shutil.rmtree(path)
+                os.replace(tmp, path)
+                for old in list_checkpoints(self.root)[: -self.keep]:
+                    shutil.rmtree(old, ignore_errors=True)
+            collective.barrier()
         except BaseException as error:  # surfaced by wait() on the training thread
             self._error = error
 

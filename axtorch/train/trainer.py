@@ -26,7 +26,8 @@ from axtorch.config.schema import TrainConfig
 from axtorch.config.serialize import config_to_yaml
 from axtorch.data.loader import Batch, build_data
 from axtorch.models.causal_lm import CausalLM, CausalLMInput
-from axtorch.parallel.single import resolve_device
+from axtorch.parallel.backend import Backend
+from axtorch.parallel.factory import build_backend
 from axtorch.train.checkpoint import Checkpointer, read_trainer_state
 from axtorch.train.config import Precision
 from axtorch.train.flops import measure_matmul_peak_flops, mfu, transformer_flops_per_token
@@ -65,10 +66,11 @@ def build_model(config: TrainConfig, device: torch.device) -> CausalLM:
 
 
 class Trainer:
-    def __init__(self, config: TrainConfig):
+    def __init__(self, config: TrainConfig, backend: Optional[Backend] = None):
         self.config = config
         self.run_dir = Path(config.run_dir)
-        self.device = resolve_device(config.trainer.device)
+        self.backend = backend or build_backend(config)
+        self.device = self.backend.device
         random.seed(config.trainer.seed)
         self.data = build_data(config.data)
         if self.data.tokenizer.vocab_size > config.model.vocab_size:
@@ -76,14 +78,16 @@ class Trainer:
                 "model.vocab_size", config.model.vocab_size, f"at least the tokenizer's {self.data.tokenizer.vocab_size}",
                 reason="token ids would index past the embedding table",
             )
-        self.model = build_model(config, self.device)
+        self.model = self.backend.parallelize(build_model(config, self.device))
         self.loss_fn = config.loss.build()
         self.optimizer = build_optimizer(self.model, config.optim)
         self.checkpointer = Checkpointer(
-            self.run_dir / "checkpoints", config.trainer.keep_checkpoints, config.trainer.async_checkpoint
+            self.run_dir / "checkpoints", config.trainer.keep_checkpoints, config.trainer.async_checkpoint,
+            collective=self.backend,
         )
         trainer = config.trainer
-        self.micro_batch_size = trainer.batch_size // trainer.grad_accum_steps
+        self.local_batch_size = trainer.batch_size // self.backend.data_parallel_size
+        self.micro_batch_size = self.local_batch_size // trainer.grad_accum_steps
         self.train_batches = self.data.train_batches(trainer.batch_size)
         self.step = 0
         self.tokens_per_step = trainer.batch_size * config.data.seq_len
@@ -113,6 +117,8 @@ class Trainer:
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=enabled)
 
     def _prepare_run_dir(self) -> None:
+        if not self.backend.is_main_process:
+            return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / CONFIG_FILE).write_text(self.config_text)
         shutil.copyfile(self.data.tokenizer_path, self.run_dir / TOKENIZER_FILE)
@@ -146,15 +152,23 @@ class Trainer:
     # ------------------------------------------------------------------------------ the step
 
     def _micro_batches(self, batch: Batch) -> list[Batch]:
+        """This replica's rows of the global batch, cut into micro-batches on the device."""
+        start = self.backend.data_parallel_rank * self.local_batch_size
+        rows = len(batch["input_ids"])  # a final validation batch may be short
         return [
             {k: v[i : i + self.micro_batch_size].to(self.device, non_blocking=True) for k, v in batch.items()}
-            for i in range(0, self.config.trainer.batch_size, self.micro_batch_size)
+            for i in range(start, min(start + self.local_batch_size, rows), self.micro_batch_size)
         ]
 
     def train_step(self, batch: Batch) -> dict[str, float]:
-        """One optimizer step over ``batch`` (the global batch), with gradient accumulation."""
+        """One optimizer step over ``batch`` (the global batch), with gradient accumulation.
+
+        Every micro-batch's summed loss is divided by the target count of the whole global batch,
+        so accumulation and data parallelism weigh every token the same as one big batch would.
+        """
         micro_batches = self._micro_batches(batch)
-        num_targets = sum((mb["labels"] != self.config.loss.ignore_index).sum() for mb in micro_batches)
+        local_targets = sum((mb["labels"] != self.config.loss.ignore_index).sum() for mb in micro_batches)
+        num_targets = self.backend.all_reduce_sum(local_targets)
         total_loss = torch.zeros((), device=self.device)
         for mb in micro_batches:
             with self._autocast():
@@ -165,28 +179,29 @@ class Trainer:
                     objective = objective + output.aux_loss / len(micro_batches)
             objective.backward()
             total_loss += loss.cross_entropy.detach()
-        max_norm = self.config.optim.grad_clip_norm
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm if max_norm else math.inf)
+        grad_norm = self.backend.clip_grad_norm(list(self.model.parameters()), self.config.optim.grad_clip_norm)
         lr = learning_rate(self.config.optim.schedule, self.config.optim.lr, self.step, self.config.trainer.max_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
+        total_loss = self.backend.all_reduce_sum(total_loss)
         return {"train/loss": float(total_loss), "train/grad_norm": float(grad_norm), "train/lr": lr}
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """Token-weighted cross-entropy over the held-out split."""
         self.model.eval()
-        total, tokens = 0.0, 0
-        for batch in self.data.val_batches(self.micro_batch_size, self.config.trainer.eval_batches):
-            with self._autocast():
-                output = self.model(CausalLMInput(input_ids=batch["input_ids"].to(self.device)))
-                loss = self.loss_fn(LossInput(output.logits, batch["labels"].to(self.device)))
-            total += float(loss.cross_entropy) * int(loss.num_tokens)
-            tokens += int(loss.num_tokens)
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # (loss sum, tokens)
+        for batch in self.data.val_batches(self.config.trainer.batch_size, self.config.trainer.eval_batches):
+            for mb in self._micro_batches(batch):
+                with self._autocast():
+                    output = self.model(CausalLMInput(input_ids=mb["input_ids"]))
+                    loss = self.loss_fn(LossInput(output.logits, mb["labels"]))
+                sums += torch.stack([loss.cross_entropy.double() * loss.num_tokens, loss.num_tokens.double()])
         self.model.train()
+        total, tokens = self.backend.all_reduce_sum(sums).tolist()
         mean = total / max(tokens, 1)
         return {"eval/loss": mean, "eval/perplexity": math.exp(min(mean, 50.0))}
 
@@ -204,15 +219,20 @@ class Trainer:
         latest = self.checkpointer.latest()
         if latest is not None:
             self.resume(latest)
-            print(f"resumed from {latest} at step {self.step}")
+            if self.backend.is_main_process:
+                print(f"resumed from {latest} at step {self.step}")
         initial_eval = final_eval = None
         last_checkpoint = latest
-        with MetricsLogger(self.run_dir, enable_tensorboard=trainer.tensorboard) as metrics:
+        main = self.backend.is_main_process
+        metrics_logger = MetricsLogger(self.run_dir, enable_tensorboard=trainer.tensorboard) if main else None
+        with metrics_logger or contextlib.nullcontext() as metrics:
             if self.step == 0:
                 initial_eval = self.evaluate()["eval/loss"]
-                metrics.log(0, {"eval/loss": initial_eval, "eval/perplexity": math.exp(min(initial_eval, 50.0))})
+                if main:
+                    metrics.log(0, {"eval/loss": initial_eval, "eval/perplexity": math.exp(min(initial_eval, 50.0))})
             progress = tqdm(
-                total=stop, initial=self.step, disable=not trainer.progress_bar, desc="train", unit="step", dynamic_ncols=True
+                total=stop, initial=self.step, disable=not (trainer.progress_bar and main), desc="train", unit="step",
+                dynamic_ncols=True,
             )
             window: list[dict[str, float]] = []
             window_time = 0.0
@@ -222,22 +242,24 @@ class Trainer:
                 started = time.perf_counter()
                 window.append(self.train_step(batch))
                 window_time += time.perf_counter() - started
-                if self.step % trainer.log_every == 0 or self.step == stop:
+                if main and (self.step % trainer.log_every == 0 or self.step == stop):
                     logged = self._window_metrics(window, window_time)
                     metrics.log(self.step, logged)
                     progress.set_postfix(loss=f"{logged['train/loss']:.3f}", tok_s=f"{logged['train/tokens_per_s']:.0f}")
+                if self.step % trainer.log_every == 0:
                     window, window_time = [], 0.0
                 progress.update(1)
                 if self.step % trainer.eval_every == 0 or self.step == trainer.max_steps:
                     evaluated = self.evaluate()
                     final_eval = evaluated["eval/loss"]
-                    metrics.log(self.step, evaluated)
-                    progress.write(f"step {self.step}: eval loss {final_eval:.4f} (ppl {evaluated['eval/perplexity']:.1f})")
+                    if main:
+                        metrics.log(self.step, evaluated)
+                        progress.write(f"step {self.step}: eval loss {final_eval:.4f} (ppl {evaluated['eval/perplexity']:.1f})")
                 if self.step % trainer.checkpoint_every == 0 or self.step == stop:
                     last_checkpoint = self.save_checkpoint()
             progress.close()
         self.checkpointer.wait()
-        if trainer.plot:
+        if trainer.plot and main:
             plot_runs([self.run_dir], self.run_dir / "loss.png")
         return TrainResult(self.run_dir, self.step, initial_eval, final_eval, last_checkpoint)
 
@@ -248,7 +270,7 @@ class Trainer:
             "train/grad_norm": sum(m["train/grad_norm"] for m in window) / len(window),
             "train/lr": window[-1]["train/lr"],
             "train/tokens_per_s": tokens_per_s,
-            "train/mfu": mfu(tokens_per_s, self.flops_per_token, self.peak_flops()),
+            "train/mfu": mfu(tokens_per_s, self.flops_per_token, self.peak_flops() * self.backend.world_size),
             "train/memory_gb": _peak_memory_gb(self.device),
         }
         return logged

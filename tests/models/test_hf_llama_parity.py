@@ -9,15 +9,7 @@ from axtorch.interop.hf_llama import hf_to_axtorch_name, hf_to_axtorch_state_dic
 from axtorch.models import CausalLMInput
 
 
-@pytest.fixture(autouse=True)
-def _float64_hf_rmsnorm(monkeypatch):
-    """HF's RMSNorm computes in float32 even for float64 inputs; make the oracle float64 throughout."""
-
-    def forward(self, hidden_states):
-        variance = hidden_states.pow(2).mean(-1, keepdim=True)
-        return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
-
-    monkeypatch.setattr(transformers.models.llama.modeling_llama.LlamaRMSNorm, "forward", forward)
+pytestmark = pytest.mark.usefixtures("float64_hf_rmsnorm")
 
 
 def _hf_model(tie: bool, attention_bias: bool = False):

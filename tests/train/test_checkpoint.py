@@ -25,7 +25,7 @@ def test_round_trip_restores_parameters_and_optimizer_state(tmp_path, async_save
     assert path.name == "step_00000007"
     assert json.loads((path / "trainer_state.json").read_text()) == {"step": 7}
     index = json.loads((path / "model.safetensors.index.json").read_text())
-    assert set(index["weight_map"]) == set(model.state_dict())
+    assert set(index["weight_map"]) == set(model.state_dict()) == set(index["tensors"])
 
     other, other_optimizer = _model_and_optimizer(1)
     checkpointer.load(path, other, other_optimizer)
@@ -63,4 +63,5 @@ def test_checkpoint_files_are_safetensors_not_pickle(tmp_path):
     model, optimizer = _model_and_optimizer()
     path = Checkpointer(tmp_path, keep=1).save(1, model, optimizer, {})
     files = sorted(p.name for p in path.iterdir())
-    assert files == ["model.safetensors", "model.safetensors.index.json", "optimizer.safetensors", "trainer_state.json"]
+    assert files == ["model.safetensors", "model.safetensors.index.json", "optimizer.safetensors",
+                     "optimizer.safetensors.index.json", "trainer_state.json"]

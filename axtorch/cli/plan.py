@@ -1,0 +1,307 @@
+"""``axtorch-plan``: how a model splits over a mesh and what each device must hold, without any device.
+
+Takes the same overrides as ``axtorch-train`` plus a few plan-only options, builds the model on
+the meta device, resolves the sharding rules against the mesh and prints the per-parameter
+placement and the per-device memory and FLOPs, in seconds even for 405B::
+
+    axtorch-plan model=llama3_70b mesh.fsdp=32 mesh.model=8 sharding=fsdp_tp
+    axtorch-plan model=llama3_8b mesh.fsdp=-1 devices=64 sharding=fsdp batch=2 seq_len=8192 remat=full
+
+Plan-only options: ``batch=`` (sequences per device, default 1), ``seq_len=`` (default
+``data.seq_len``), ``remat=none|full`` (default none) and ``devices=`` (the device count, needed
+only when a mesh axis is -1; otherwise the product of the mesh axes).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import re
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from omegaconf import OmegaConf
+
+from axtorch.config.compose import compose_train_config, to_train_config
+from axtorch.config.errors import ConfigError
+from axtorch.config.schema import TrainConfig
+from axtorch.models.causal_lm import CausalLMConfig
+from axtorch.parallel.mesh import MESH_AXES, MeshConfig
+from axtorch.parallel.rules import PartitionSpec, resolve_parameter_specs, shard_shape
+from axtorch.train.flops import transformer_flops_per_token
+
+FP32_BYTES = 4
+ACTIVATION_BYTES = 2  # the activation formula counts 16-bit (bf16) values
+GIB = 1024**3
+
+
+class Remat(enum.Enum):
+    #: Keep every activation the backward pass needs.
+    none = "none"
+    #: Keep only each layer's input; recompute the layer during its backward.
+    full = "full"
+
+
+@dataclass(frozen=True)
+class ParameterGroup:
+    """Parameters that differ only in their layer index, e.g. ``decoder.layers.{0..79}.attention.q_proj.weight``."""
+
+    name: str
+    count: int
+    shape: tuple[int, ...]
+    spec: PartitionSpec
+    shard_shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Placement and per-device memory of one model on one mesh; byte counts are per device."""
+
+    mesh_sizes: dict[str, int]
+    parameters: list[ParameterGroup]
+    total_parameters: int
+    parameter_bytes: int
+    gradient_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int
+    batch_size: int
+    seq_len: int
+    remat: Remat
+    flops_per_token: float
+
+    @property
+    def num_devices(self) -> int:
+        return math.prod(self.mesh_sizes.values())
+
+    @property
+    def total_bytes(self) -> int:
+        return self.parameter_bytes + self.gradient_bytes + self.optimizer_bytes + self.activation_bytes
+
+
+def plan(
+    config: TrainConfig,
+    mesh_sizes: Mapping[str, int],
+    batch_size: int = 1,
+    seq_len: Optional[int] = None,
+    remat: Remat = Remat.none,
+) -> Plan:
+    """Resolve ``config.sharding`` for ``config.model`` on ``mesh_sizes`` and size what each device holds.
+
+    Parameters and gradients are fp32 and AdamW keeps two fp32 moments, each split as its
+    parameter is. ``batch_size`` is sequences per device; ``seq_len`` defaults to ``data.seq_len``.
+    Raises ``ConfigError`` for rules that do not fit the model or mesh.
+    """
+    model = config.model
+    seq_len = config.data.seq_len if seq_len is None else seq_len
+    for key, value in (("batch", batch_size), ("seq_len", seq_len)):
+        if value <= 0:
+            raise ConfigError(key, value, "a positive integer")
+    if seq_len > model.max_seq_len:
+        raise ConfigError("seq_len", seq_len, f"at most model.max_seq_len={model.max_seq_len}")
+    with torch.device("meta"):
+        named_shapes = {name: tuple(p.shape) for name, p in model.build().named_parameters()}
+    specs = resolve_parameter_specs(named_shapes, config.sharding, mesh_sizes)
+    shard_elements = sum(math.prod(shard_shape(named_shapes[name], spec, mesh_sizes)) for name, spec in specs.items())
+    total = sum(math.prod(shape) for shape in named_shapes.values())
+    non_embedding = total - math.prod(named_shapes["embedding.weight"])
+    return Plan(
+        mesh_sizes=dict(mesh_sizes),
+        parameters=_group_layers(named_shapes, specs, mesh_sizes),
+        total_parameters=total,
+        parameter_bytes=FP32_BYTES * shard_elements,
+        gradient_bytes=FP32_BYTES * shard_elements,
+        optimizer_bytes=2 * FP32_BYTES * shard_elements,
+        activation_bytes=_activation_bytes(model, batch_size, seq_len, mesh_sizes.get("model", 1), remat),
+        batch_size=batch_size,
+        seq_len=seq_len,
+        remat=remat,
+        flops_per_token=transformer_flops_per_token(
+            non_embedding, model.decoder.num_layers, model.dim, seq_len, model.vocab_size, model.tie_embeddings
+        ),
+    )
+
+
+def _activation_bytes(model: CausalLMConfig, batch: int, seq: int, tensor_parallel: int, remat: Remat) -> int:
+    """Activations the decoder keeps for the backward pass on one device, in bf16 bytes.
+
+    Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models"),
+    tensor parallelism ``t`` without sequence parallelism (the presets keep the layer boundary
+    replicated over ``model``): per layer ``s*b*h*(10 + 24/t)`` bytes for sequence ``s``,
+    per-device batch ``b`` and width ``h``. The paper's ``5*a*s/(h*t)`` term (the stored ``s x s``
+    attention scores, softmax and dropout mask per head) is left out: attention here is
+    ``scaled_dot_product_attention``, whose fused kernels (flash / memory-efficient, chosen for
+    the causal mask on accelerators) keep O(s) state, not O(s^2). With ``remat=full`` only each
+    layer's input (``2*s*b*h`` bytes) is kept, plus one layer's full set while it is recomputed.
+
+    An estimate: the constants are for a GPT layer (4h MLP, dropout); embedding, logits and loss
+    buffers and the ``seq`` mesh axis (context parallelism) are not counted.
+    """
+    s, b, h, t = seq, batch, model.dim, tensor_parallel
+    per_layer = s * b * h * (10 + 24 / t)
+    layers = model.decoder.num_layers
+    if remat is Remat.full:
+        return round(layers * ACTIVATION_BYTES * s * b * h + per_layer)
+    return round(layers * per_layer)
+
+
+_INDEXED = re.compile(r"^(.*?\.)(\d+)(\..*)$")
+
+
+def _group_layers(
+    named_shapes: Mapping[str, tuple[int, ...]], specs: Mapping[str, PartitionSpec], mesh_sizes: Mapping[str, int]
+) -> list[ParameterGroup]:
+    """One row per parameter, with rows that differ only in the layer index merged (in first-seen order)."""
+    indices: dict[tuple[str, tuple[int, ...], PartitionSpec], list[int]] = {}
+    for name, shape in named_shapes.items():
+        match = _INDEXED.match(name)
+        template = f"{match.group(1)}{{}}{match.group(3)}" if match else name
+        indices.setdefault((template, shape, specs[name]), []).append(int(match.group(2)) if match else -1)
+    return [
+        ParameterGroup(
+            name=template.format(_index_set(ids)) if "{}" in template else template,
+            count=len(ids),
+            shape=shape,
+            spec=spec,
+            shard_shape=shard_shape(shape, spec, mesh_sizes),
+        )
+        for (template, shape, spec), ids in indices.items()
+    ]
+
+
+def _index_set(ids: Sequence[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``{0..2,5}``; a single index stays bare."""
+    if len(ids) == 1:
+        return str(ids[0])
+    runs: list[list[int]] = []
+    for i in sorted(ids):
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return "{" + ",".join(f"{a}..{z}" if z > a else str(a) for a, z in runs) + "}"
+
+
+def format_plan(result: Plan) -> str:
+    """The human-readable report ``axtorch-plan`` prints."""
+    mesh = " ".join(f"{axis}={size}" for axis, size in result.mesh_sizes.items())
+    rows = [("parameter", "count", "global shape", "spec", "per-device shard")] + [
+        (g.name, str(g.count), _shape(g.shape), _spec(g.spec), _shape(g.shard_shape)) for g in result.parameters
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    table = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
+    table.insert(1, "  ".join("-" * width for width in widths))
+    memory = [
+        ("parameters (fp32)", result.parameter_bytes),
+        ("gradients (fp32)", result.gradient_bytes),
+        ("AdamW state (2x fp32)", result.optimizer_bytes),
+        (f"activations (bf16, batch {result.batch_size} x seq {result.seq_len}, remat={result.remat.value})",
+         result.activation_bytes),
+        ("total", result.total_bytes),
+    ]
+    label_width = max(len(label) for label, _ in memory)
+    return "\n".join([
+        f"mesh: {mesh} ({result.num_devices} devices)",
+        "",
+        *table,
+        "",
+        f"total parameters: {result.total_parameters:,} ({result.total_parameters / 1e9:.2f}B)",
+        "per-device memory:",
+        *(f"  {label.ljust(label_width)}  {num_bytes / GIB:9.2f} GiB" for label, num_bytes in memory),
+        f"training FLOPs per token (seq {result.seq_len}): {result.flops_per_token:.3e}",
+    ])
+
+
+def _shape(shape: tuple[int, ...]) -> str:
+    return "x".join(map(str, shape))
+
+
+def _spec(spec: PartitionSpec) -> str:
+    return "[" + ", ".join("None" if axes is None else "+".join(axes) for axes in spec) + "]"
+
+
+@dataclass
+class PlanOptions:
+    """The command-line options that size the plan but are not part of the experiment config."""
+
+    batch: int = 1
+    seq_len: Optional[int] = None
+    remat: Remat = Remat.none
+    devices: Optional[int] = None
+
+
+def _positive_int(key: str) -> Callable[[str], int]:
+    def parse(value: str) -> int:
+        if not value.isdigit() or int(value) <= 0:
+            raise ConfigError(key, value, "a positive integer")
+        return int(value)
+    return parse
+
+
+def _remat(value: str) -> Remat:
+    try:
+        return Remat(value)
+    except ValueError:
+        raise ConfigError("remat", value, f"one of {[r.value for r in Remat]}") from None
+
+
+_OPTION_PARSERS: dict[str, Callable[[str], Any]] = {
+    "batch": _positive_int("batch"),
+    "seq_len": _positive_int("seq_len"),
+    "remat": _remat,
+    "devices": _positive_int("devices"),
+}
+
+
+def split_plan_options(argv: Sequence[str]) -> tuple[list[str], PlanOptions]:
+    """Separate the plan-only ``key=value`` options from the config overrides."""
+    overrides, options = [], PlanOptions()
+    for arg in argv:
+        key, _, value = arg.partition("=")
+        if key in _OPTION_PARSERS:
+            setattr(options, key, _OPTION_PARSERS[key](value))
+        else:
+            overrides.append(arg)
+    return overrides, options
+
+
+def load_plan_inputs(overrides: Sequence[str], devices: Optional[int] = None) -> tuple[TrainConfig, dict[str, int]]:
+    """Compose and validate the config as ``axtorch-train`` would, and resolve its mesh.
+
+    The train-time checks assume the single backend's one-device mesh, so the mesh is set aside
+    while they run and resolved here against ``devices`` (default: the product of its axes).
+    """
+    cfg = compose_train_config(overrides)
+    mesh: MeshConfig = OmegaConf.to_object(cfg.mesh)
+    cfg.mesh = MeshConfig()
+    config = to_train_config(cfg)
+    config.mesh = mesh
+    if devices is None:
+        inferred = [axis for axis in MESH_AXES if getattr(mesh, axis) == -1]
+        if inferred:
+            raise ConfigError("devices", None, "the device count", reason=f"mesh.{inferred[0]}=-1 is inferred from it")
+        devices = math.prod(getattr(mesh, axis) for axis in MESH_AXES)
+    return config, mesh.resolve(devices, "mesh")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Entry point of ``axtorch-plan``; returns 2 on a configuration error."""
+    argv = sys.argv[1:] if argv is None else argv
+    if any(arg in ("-h", "--help") for arg in argv):
+        print(__doc__)
+        return 0
+    try:
+        overrides, options = split_plan_options(argv)
+        config, mesh_sizes = load_plan_inputs(overrides, options.devices)
+        result = plan(config, mesh_sizes, options.batch, options.seq_len, options.remat)
+    except ConfigError as error:
+        print(f"axtorch-plan: {error}", file=sys.stderr)
+        return 2
+    print(format_plan(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

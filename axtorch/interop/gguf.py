@@ -1,0 +1,175 @@
+"""Load llama.cpp GGUF files of the ``llama`` architecture: model, config and tokenizer.
+
+A GGUF file is translated into the HF Llama representation (config dict, parameter names,
+rotate-half Q/K rows) and built by ``hf_llama``, so one code path maps onto axtorch. What GGUF
+adds is undone here: quantised blocks are dequantised (``gguf.quants.dequantize``), shapes are
+stored innermost-first, and llama.cpp reorders Q/K rows for its interleaved RoPE.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import TYPE_CHECKING, Any, Iterator
+
+import tokenizers
+import torch
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+
+from axtorch.data.tokenizer import Tokenizer
+from axtorch.interop.hf_llama import llama_config_from_hf, llama_model_from_hf_tensors
+from axtorch.models.causal_lm import CausalLM, CausalLMConfig
+
+if TYPE_CHECKING:
+    from gguf import GGUFReader
+
+_LAYER_TENSOR = re.compile(r"blk\.(?P<i>\d+)\.(?P<name>\w+)\.(?P<suffix>weight|bias)$")
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+#: ``tokenizer.ggml.pre`` -> pre-tokenizers that run before GPT-2's byte-level regex split, as in
+#: llama.cpp (``smollm`` splits every digit off first; HF SmolLM2 uses the same ``Digits`` step).
+_PRE_TOKENIZERS = {
+    "gpt-2": lambda: [],
+    "smollm": lambda: [pre_tokenizers.Digits(individual_digits=True)],
+}
+
+_REQUIRED = object()
+
+
+def from_gguf(
+    path: str | os.PathLike[str], dtype: torch.dtype = torch.float32
+) -> tuple[CausalLM, CausalLMConfig, Tokenizer]:
+    """Load a ``general.architecture == "llama"`` GGUF file with its byte-level BPE tokenizer.
+
+    Weights are dequantised to float32, then cast to ``dtype``. Raises ``ValueError`` for
+    anything axtorch cannot represent (other architectures, RoPE scaling, experts, tokenizer kinds).
+    """
+    try:
+        from gguf import GGUFReader
+    except ImportError as error:
+        raise ImportError("from_gguf needs the gguf package: pip install 'gguf>=0.10'") from error
+    reader = GGUFReader(path)
+    architecture = _metadata(reader, "general.architecture")
+    if architecture != "llama":
+        raise ValueError(f"{path}: GGUF general.architecture={architecture!r} is not supported; only 'llama'")
+    config = llama_config_from_hf(_hf_config(reader))
+    tokenizer = _tokenizer(reader)
+    attention = config.decoder.layer.attention
+    tensors = _hf_tensors(reader, attention.num_heads, attention.resolved_kv_heads())
+    return llama_model_from_hf_tensors(config, tensors, dtype), config, tokenizer
+
+
+def _metadata(reader: GGUFReader, key: str, default: Any = _REQUIRED) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        if default is _REQUIRED:
+            raise ValueError(f"GGUF metadata {key} is missing")
+        return default
+    return field.contents()
+
+
+def _hf_config(reader: GGUFReader) -> dict[str, Any]:
+    """The HF ``config.json`` dict equal in function to the GGUF's ``llama.*`` metadata."""
+    rope_scaling = _metadata(reader, "llama.rope.scaling.type", "none")
+    if rope_scaling != "none":
+        raise ValueError(f"GGUF llama.rope.scaling.type={rope_scaling!r} is not supported: only unscaled RoPE")
+    experts = _metadata(reader, "llama.expert_count", 0)
+    if experts:
+        raise ValueError(f"GGUF llama.expert_count={experts} is not supported: no mixture-of-experts layers yet")
+    dim = _metadata(reader, "llama.embedding_length")
+    num_heads = _metadata(reader, "llama.attention.head_count")
+    head_dim = _metadata(reader, "llama.attention.key_length", dim // num_heads)
+    rotary_dim = _metadata(reader, "llama.rope.dimension_count", head_dim)
+    if rotary_dim != head_dim:
+        raise ValueError(
+            f"GGUF llama.rope.dimension_count={rotary_dim} is not supported: RoPE must rotate the whole head ({head_dim})"
+        )
+    tensor_names = {tensor.name for tensor in reader.tensors}
+    return {
+        "model_type": "llama",
+        "vocab_size": len(_metadata(reader, "tokenizer.ggml.tokens")),
+        "hidden_size": dim,
+        "intermediate_size": _metadata(reader, "llama.feed_forward_length"),
+        "num_hidden_layers": _metadata(reader, "llama.block_count"),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": _metadata(reader, "llama.attention.head_count_kv", num_heads),
+        "head_dim": head_dim,
+        "max_position_embeddings": _metadata(reader, "llama.context_length"),
+        "rms_norm_eps": _metadata(reader, "llama.attention.layer_norm_rms_epsilon"),
+        "rope_theta": _metadata(reader, "llama.rope.freq_base", 10000.0),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+    }
+
+
+def _hf_name(gguf_name: str) -> str:
+    match = _LAYER_TENSOR.match(gguf_name)
+    if match and match["name"] in _LAYER_NAMES:
+        return f"model.layers.{match['i']}.{_LAYER_NAMES[match['name']]}.{match['suffix']}"
+    stem, _, suffix = gguf_name.rpartition(".")
+    if stem in _GLOBAL_NAMES and suffix in ("weight", "bias"):
+        return f"{_GLOBAL_NAMES[stem]}.{suffix}"
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no counterpart in a plain Llama model")
+
+
+def _halves_from_interleaved(rows: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row order: per head [x0, y0, x1, y1, ...] -> HF's [x0, x1, ..., y0, y1, ...]."""
+    head_dim = rows.shape[0] // num_heads
+    return rows.reshape(num_heads, head_dim // 2, 2, *rows.shape[1:]).transpose(1, 2).reshape(rows.shape)
+
+
+def _hf_tensors(reader: GGUFReader, num_heads: int, num_kv_heads: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF-named float32 tensors in HF layout, dequantised one at a time."""
+    from gguf.quants import dequantize
+
+    for tensor in reader.tensors:
+        name = _hf_name(tensor.name)
+        values = dequantize(tensor.data, tensor.tensor_type)
+        if not values.flags.writeable:  # unquantised data is a read-only view of the memory map
+            values = values.copy()
+        weight = torch.from_numpy(values).reshape(tuple(int(n) for n in reversed(tensor.shape)))
+        if ".q_proj." in name:
+            weight = _halves_from_interleaved(weight, num_heads)
+        elif ".k_proj." in name:
+            weight = _halves_from_interleaved(weight, num_kv_heads)
+        yield name, weight
+
+
+def _tokenizer(reader: GGUFReader) -> Tokenizer:
+    """The GGUF's byte-level BPE (``tokenizer.ggml.model == "gpt2"``) as a ``tokenizers`` tokenizer."""
+    from gguf import TokenType
+
+    kind = _metadata(reader, "tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ValueError(f"GGUF tokenizer.ggml.model={kind!r} is not supported; only 'gpt2' (byte-level BPE)")
+    pre = _metadata(reader, "tokenizer.ggml.pre", "gpt-2")
+    if pre not in _PRE_TOKENIZERS:
+        raise ValueError(f"GGUF tokenizer.ggml.pre={pre!r} is not supported; supported: {sorted(_PRE_TOKENIZERS)}")
+    tokens = _metadata(reader, "tokenizer.ggml.tokens")
+    types = _metadata(reader, "tokenizer.ggml.token_type", [TokenType.NORMAL] * len(tokens))
+    merges = [tuple(merge.split(" ", 1)) for merge in _metadata(reader, "tokenizer.ggml.merges")]
+
+    inner = tokenizers.Tokenizer(models.BPE({token: i for i, token in enumerate(tokens)}, merges))
+    inner.pre_tokenizer = pre_tokenizers.Sequence(
+        [*_PRE_TOKENIZERS[pre](), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+    )
+    inner.decoder = decoders.ByteLevel()
+    # Control tokens (<|im_start|>, ...) must match whole in text, never be split by BPE.
+    inner.add_special_tokens(
+        [AddedToken(token, special=True, normalized=False) for token, kind in zip(tokens, types) if kind == TokenType.CONTROL]
+    )
+    inner.add_tokens(
+        [AddedToken(token, normalized=False) for token, kind in zip(tokens, types) if kind == TokenType.USER_DEFINED]
+    )
+    return Tokenizer(inner, eos_token=tokens[_metadata(reader, "tokenizer.ggml.eos_token_id")])

@@ -1,0 +1,111 @@
+"""Read and write Hugging Face checkpoint directories (``config.json`` + safetensors) for Llama-family models.
+
+The name and config mapping lives in ``hf_llama``; this module is the file layer: single-file
+and sharded safetensors, streamed one tensor at a time so that loading never holds a model twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from axtorch.interop.hf_llama import (
+    axtorch_to_hf_name,
+    llama_config_from_hf,
+    llama_config_to_hf,
+    llama_model_from_hf_tensors,
+)
+from axtorch.models.causal_lm import CausalLM, CausalLMConfig
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+#: transformers' default ``max_shard_size`` ("5GB").
+DEFAULT_MAX_SHARD_BYTES = 5_000_000_000
+
+
+def from_hf(directory: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> tuple[CausalLM, CausalLMConfig]:
+    """Load a HF Llama, Mistral (no sliding window) or Qwen2 checkpoint directory.
+
+    Tensors are read in the checkpoint's dtype and cast to ``dtype``. Raises ``ValueError`` for a
+    model type or config feature axtorch cannot represent.
+    """
+    directory = Path(directory)
+    config = llama_config_from_hf(json.loads((directory / CONFIG_FILE).read_text()))
+    return llama_model_from_hf_tensors(config, _read_safetensors(directory), dtype), config
+
+
+def _weight_files(directory: Path) -> list[Path]:
+    index = directory / WEIGHTS_INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [directory / name for name in sorted(set(weight_map.values()))]
+    if (directory / WEIGHTS_FILE).is_file():
+        return [directory / WEIGHTS_FILE]
+    raise FileNotFoundError(f"{directory} has neither {WEIGHTS_FILE} nor {WEIGHTS_INDEX_FILE} (only safetensors are read)")
+
+
+def _read_safetensors(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in _weight_files(directory):
+        with safe_open(path, framework="pt") as file:
+            for name in file.keys():
+                yield name, file.get_tensor(name)
+
+
+def to_hf(
+    model: CausalLM,
+    directory: str | os.PathLike[str],
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> None:
+    """Write ``model`` as a ``LlamaForCausalLM`` checkpoint that ``transformers`` loads as is.
+
+    ``dtype`` defaults to the model's. Weights over ``max_shard_bytes`` are split into
+    ``model-0000i-of-0000n.safetensors`` files plus an index. An earlier export in ``directory``
+    is replaced. Raises ``ValueError`` (before writing anything) if Llama cannot express the model.
+    """
+    hf_config = llama_config_to_hf(model.config)
+    dtype = dtype or next(model.parameters()).dtype
+    hf_config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    state = {axtorch_to_hf_name(name): tensor for name, tensor in model.state_dict().items()}
+    shards = _plan_shards(state, dtype.itemsize, max_shard_bytes)
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    for stale in [directory / WEIGHTS_FILE, directory / WEIGHTS_INDEX_FILE, *directory.glob("model-*-of-*.safetensors")]:
+        stale.unlink(missing_ok=True)
+    names = [WEIGHTS_FILE] if len(shards) == 1 else [
+        f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)
+    ]
+    for file_name, shard in zip(names, shards):
+        tensors = {name: state[name].detach().to(device="cpu", dtype=dtype).contiguous() for name in shard}
+        save_file(tensors, directory / file_name, metadata={"format": "pt"})
+    if len(shards) > 1:
+        index = {
+            "metadata": {"total_size": sum(t.numel() for t in state.values()) * dtype.itemsize},
+            "weight_map": {name: file_name for file_name, shard in zip(names, shards) for name in shard},
+        }
+        (directory / WEIGHTS_INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    (directory / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
+
+
+def _plan_shards(state: dict[str, torch.Tensor], itemsize: int, max_shard_bytes: int) -> list[list[str]]:
+    """Consecutive groups of names, each at most ``max_shard_bytes`` unless one tensor alone is larger."""
+    if max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+    shards: list[list[str]] = [[]]
+    shard_bytes = 0
+    for name, tensor in state.items():
+        size = tensor.numel() * itemsize
+        if shards[-1] and shard_bytes + size > max_shard_bytes:
+            shards.append([])
+            shard_bytes = 0
+        shards[-1].append(name)
+        shard_bytes += size
+    return shards

@@ -1,0 +1,43 @@
+"""What the trainer needs from a backend: a device, the data-parallel slice, and reductions.
+
+The trainer is written once against this interface; ``single`` implements it trivially and the
+distributed backends implement it over a device mesh. Layers never see a backend.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Protocol
+
+import torch
+from torch import nn
+
+
+class Backend(Protocol):
+    #: Where this process computes.
+    device: torch.device
+    #: This process among all of the job's processes.
+    rank: int
+    world_size: int
+    #: Index and count of the data-parallel replicas that take different rows of a batch.
+    data_parallel_rank: int
+    data_parallel_size: int
+    #: Whether this process writes the run directory's shared files (config, metrics, plots).
+    is_main_process: bool
+
+    def parallelize(self, model: nn.Module) -> nn.Module:
+        """Place (and shard) the model; returns the module to train."""
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum over the data-parallel replicas (identity on one device)."""
+
+    def clip_grad_norm(self, parameters: list[nn.Parameter], max_norm: Optional[float]) -> torch.Tensor:
+        """Clip gradients in place to a global L2 norm (None: no clipping); return the norm before clipping."""
+
+    def barrier(self) -> None:
+        """Wait for every process."""
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every process's ``obj``, in rank order, on every process."""
+
+    def close(self) -> None:
+        """Release communicators."""

@@ -1,0 +1,167 @@
+"""The ``native`` backend: torch.distributed over a DeviceMesh built from the mesh config.
+
+Sharding comes from the resolved parameter specs (``axtorch.parallel.rules``), applied from outside
+the model:
+
+- tensor parallelism over ``model``: a linear whose weight splits its output dim over ``model`` is
+  column-parallel (replicated input, output left split over features), one that splits its input
+  dim is row-parallel (split input, partial sums all-reduced); an embedding split over the vocab
+  is a vocab-parallel lookup. A column-parallel projection at the model's top level (the LM head)
+  gathers its output, since the loss needs whole logits.
+- FSDP2 (``fully_shard``) over ``data`` x ``fsdp``: each transformer layer and the root are
+  sharded on the dimension the spec assigns to ``fsdp`` (HSDP: replicated over ``data``).
+
+Runs under ``torchrun`` with gloo on CPU and NCCL on CUDA; ``device_type`` may name another
+accelerator with a torch.distributed backend (e.g. TorchNeuron's native device).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+
+from axtorch.config.errors import ConfigError
+from axtorch.parallel.mesh import MeshConfig
+from axtorch.parallel.rules import PartitionSpec, ShardingConfig, resolve_parameter_specs
+
+_UNSUPPORTED_AXES = ("seq", "expert")
+
+
+class NativeBackend:
+    def __init__(self, mesh: MeshConfig, sharding: ShardingConfig, device_type: str = "cpu"):
+        if not dist.is_initialized():
+            dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
+        self.sizes = mesh.resolve(dist.get_world_size(), "mesh")
+        for axis in _UNSUPPORTED_AXES:
+            if self.sizes[axis] != 1:
+                raise ConfigError(f"mesh.{axis}", self.sizes[axis], "1 (the native backend has no "
+                                  f"{axis} parallelism yet)")
+        if device_type == "cpu":
+            self.device = torch.device("cpu")
+        else:
+            self.device = torch.device(device_type, int(os.environ.get("LOCAL_RANK", 0)))
+            getattr(torch, device_type).set_device(self.device)
+        self.sharding = sharding
+        self.mesh: DeviceMesh = init_device_mesh(device_type, tuple(self.sizes.values()), mesh_dim_names=tuple(self.sizes))
+        coordinate = dict(zip(self.sizes, self.mesh.get_coordinate()))
+        self.data_parallel_size = self.sizes["data"] * self.sizes["fsdp"]
+        self.data_parallel_rank = coordinate["data"] * self.sizes["fsdp"] + coordinate["fsdp"]
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.is_main_process = self.rank == 0
+
+    # -------------------------------------------------------------------------------- sharding
+
+    def parallelize(self, model: nn.Module) -> nn.Module:
+        specs = resolve_parameter_specs(
+            {name: tuple(p.shape) for name, p in model.named_parameters()}, self.sharding, self.sizes
+        )
+        if self.sizes["model"] > 1:
+            self._apply_tensor_parallel(model, specs)
+        if self.data_parallel_size > 1:
+            self._apply_fsdp(model, specs)
+        return model
+
+    def _apply_tensor_parallel(self, model: nn.Module, specs: dict[str, PartitionSpec]) -> None:
+        tp_mesh = self.mesh["model"]
+        for module_name, module in model.named_modules():
+            weight_spec = specs.get(f"{module_name}.weight") if module_name else None
+            if weight_spec is None or not any(axes and "model" in axes for axes in weight_spec):
+                continue
+            dim = next(i for i, axes in enumerate(weight_spec) if axes and "model" in axes)
+            is_embedding = isinstance(getattr(module, "weight", None), nn.Parameter) and hasattr(module, "attend")
+            if is_embedding and getattr(model.config, "tie_embeddings", False):
+                raise ConfigError("model.tie_embeddings", True, "false with tensor parallelism over mesh.model",
+                                  reason="a tied, vocab-parallel table cannot also serve as the output head yet")
+            if is_embedding:
+                _distribute(module, tp_mesh, weight_dim=dim, bias=None, inputs=Replicate(), outputs=Replicate())
+            elif dim == 0:  # column-parallel
+                gather = "." not in module_name  # a top-level head: the loss needs whole logits
+                _distribute(module, tp_mesh, weight_dim=0, bias=Shard(0), inputs=Replicate(),
+                            outputs=Replicate() if gather else Shard(-1))
+            else:  # row-parallel
+                _distribute(module, tp_mesh, weight_dim=1, bias=Replicate(), inputs=Shard(-1), outputs=Replicate())
+
+    def _apply_fsdp(self, model: nn.Module, specs: dict[str, PartitionSpec]) -> None:
+        dp_mesh = self.mesh["data", "fsdp"] if self.sizes["data"] > 1 else self.mesh["fsdp"]
+        dims = {}
+        for name, param in model.named_parameters():
+            spec = specs[name]
+            dims[param] = next((i for i, axes in enumerate(spec) if axes and "fsdp" in axes), 0)
+
+        def placement(param: nn.Parameter) -> Shard:
+            return Shard(dims.get(param, 0))
+
+        for layer in model.decoder.layers:
+            fully_shard(layer, mesh=dp_mesh, shard_placement_fn=placement)
+        fully_shard(model, mesh=dp_mesh, shard_placement_fn=placement)
+
+    # ------------------------------------------------------------------------------ reductions
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum over the data-parallel replicas.
+
+        Reduced over the whole world, then divided by the tensor-parallel degree: the peers of a
+        replica hold identical values, so the quotient is exact for counts.
+        """
+        if dist.get_world_size() == 1:
+            return tensor
+        reduced = tensor.clone()
+        dist.all_reduce(reduced)
+        return reduced // self.sizes["model"] if not reduced.is_floating_point() else reduced / self.sizes["model"]
+
+    def clip_grad_norm(self, parameters: list[nn.Parameter], max_norm: Optional[float]) -> torch.Tensor:
+        """Global L2 norm over every shard of every gradient, then in-place clipping."""
+        grads = [p.grad for p in parameters if p.grad is not None]
+        squares = torch.zeros((), dtype=torch.float64, device=self.device)
+        for grad in grads:
+            norm = torch.linalg.vector_norm(grad.float())
+            norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+            squares += norm.double() ** 2
+        total = squares.sqrt()
+        if max_norm is not None and math.isfinite(max_norm):
+            scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
+            for grad in grads:
+                grad.mul_(scale.to(grad.dtype))
+        return total.float()
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, obj)
+        return gathered
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _distribute(module: nn.Module, mesh: DeviceMesh, *, weight_dim: int, bias, inputs, outputs) -> None:
+    """Shard ``module``'s weight (and bias) over ``mesh`` and convert its tensor input/output."""
+
+    def partition(name: str, mod: nn.Module, device_mesh: DeviceMesh) -> None:
+        for param_name, param in list(mod.named_parameters(recurse=False)):
+            placement = Shard(weight_dim) if param_name == "weight" else bias
+            mod.register_parameter(param_name, nn.Parameter(distribute_tensor(param, device_mesh, [placement])))
+
+    def prepare_input(mod, args, device_mesh):
+        (x,) = args
+        return DTensor.from_local(x, device_mesh, [inputs], run_check=False)
+
+    def prepare_output(mod, output, device_mesh):
+        if output.placements[0] != outputs:
+            output = output.redistribute(device_mesh, [outputs])
+        return output.to_local()
+
+    distribute_module(module, mesh, partition, prepare_input, prepare_output)
+

@@ -1,0 +1,91 @@
+"""Pieces of (possibly distributed) tensors: which block a process owns, and reassembly of any block.
+
+A checkpoint stores every tensor as one or more pieces, each a block of the global tensor at some
+offsets. A process saving a DTensor writes only its local block, and only if it is the first
+replica of that block; a process loading reads exactly the block its target layout needs, from
+whichever stored pieces overlap it. So a checkpoint written under one mesh loads under any other,
+and no process ever holds more than its own share.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from safetensors import safe_open
+
+try:  # torch.distributed is optional (e.g. some macOS builds)
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+except ImportError:  # pragma: no cover
+    DTensor = None
+
+
+@dataclass
+class Piece:
+    tensor: torch.Tensor  # the block's values
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+
+
+def is_distributed(tensor: torch.Tensor) -> bool:
+    return DTensor is not None and isinstance(tensor, DTensor)
+
+
+def local_region(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(shape, offsets) of the block of the global tensor that this process holds."""
+    if is_distributed(tensor):
+        return compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    return tuple(tensor.shape), (0,) * tensor.dim()
+
+
+def owned_piece(tensor: torch.Tensor, rank: int) -> Optional[Piece]:
+    """This process's block if it is the one to store it (first replica), else None."""
+    if is_distributed(tensor):
+        coordinate = tensor.device_mesh.get_coordinate()
+        if coordinate is None or any(
+            isinstance(p, Replicate) and c != 0 for p, c in zip(tensor.placements, coordinate)
+        ):
+            return None
+        local = tensor.to_local()
+    elif rank != 0:
+        return None
+    else:
+        local = tensor
+    shape, offsets = local_region(tensor)
+    return Piece(local.detach().to("cpu", copy=True).contiguous(), tuple(tensor.shape), tuple(offsets))
+
+
+def read_block(
+    directory: Path, entry: dict[str, Any], name: str, shape: tuple[int, ...], offsets: tuple[int, ...]
+) -> torch.Tensor:
+    """The block ``[offsets, offsets + shape)`` of tensor ``name``, assembled from its stored pieces."""
+    block: Optional[torch.Tensor] = None
+    covered = 0
+    for piece in entry["pieces"]:
+        lows = [max(o, p) for o, p in zip(offsets, piece["offsets"])]
+        highs = [min(o + s, p + ps) for o, s, p, ps in zip(offsets, shape, piece["offsets"], piece["shape"])]
+        if any(lo >= hi for lo, hi in zip(lows, highs)):
+            continue
+        with safe_open(directory / piece["file"], framework="pt") as handle:
+            stored = handle.get_slice(name)
+            values = stored[tuple(slice(lo - p, hi - p) for lo, hi, p in zip(lows, highs, piece["offsets"]))]
+        if block is None:
+            block = torch.empty(shape, dtype=values.dtype)
+        block[tuple(slice(lo - o, hi - o) for lo, hi, o in zip(lows, highs, offsets))] = values
+        covered += values.numel()
+    if block is None or covered < block.numel():
+        raise ValueError(f"checkpoint pieces of {name} do not cover block {offsets}+{shape}")
+    return block
+
+
+def load_into(target: torch.Tensor, directory: Path, entry: dict[str, Any], name: str) -> None:
+    """Copy the stored values of ``name`` into ``target``'s local block, in place."""
+    if tuple(entry["shape"]) != tuple(target.shape):
+        raise ValueError(f"{name}: checkpoint shape {tuple(entry['shape'])} != model shape {tuple(target.shape)}")
+    shape, offsets = local_region(target)
+    local = target.to_local() if is_distributed(target) else target
+    with torch.no_grad():
+        local.copy_(read_block(directory, entry, name, tuple(shape), tuple(offsets)))

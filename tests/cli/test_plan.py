@@ -1,0 +1,92 @@
+"""``axtorch-plan`` sizes a sharded model per device from its config alone, in seconds."""
+
+import math
+import time
+
+import pytest
+
+from axtorch.cli.plan import Remat, load_plan_inputs, main, plan, split_plan_options
+from axtorch.config.errors import ConfigError
+from axtorch.train.flops import transformer_flops_per_token
+
+LLAMA3_70B_ON_256 = ["model=llama3_70b", "mesh.fsdp=32", "mesh.model=8", "sharding=fsdp_tp"]
+
+
+@pytest.fixture(scope="module")
+def llama3_70b():
+    start = time.perf_counter()
+    config, mesh_sizes = load_plan_inputs(LLAMA3_70B_ON_256)
+    result = plan(config, mesh_sizes, batch_size=1, seq_len=8192)
+    return config, result, time.perf_counter() - start
+
+
+def test_70b_on_256_devices_splits_every_matrix_256_ways(llama3_70b):
+    config, result, seconds = llama3_70b
+    assert seconds < 30
+    assert result.num_devices == 256
+    dim, layers = config.model.dim, config.model.decoder.num_layers
+    replicated_norms = (2 * layers + 1) * dim
+    expected = 4 * ((result.total_parameters - replicated_norms) // 256 + replicated_norms)
+    assert result.parameter_bytes == expected
+    assert result.parameter_bytes == pytest.approx(4 * result.total_parameters / 256, rel=0.01)
+    assert result.gradient_bytes == result.parameter_bytes
+    assert result.optimizer_bytes == 2 * result.parameter_bytes
+
+
+def test_70b_rows_collapse_the_layers_and_show_the_shards(llama3_70b):
+    _, result, _ = llama3_70b
+    rows = {group.name: group for group in result.parameters}
+    q_proj = rows["decoder.layers.{0..79}.attention.q_proj.weight"]
+    assert (q_proj.count, q_proj.shape, q_proj.spec, q_proj.shard_shape) == (
+        80, (8192, 8192), (("model",), ("fsdp",)), (1024, 256)
+    )
+    assert rows["decoder.layers.{0..79}.feed_forward.down_proj.weight"].shard_shape == (256, 3584)
+    assert rows["lm_head.weight"].shard_shape == (16032, 256)
+    assert sum(group.count for group in result.parameters) == 2 + 9 * 80 + 1
+
+
+def test_70b_flops_and_activations(llama3_70b):
+    config, result, _ = llama3_70b
+    model = config.model
+    non_embedding = result.total_parameters - model.vocab_size * model.dim
+    assert result.flops_per_token == transformer_flops_per_token(
+        non_embedding, model.decoder.num_layers, model.dim, 8192, model.vocab_size, tied=False
+    )
+    # Korthikanti et al. with t=8 and fused attention (no stored scores): s*b*h*(10 + 24/8) bytes per layer.
+    per_layer = 8192 * 8192 * (10 + 3)
+    assert result.activation_bytes == round(80 * per_layer)
+    remat = plan(config, result.mesh_sizes, batch_size=1, seq_len=8192, remat=Remat.full)
+    assert remat.activation_bytes == round(80 * 2 * 8192 * 8192 + per_layer)
+    assert remat.parameter_bytes == result.parameter_bytes
+
+
+def test_mesh_that_does_not_divide_a_dimension_is_a_config_error():
+    config, mesh_sizes = load_plan_inputs(["model=llama3_8b", "mesh.fsdp=3", "sharding=fsdp"])
+    with pytest.raises(ConfigError) as info:
+        plan(config, mesh_sizes)
+    assert info.value.key == "sharding.parameters[0].spec"
+    assert "dim 0 has size 4096, not divisible by fsdp=3" in str(info.value)
+
+
+def test_inferred_axis_needs_the_device_count():
+    with pytest.raises(ConfigError) as info:
+        load_plan_inputs(["mesh.fsdp=-1"])
+    assert info.value.key == "devices"
+    _, mesh_sizes = load_plan_inputs(["mesh.fsdp=-1", "mesh.model=2"], devices=16)
+    assert mesh_sizes["fsdp"] == 8 and math.prod(mesh_sizes.values()) == 16
+
+
+def test_plan_options_are_split_from_the_overrides():
+    overrides, options = split_plan_options(["model=llama3_8b", "batch=4", "seq_len=2048", "remat=full", "devices=8"])
+    assert overrides == ["model=llama3_8b"]
+    assert (options.batch, options.seq_len, options.remat, options.devices) == (4, 2048, Remat.full, 8)
+    with pytest.raises(ConfigError, match="remat"):
+        split_plan_options(["remat=some"])
+
+
+def test_command_prints_the_plan_and_exits_2_on_a_bad_mesh(capsys):
+    assert main(LLAMA3_70B_ON_256) == 0
+    out = capsys.readouterr().out
+    assert "(256 devices)" in out and "decoder.layers.{0..79}.attention.q_proj.weight" in out
+    assert main(["sharding=fsdp", "mesh.fsdp=5"]) == 2
+    assert "not divisible by fsdp=5" in capsys.readouterr().err

@@ -1,0 +1,146 @@
+"""``from_gguf`` on small GGUF files written here the way llama.cpp's converter writes them.
+
+Each file comes from a random HF Llama, so HF's logits are the oracle for the GGUF layout (Q/K
+row order, reversed shapes, quantised blocks, absent ``output`` when tied); the SmolLM2 test
+checks the same against a real file and transformers' own GGUF loader.
+"""
+
+import numpy as np
+import pytest
+import torch
+from tokenizers import pre_tokenizers
+
+gguf = pytest.importorskip("gguf")
+transformers = pytest.importorskip("transformers")
+
+from axtorch.interop import from_gguf
+from axtorch.models import CausalLMInput
+
+MERGES = ["h e", "l l"]
+TOKENS = [*sorted(pre_tokenizers.ByteLevel.alphabet()), "he", "ll", "<|endoftext|>", "<|user|>"]
+SHAPE = dict(
+    vocab_size=len(TOKENS), hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, rope_theta=5000.0, rms_norm_eps=1e-5, max_position_embeddings=64,
+)
+#: HF parameter name (layer part) -> GGUF tensor name, written independently of axtorch's table.
+GGUF_NAMES = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+}
+Q8_0 = gguf.GGMLQuantizationType.Q8_0
+
+
+def _gguf_name(hf_name: str) -> str:
+    globals_ = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight"}
+    if hf_name in globals_:
+        return globals_[hf_name]
+    _, _, layer, *rest = hf_name.split(".")
+    return f"blk.{layer}.{GGUF_NAMES['.'.join(rest[:-1])]}.{rest[-1]}"
+
+
+def _llama_cpp_rows(rows: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter: per head, HF's rotate-half halves become interleaved pairs."""
+    return rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def _hf_model(tie: bool):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**SHAPE, tie_word_embeddings=tie)
+    config._attn_implementation = "sdpa"
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # HF initialises norms to 1: perturb so they are tested
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(0.1 * torch.randn_like(param))
+    return model
+
+
+def _write_gguf(path, hf_model, *, quantized=(), architecture="llama", tokenizer_model="gpt2", pre="gpt-2",
+                rope_scaling=None, extra_tensors=()):
+    """Write ``hf_model`` as llama.cpp would; names in ``quantized`` are stored as Q8_0 (HF weights updated to match)."""
+    config = hf_model.config
+    writer = gguf.GGUFWriter(path, architecture)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(SHAPE["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    if rope_scaling is not None:
+        writer.add_rope_scaling_type(rope_scaling)
+    writer.add_tokenizer_model(tokenizer_model)
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(TOKENS)
+    writer.add_token_types([gguf.TokenType.NORMAL] * (len(TOKENS) - 2) + [gguf.TokenType.CONTROL] * 2)
+    writer.add_token_merges(MERGES)
+    writer.add_eos_token_id(TOKENS.index("<|endoftext|>"))
+    for name, param in hf_model.state_dict().items():
+        if config.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        values = param.detach().numpy()
+        if name in quantized:
+            stored = gguf.quants.quantize(values, Q8_0)
+            with torch.no_grad():  # the oracle sees what the file holds
+                param.copy_(torch.from_numpy(gguf.quants.dequantize(stored, Q8_0)))
+            values = param.detach().numpy()
+        heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}.get(name.split(".")[-2])
+        if heads:
+            values = _llama_cpp_rows(values, heads)
+        if name in quantized:
+            writer.add_tensor(_gguf_name(name), gguf.quants.quantize(values, Q8_0), raw_dtype=Q8_0)
+        else:
+            writer.add_tensor(_gguf_name(name), np.ascontiguousarray(values))
+    for name, values in extra_tensors:
+        writer.add_tensor(name, values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_logits_equal_hf_llama(tie, tmp_path):
+    hf_model = _hf_model(tie)
+    quantized = ("model.layers.0.mlp.down_proj.weight", "model.layers.1.self_attn.q_proj.weight")
+    path = _write_gguf(tmp_path / "model.gguf", hf_model, quantized=quantized)
+
+    model, config, _ = from_gguf(path)
+
+    assert config.tie_embeddings == tie
+    assert config.decoder.layer.attention.position.theta == SHAPE["rope_theta"]
+    ids = torch.randint(0, len(TOKENS), (2, 17), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = hf_model(input_ids=ids).logits
+        actual = model(CausalLMInput(input_ids=ids)).logits
+    torch.testing.assert_close(actual, expected, rtol=0, atol=1e-5)
+
+
+def test_tokenizer_keeps_control_tokens_whole_and_decodes_exactly(tmp_path):
+    _, _, tokenizer = from_gguf(_write_gguf(tmp_path / "model.gguf", _hf_model(tie=True)))
+
+    text = "héllo <|user|> wörld"
+    ids = tokenizer.encode(text)
+    assert TOKENS.index("<|user|>") in ids and TOKENS.index("ll") in ids  # whole control token; merges applied
+    assert tokenizer.decode(ids) == text
+    assert tokenizer.eos_token == "<|endoftext|>" and tokenizer.vocab_size == len(TOKENS)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (dict(architecture="qwen2"), "general.architecture='qwen2'"),
+        (dict(rope_scaling=gguf.RopeScalingType.LINEAR), "llama.rope.scaling.type='linear'"),
+        (dict(tokenizer_model="llama"), "tokenizer.ggml.model='llama'"),
+        (dict(pre="llama-bpe"), "tokenizer.ggml.pre='llama-bpe'"),
+        (dict(extra_tensors=[("rope_freqs.weight", np.ones(8, dtype=np.float32))]), "'rope_freqs.weight'"),
+    ],
+)
+def test_refuses_what_axtorch_cannot_represent(options, message, tmp_path):
+    path = _write_gguf(tmp_path / "model.gguf", _hf_model(tie=True), **options)
+    with pytest.raises(ValueError, match=message.replace(".", r"\.")):
+        from_gguf(path)
