@@ -19,6 +19,8 @@ class Backend(enum.Enum):
     single = "single"
     #: torch.distributed under torchrun: FSDP2 and DTensor tensor parallelism over the mesh.
     native = "native"
+    #: torch_xla SPMD: TPU, torch-neuronx, or CPU virtual devices.
+    xla = "xla"
 
 
 @dataclass

@@ -15,17 +15,28 @@ from torch import nn
 class Backend(Protocol):
     #: Where this process computes.
     device: torch.device
+    #: Where parameters are materialised and initialised before ``parallelize`` places them.
+    init_device: torch.device
     #: This process among all of the job's processes.
     rank: int
     world_size: int
     #: Index and count of the data-parallel replicas that take different rows of a batch.
     data_parallel_rank: int
     data_parallel_size: int
+    #: Gradients arrive divided by this (data-parallel averaging); the trainer scales the loss by it
+    #: so that the loss, already divided by the global token count, yields summed gradients.
+    gradient_divisor: int
     #: Whether this process writes the run directory's shared files (config, metrics, plots).
     is_main_process: bool
 
     def parallelize(self, model: nn.Module) -> nn.Module:
         """Place (and shard) the model; returns the module to train."""
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Create or place optimizer state where the backend needs it before the first step."""
+
+    def end_step(self) -> None:
+        """Mark the end of a training step (XLA compiles and runs the step's graph here)."""
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum over the data-parallel replicas (identity on one device)."""

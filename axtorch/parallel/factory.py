@@ -22,4 +22,8 @@ def build_backend(config: TrainConfig) -> Backend:
         from axtorch.parallel.native import NativeBackend  # torch.distributed only when asked for
 
         return NativeBackend(config.mesh, config.sharding, native_device_type(config.trainer.device))
+    if config.backend is BackendName.xla:
+        from axtorch.parallel.xla import XlaBackend  # torch_xla only when asked for
+
+        return XlaBackend(config.mesh, config.sharding)
     return SingleDeviceBackend(resolve_device(config.trainer.device))

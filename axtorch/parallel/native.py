@@ -49,11 +49,13 @@ class NativeBackend:
         else:
             self.device = torch.device(device_type, int(os.environ.get("LOCAL_RANK", 0)))
             getattr(torch, device_type).set_device(self.device)
+        self.init_device = self.device
         self.sharding = sharding
         self.mesh: DeviceMesh = init_device_mesh(device_type, tuple(self.sizes.values()), mesh_dim_names=tuple(self.sizes))
         coordinate = dict(zip(self.sizes, self.mesh.get_coordinate()))
         self.data_parallel_size = self.sizes["data"] * self.sizes["fsdp"]
         self.data_parallel_rank = coordinate["data"] * self.sizes["fsdp"] + coordinate["fsdp"]
+        self.gradient_divisor = 1
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.is_main_process = self.rank == 0
@@ -103,6 +105,9 @@ class NativeBackend:
         for layer in model.decoder.layers:
             fully_shard(layer, mesh=dp_mesh, shard_placement_fn=placement)
         fully_shard(model, mesh=dp_mesh, shard_placement_fn=placement)
+        # FSDP averages gradients over the replicas (a custom divide factor needs PREMUL_SUM,
+        # which gloo lacks); the trainer cancels the average by scaling the loss.
+        self.gradient_divisor = self.data_parallel_size
 
     # ------------------------------------------------------------------------------ reductions
 
@@ -132,6 +137,12 @@ class NativeBackend:
             for grad in grads:
                 grad.mul_(scale.to(grad.dtype))
         return total.float()
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        pass  # optimizer state is created lazily, in the parameters' own layout
+
+    def end_step(self) -> None:
+        pass
 
     def barrier(self) -> None:
         dist.barrier()

@@ -30,9 +30,10 @@ class SingleDeviceBackend:
     data_parallel_rank = 0
     data_parallel_size = 1
     is_main_process = True
+    gradient_divisor = 1
 
     def __init__(self, device: torch.device):
-        self.device = device
+        self.device = self.init_device = device
 
     def parallelize(self, model: nn.Module) -> nn.Module:
         return model
@@ -42,6 +43,12 @@ class SingleDeviceBackend:
 
     def clip_grad_norm(self, parameters: list[nn.Parameter], max_norm: Optional[float]) -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm if max_norm is not None else math.inf)
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        pass  # optimizer state is created lazily, in the parameters' own layout
+
+    def end_step(self) -> None:
+        pass
 
     def barrier(self) -> None:
         pass

@@ -72,15 +72,16 @@ class Trainer:
         self.backend = backend or build_backend(config)
         self.device = self.backend.device
         random.seed(config.trainer.seed)
-        self.data = build_data(config.data)
+        self.data = self._build_data_once()
         if self.data.tokenizer.vocab_size > config.model.vocab_size:
             raise ConfigError(
                 "model.vocab_size", config.model.vocab_size, f"at least the tokenizer's {self.data.tokenizer.vocab_size}",
                 reason="token ids would index past the embedding table",
             )
-        self.model = self.backend.parallelize(build_model(config, self.device))
+        self.model = self.backend.parallelize(build_model(config, self.backend.init_device))
         self.loss_fn = config.loss.build()
         self.optimizer = build_optimizer(self.model, config.optim)
+        self.backend.prepare_optimizer(self.optimizer)
         self.checkpointer = Checkpointer(
             self.run_dir / "checkpoints", config.trainer.keep_checkpoints, config.trainer.async_checkpoint,
             collective=self.backend,
@@ -97,6 +98,15 @@ class Trainer:
         self.model_digest = config_digest(config_to_yaml(config.model))
 
     # ----------------------------------------------------------------------------------- setup
+
+    def _build_data_once(self):
+        """The main process tokenizes and caches the corpus; the others then read its cache."""
+        if self.backend.is_main_process:
+            data = build_data(self.config.data)
+            self.backend.barrier()
+            return data
+        self.backend.barrier()
+        return build_data(self.config.data)
 
     def _flops_per_token(self) -> float:
         model_cfg = self.config.model
@@ -177,7 +187,7 @@ class Trainer:
                 objective = loss.loss
                 if output.aux_loss is not None:
                     objective = objective + output.aux_loss / len(micro_batches)
-            objective.backward()
+            (objective * self.backend.gradient_divisor).backward()
             total_loss += loss.cross_entropy.detach()
         grad_norm = self.backend.clip_grad_norm(list(self.model.parameters()), self.config.optim.grad_clip_norm)
         lr = learning_rate(self.config.optim.schedule, self.config.optim.lr, self.step, self.config.trainer.max_steps)
@@ -185,6 +195,7 @@ class Trainer:
             group["lr"] = lr
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.backend.end_step()
         self.step += 1
         total_loss = self.backend.all_reduce_sum(total_loss)
         return {"train/loss": float(total_loss), "train/grad_norm": float(grad_norm), "train/lr": lr}

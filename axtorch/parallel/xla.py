@@ -1,0 +1,130 @@
+"""The ``xla`` backend: torch_xla SPMD (GSPMD) over the same mesh and sharding rules.
+
+One process per host drives all of its devices; parameters are annotated with
+``xs.mark_sharding`` from the resolved parameter specs, activations at the block boundaries named
+by the activation rules (through forward hooks, so layers stay unaware), and the compiler inserts
+the collectives. The same code path serves TPUs (``PJRT_DEVICE=TPU``), Trainium through
+torch-neuronx (``PJRT_DEVICE=NEURON``, untested here) and CPU virtual devices
+(``PJRT_DEVICE=CPU CPU_NUM_DEVICES=N``, used by the tests).
+
+torch_xla is imported only when this backend is chosen, and it must be the torch_xla built for
+the installed torch (2.9.0 for torch_xla 2.9.0: the ``xla`` extra).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from torch import nn
+
+from axtorch.config.errors import ConfigError
+from axtorch.parallel.mesh import MeshConfig
+from axtorch.parallel.rules import PartitionSpec, ShardingConfig, resolve_activation_specs, resolve_parameter_specs
+
+try:
+    import torch_xla
+    import torch_xla.distributed.spmd as xs
+    import torch_xla.runtime as xr
+except ImportError as error:  # pragma: no cover - exercised only without torch_xla
+    raise ImportError(
+        "backend=xla needs torch_xla matching torch (pip install 'axtorch[xla]': torch==2.9.0, torch_xla==2.9.0)"
+    ) from error
+
+
+def _xla_spec(spec: PartitionSpec) -> tuple:
+    """axtorch's spec (None or a tuple of axis names per dim) in torch_xla's form."""
+    return tuple(None if axes is None else (axes[0] if len(axes) == 1 else axes) for axes in spec)
+
+
+class XlaBackend:
+    gradient_divisor = 1  # one global program: the loss is already the global mean
+
+    def __init__(self, mesh: MeshConfig, sharding: ShardingConfig):
+        xr.use_spmd()
+        self.device = torch_xla.device()
+        # Initialise on the host with torch's generator, so a seed gives the same weights as on
+        # any other backend; parallelize() then moves them to the devices.
+        self.init_device = torch.device("cpu")
+        num_devices = xr.global_runtime_device_count()
+        self.sizes = mesh.resolve(num_devices, "mesh")
+        self.sharding = sharding
+        axis_names = tuple(self.sizes)
+        self.mesh = xs.Mesh(np.arange(num_devices), tuple(self.sizes.values()), axis_names)
+        self.rank = xr.process_index()
+        self.world_size = xr.process_count()
+        # Each host feeds its own rows of the global batch; within a host, sharding splits them.
+        self.data_parallel_rank = self.rank
+        self.data_parallel_size = self.world_size
+        self.is_main_process = self.rank == 0
+        self.parameter_specs: dict[str, PartitionSpec] = {}
+
+    def parallelize(self, model: nn.Module) -> nn.Module:
+        model.to(self.device)
+        self.parameter_specs = resolve_parameter_specs(
+            {name: tuple(p.shape) for name, p in model.named_parameters()}, self.sharding, self.sizes
+        )
+        for name, param in model.named_parameters():
+            xs.mark_sharding(param, self.mesh, _xla_spec(self.parameter_specs[name]))
+        modules = dict(model.named_modules())
+        activation_specs = resolve_activation_specs(modules, self.sharding, self.sizes)
+        for (module_name, io, field), spec in activation_specs.items():
+            self._hook_activation(modules[module_name], io, field, _xla_spec(spec))
+        return model
+
+    def _hook_activation(self, module: nn.Module, io: str, field: str, spec: tuple) -> None:
+        def annotate(value: Any) -> None:
+            tensor = getattr(value, field, None)
+            if tensor is None:
+                raise ConfigError("sharding.activations", field, f"a tensor field of {type(value).__name__}",
+                                  reason=f"{type(module).__name__}'s {io} has no tensor field {field!r}")
+            xs.mark_sharding(tensor, self.mesh, spec)
+
+        if io == "input":
+            module.register_forward_pre_hook(lambda mod, args: annotate(args[0]))
+        else:
+            module.register_forward_hook(lambda mod, args, output: annotate(output))
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Create AdamW's moments up front, sharded like their parameters (not replicated)."""
+        specs_by_param = {}
+        for group in optimizer.param_groups:
+            for name, param in zip(group["names"], group["params"]):
+                specs_by_param[param] = self.parameter_specs[name]
+        for param, spec in specs_by_param.items():
+            state = optimizer.state[param]
+            if state:
+                continue
+            state["step"] = torch.tensor(0.0)
+            for key in ("exp_avg", "exp_avg_sq"):
+                state[key] = torch.zeros_like(param)
+                xs.mark_sharding(state[key], self.mesh, _xla_spec(spec))
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor  # SPMD tensors are already global
+
+    def clip_grad_norm(self, parameters: list[nn.Parameter], max_norm: Optional[float]) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm if max_norm is not None else math.inf)
+
+    def end_step(self) -> None:
+        torch_xla.sync()  # cut the lazy graph: one compiled program per training step
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            xr.rendezvous("axtorch-barrier")  # pragma: no cover - multi-host only
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        if self.world_size > 1:  # pragma: no cover - multi-host only
+            raise NotImplementedError("multi-host XLA checkpoints are not implemented yet")
+        return [obj]
+
+    def close(self) -> None:
+        pass
+
+
+def local_shard_shapes(tensor: torch.Tensor) -> list[tuple[int, ...]]:
+    """Shapes of the per-device shards of an XLA tensor (for tests and reports)."""
+    return [tuple(shard.data.shape) for shard in xs.wrap_as_sharded_tensor(tensor).local_shards]
+

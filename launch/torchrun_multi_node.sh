@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# Several machines: run this once on every node, with the same arguments and environment.
+#
+#   MASTER_ADDR=node0 NNODES=4 NPROC=8 launch/torchrun_multi_node.sh \
+#       backend=native mesh.data=4 mesh.fsdp=8 sharding=fsdp run_dir=/shared/runs/llama
+#
+# Every argument is a Hydra override passed unchanged to `python -m axtorch.train`; pass
+# `backend=native`, and a mesh whose axes multiply to NNODES x NPROC (one axis may be -1).
+# With mesh.data = NNODES and mesh.fsdp = NPROC, FSDP shards within a node and replicates across
+# nodes (HSDP), so only the gradient all-reduce crosses the slower inter-node network.
+#
+# Environment (the same on every node):
+#   MASTER_ADDR    required: a host name or address of one node, reachable from all the others;
+#                  torchrun's c10d rendezvous store runs there
+#   MASTER_PORT    a free TCP port on MASTER_ADDR (default 29500)
+#   NNODES         number of nodes (default 1)
+#   NPROC          processes per node, one per device (default: the GPUs nvidia-smi lists, else 1)
+#   RDZV_ID        a job id shared by the nodes of one job (default: axtorch)
+#   RDZV_BACKEND   c10d (default) or static
+#   NODE_RANK      this node's index 0..NNODES-1. Only the static rendezvous uses it (torchrun
+#                  ignores it under c10d, where nodes take ranks in the order they join);
+#                  with static, the node with NODE_RANK=0 must be MASTER_ADDR.
+#   OMP_NUM_THREADS  CPU threads per process (default: this machine's cores / NPROC, at least 1)
+#   TORCHRUN       the torchrun to use (default: torchrun on PATH, else the repository's .venv)
+#
+# Shared storage: every process writes its own pieces of each checkpoint into one directory
+# that the first process creates and renames, and every process looks for the newest
+# checkpoint to resume from, so run_dir must be on a filesystem all nodes share. Each process
+# also tokenizes the corpus into data.cache_dir unless that cache is already complete; put the
+# cache on shared storage too (or fill it once beforehand) to do that work once.
+#
+# NCCL picks its network interface itself; set NCCL_SOCKET_IFNAME (and GLOO_SOCKET_IFNAME for
+# CPU runs) when the nodes have several and it picks the wrong one.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+: "${MASTER_ADDR:?set MASTER_ADDR to the host name or address of one node}"
+MASTER_PORT=${MASTER_PORT:-29500}
+NNODES=${NNODES:-1}
+RDZV_ID=${RDZV_ID:-axtorch}
+RDZV_BACKEND=${RDZV_BACKEND:-c10d}
+
+if [[ -z "${NPROC:-}" ]]; then
+  NPROC=0
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    NPROC=$(nvidia-smi --list-gpus 2>/dev/null | grep -c '^GPU' || true)
+  fi
+  (( NPROC > 0 )) || NPROC=1
+fi
+
+if [[ -z "${OMP_NUM_THREADS:-}" ]]; then
+  cores=$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1)
+  OMP_NUM_THREADS=$(( cores / NPROC > 0 ? cores / NPROC : 1 ))
+fi
+export OMP_NUM_THREADS
+
+if [[ -z "${TORCHRUN:-}" ]]; then
+  if command -v torchrun >/dev/null 2>&1; then
+    TORCHRUN=torchrun
+  else
+    TORCHRUN=.venv/bin/torchrun
+  fi
+fi
+
+node_rank=()
+if [[ "$RDZV_BACKEND" == static ]]; then
+  : "${NODE_RANK:?set NODE_RANK (0..NNODES-1) for the static rendezvous}"
+  node_rank=(--node-rank "$NODE_RANK")
+fi
+
+exec "$TORCHRUN" \
+  --nnodes "$NNODES" \
+  --nproc-per-node "$NPROC" \
+  ${node_rank[@]+"${node_rank[@]}"} \
+  --rdzv-id "$RDZV_ID" \
+  --rdzv-backend "$RDZV_BACKEND" \
+  --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" \
+  -m axtorch.train "$@"

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# TPU VM pod: start one training process on every host of the pod over gcloud ssh.
+#
+#   TPU_NAME=my-v5p-128 ZONE=us-east5-a launch/tpu_pod.sh mesh.fsdp=-1 model=llama3_8b \
+#       run_dir=/mnt/shared/runs/llama3_8b
+#
+# REQUIRES THE xla BACKEND, WHICH IS NOT AVAILABLE YET. It is being written (torch_xla SPMD: one
+# process per host that drives all of the host's chips, PJRT_DEVICE=TPU). Until it lands,
+# `backend=xla` is rejected as an unknown backend, and this script fails on every host. The
+# native backend (torchrun, NCCL/gloo) does not run on TPUs.
+#
+# Every argument is a Hydra override, passed (shell-quoted) to
+#   cd $AXTORCH_DIR && PJRT_DEVICE=TPU python -m axtorch.train backend=xla <your overrides>
+# on every host at once (--worker=all).
+#
+# Environment:
+#   TPU_NAME      required: the TPU VM (pod slice) name
+#   ZONE          required: its zone
+#   PROJECT       the Google Cloud project (default: gcloud's configured project)
+#   AXTORCH_DIR   the checkout on every host (default: ~/axtorch)
+#   PYTHON        the interpreter on the hosts (default: python3)
+#
+# Every host needs the same checkout at AXTORCH_DIR with axtorch installed with the xla extra
+# (pip install -e ".[xla]") and libtpu (torch_xla's "tpu" extra), e.g. once with
+#   gcloud compute tpus tpu-vm ssh $TPU_NAME --zone $ZONE --worker=all --command \
+#       "git clone <your axtorch remote> ~/axtorch && cd ~/axtorch && pip install -e '.[xla]' 'torch_xla[tpu]'"
+set -euo pipefail
+
+: "${TPU_NAME:?set TPU_NAME to the TPU VM name}"
+: "${ZONE:?set ZONE to the TPU VM zone}"
+AXTORCH_DIR=${AXTORCH_DIR:-'~/axtorch'}
+PYTHON=${PYTHON:-python3}
+
+project=()
+if [[ -n "${PROJECT:-}" ]]; then
+  project=(--project "$PROJECT")
+fi
+
+overrides=""
+if (( $# > 0 )); then
+  overrides=$(printf ' %q' "$@")
+fi
+remote="cd $AXTORCH_DIR && PJRT_DEVICE=TPU $PYTHON -m axtorch.train backend=xla$overrides"
+
+echo "on every host of $TPU_NAME: $remote"
+exec gcloud compute tpus tpu-vm ssh "$TPU_NAME" --zone "$ZONE" ${project[@]+"${project[@]}"} \
+  --worker=all --command "$remote"

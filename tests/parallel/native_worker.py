@@ -1,0 +1,44 @@
+"""Run under torchrun by the native-backend tests: train, then report what each rank holds.
+
+    torchrun --nproc-per-node N tests/parallel/native_worker.py OUT_PREFIX UNTIL_STEP OVERRIDE...
+
+Writes ``OUT_PREFIX.rank<r>.json`` with the local and global element counts of the parameters and
+of the optimizer state, and the trainer's final step.
+"""
+
+import json
+import sys
+
+from axtorch.config.compose import load_train_config
+from axtorch.train.checkpoint import optimizer_tensors
+from axtorch.train.tensor_shards import local_region
+from axtorch.train.trainer import Trainer
+
+
+def _count(tensors) -> tuple[int, int]:
+    local = total = 0
+    for tensor in tensors:
+        shape, _ = local_region(tensor)
+        local += int(__import__("math").prod(shape))
+        total += tensor.numel()
+    return local, total
+
+
+def main() -> None:
+    out_prefix, until_step, *overrides = sys.argv[1:]
+    trainer = Trainer(load_train_config(overrides))
+    result = trainer.fit(until_step=int(until_step))
+    params_local, params_total = _count(trainer.model.parameters())
+    optim_local, optim_total = _count(t for t in optimizer_tensors(trainer.optimizer).values() if t.dim() > 0)
+    report = {
+        "step": result.step, "rank": trainer.backend.rank,
+        "params_local": params_local, "params_total": params_total,
+        "optim_local": optim_local, "optim_total": optim_total,
+    }
+    with open(f"{out_prefix}.rank{trainer.backend.rank}.json", "w") as handle:
+        json.dump(report, handle)
+    trainer.backend.close()
+
+
+if __name__ == "__main__":
+    main()
