@@ -40,27 +40,8 @@ NNODES=${NNODES:-1}
 RDZV_ID=${RDZV_ID:-axtorch}
 RDZV_BACKEND=${RDZV_BACKEND:-c10d}
 
-if [[ -z "${NPROC:-}" ]]; then
-  NPROC=0
-  if command -v nvidia-smi >/dev/null 2>&1; then
-    NPROC=$(nvidia-smi --list-gpus 2>/dev/null | grep -c '^GPU' || true)
-  fi
-  (( NPROC > 0 )) || NPROC=1
-fi
-
-if [[ -z "${OMP_NUM_THREADS:-}" ]]; then
-  cores=$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1)
-  OMP_NUM_THREADS=$(( cores / NPROC > 0 ? cores / NPROC : 1 ))
-fi
-export OMP_NUM_THREADS
-
-if [[ -z "${TORCHRUN:-}" ]]; then
-  if command -v torchrun >/dev/null 2>&1; then
-    TORCHRUN=torchrun
-  else
-    TORCHRUN=.venv/bin/torchrun
-  fi
-fi
+NPROC_FALLBACK=1
+source launch/torchrun_env.sh
 
 node_rank=()
 if [[ "$RDZV_BACKEND" == static ]]; then

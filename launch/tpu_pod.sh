@@ -4,10 +4,10 @@
 #   TPU_NAME=my-v5p-128 ZONE=us-east5-a launch/tpu_pod.sh mesh.fsdp=-1 model=llama3_8b \
 #       run_dir=/mnt/shared/runs/llama3_8b
 #
-# REQUIRES THE xla BACKEND, WHICH IS NOT AVAILABLE YET. It is being written (torch_xla SPMD: one
-# process per host that drives all of the host's chips, PJRT_DEVICE=TPU). Until it lands,
-# `backend=xla` is rejected as an unknown backend, and this script fails on every host. The
-# native backend (torchrun, NCCL/gloo) does not run on TPUs.
+# REQUIRES THE xla BACKEND ON THE POD, AND THAT BACKEND IS NOT AVAILABLE YET: it is in progress
+# (torch_xla SPMD: one process per host driving all of the host's chips, PJRT_DEVICE=TPU). Do not
+# expect this script to train until it lands. The native backend (torchrun with NCCL or gloo)
+# does not drive TPUs, so there is no torchrun variant here. Untested on a TPU pod.
 #
 # Every argument is a Hydra override, passed (shell-quoted) to
 #   cd $AXTORCH_DIR && PJRT_DEVICE=TPU python -m axtorch.train backend=xla <your overrides>

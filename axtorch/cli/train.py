@@ -5,7 +5,7 @@ Examples::
     axtorch-train                                   # the quickstart experiment on the stdlib corpus
     axtorch-train experiment=debug trainer.max_steps=50
     axtorch-train model/ffn=gelu optim.lr=1e-3 run_dir=runs/gelu
-    torchrun --nproc-per-node 4 -m axtorch.train backend=native mesh.fsdp=2 mesh.model=2 sharding=fsdp_tp
+    torchrun --standalone --nproc-per-node 4 -m axtorch.train backend=native mesh.fsdp=4 sharding=fsdp
 """
 
 from __future__ import annotations

@@ -17,5 +17,12 @@ def validate_train_config(config: TrainConfig) -> None:
             "data.seq_len", config.data.seq_len, f"at most model.max_seq_len={config.model.max_seq_len}",
             reason="sequences longer than the model's positions allow",
         )
+    tensor_parallel = config.mesh.model
+    kv_heads = config.model.decoder.layer.attention.resolved_kv_heads()
+    if tensor_parallel > 1 and kv_heads % tensor_parallel:
+        raise ConfigError(
+            "mesh.model", tensor_parallel, f"a divisor of the {kv_heads} key/value heads",
+            reason="tensor parallelism splits attention by whole key/value heads",
+        )
     if config.backend is Backend.single:
         config.mesh.resolve(1, "mesh")  # distributed backends check the mesh against their world size

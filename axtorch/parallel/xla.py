@@ -125,6 +125,9 @@ class XlaBackend:
 
 
 def local_shard_shapes(tensor: torch.Tensor) -> list[tuple[int, ...]]:
-    """Shapes of the per-device shards of an XLA tensor (for tests and reports)."""
-    return [tuple(shard.data.shape) for shard in xs.wrap_as_sharded_tensor(tensor).local_shards]
+    """Shapes of the per-device pieces of an XLA tensor (for tests and reports)."""
+    wrapped = xs.wrap_if_sharded(tensor)
+    if not isinstance(wrapped, xs.XLAShardedTensor):  # no annotation: every device holds it whole
+        return [tuple(tensor.shape)] * xr.global_runtime_device_count()
+    return [tuple(shard.data.shape) for shard in wrapped.local_shards]
 

@@ -87,7 +87,13 @@ class Trainer:
             collective=self.backend,
         )
         trainer = config.trainer
-        self.local_batch_size = trainer.batch_size // self.backend.data_parallel_size
+        replicas = self.backend.data_parallel_size
+        if trainer.batch_size % (replicas * trainer.grad_accum_steps):
+            raise ConfigError(
+                "trainer.batch_size", trainer.batch_size,
+                f"a multiple of {replicas} data-parallel replicas x {trainer.grad_accum_steps} accumulation steps",
+            )
+        self.local_batch_size = trainer.batch_size // replicas
         self.micro_batch_size = self.local_batch_size // trainer.grad_accum_steps
         self.train_batches = self.data.train_batches(trainer.batch_size)
         self.step = 0

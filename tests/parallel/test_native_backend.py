@@ -12,19 +12,10 @@ import torch
 
 from axtorch.config.compose import load_train_config
 from axtorch.train.checkpoint import read_model_tensors
-from axtorch.train.metrics import read_metrics
 from axtorch.train.trainer import Trainer
+from debug_runs import STEPS, debug_overrides, train_losses
 
 WORKER = Path(__file__).with_name("native_worker.py")
-STEPS = 5
-
-
-def _overrides(run_dir: Path, cache: Path, *extra: str) -> list[str]:
-    return [
-        "experiment=debug", f"run_dir={run_dir}", f"data.cache_dir={cache}", "trainer.progress_bar=false",
-        "trainer.peak_flops=1e11", "trainer.log_every=1", f"trainer.max_steps={STEPS + 3}",
-        "trainer.eval_every=100", f"trainer.checkpoint_every={STEPS}", *extra,
-    ]
 
 
 def _torchrun(processes: int, out: Path, until: int, overrides: list[str]) -> list[dict]:
@@ -35,20 +26,16 @@ def _torchrun(processes: int, out: Path, until: int, overrides: list[str]) -> li
     return [json.loads(out.with_name(f"{out.name}.rank{r}.json").read_text()) for r in range(processes)]
 
 
-def _losses(run_dir: Path) -> list[float]:
-    return [m["train/loss"] for m in read_metrics(run_dir / "metrics.jsonl") if "train/loss" in m]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """One single-device run and the distributed runs of the same experiment, STEPS steps each."""
     root = tmp_path_factory.mktemp("native")
     cache = root / "cache"
-    Trainer(load_train_config(_overrides(root / "single", cache))).fit(until_step=STEPS)
+    Trainer(load_train_config(debug_overrides(root / "single", cache))).fit(until_step=STEPS)
     reports = {
-        "fsdp2": _torchrun(2, root / "fsdp2", STEPS, _overrides(root / "fsdp2", cache, "backend=native",
+        "fsdp2": _torchrun(2, root / "fsdp2", STEPS, debug_overrides(root / "fsdp2", cache, "backend=native",
                                                                "mesh.fsdp=2", "sharding=fsdp")),
-        "fsdp2_tp2": _torchrun(4, root / "fsdp2_tp2", STEPS, _overrides(
+        "fsdp2_tp2": _torchrun(4, root / "fsdp2_tp2", STEPS, debug_overrides(
             root / "fsdp2_tp2", cache, "backend=native", "mesh.fsdp=2", "mesh.model=2", "sharding=fsdp_tp")),
     }
     return root, reports
@@ -58,7 +45,7 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("name", ["fsdp2", "fsdp2_tp2"])
 def test_losses_match_a_single_device(runs, name):
     root, _ = runs
-    single, distributed = _losses(root / "single"), _losses(root / name)
+    single, distributed = train_losses(root / "single"), train_losses(root / name)
     assert len(single) == len(distributed) == STEPS
     torch.testing.assert_close(torch.tensor(distributed), torch.tensor(single), rtol=1e-5, atol=1e-5)
 
@@ -96,19 +83,19 @@ def test_checkpoint_moves_between_meshes_and_training_continues_alike(runs, tmp_
     to_single = tmp_path / "to_single"
     for target in (to_native, to_single):
         shutil.copytree(root / "fsdp2_tp2" / "checkpoints", target / "checkpoints")
-    _torchrun(2, tmp_path / "resumed", STEPS + 3, _overrides(to_native, cache, "backend=native", "mesh.fsdp=2",
+    _torchrun(2, tmp_path / "resumed", STEPS + 3, debug_overrides(to_native, cache, "backend=native", "mesh.fsdp=2",
                                                               "sharding=fsdp"))
-    Trainer(load_train_config(_overrides(to_single, cache))).fit()
-    Trainer(load_train_config(_overrides(root / "single", cache))).fit()  # the uninterrupted reference
-    reference = _losses(root / "single")[-3:]
-    torch.testing.assert_close(torch.tensor(_losses(to_native)), torch.tensor(reference), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(torch.tensor(_losses(to_single)), torch.tensor(reference), rtol=1e-5, atol=1e-5)
+    Trainer(load_train_config(debug_overrides(to_single, cache))).fit()
+    Trainer(load_train_config(debug_overrides(root / "single", cache))).fit()  # the uninterrupted reference
+    reference = train_losses(root / "single")[-3:]
+    torch.testing.assert_close(torch.tensor(train_losses(to_native)), torch.tensor(reference), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.tensor(train_losses(to_single)), torch.tensor(reference), rtol=1e-5, atol=1e-5)
 
 
 def test_native_backend_rejects_a_mesh_that_does_not_fit_the_world(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-         "-m", "axtorch.train", *_overrides(tmp_path / "run", tmp_path / "cache", "backend=native", "mesh.fsdp=4")],
+         "-m", "axtorch.train", *debug_overrides(tmp_path / "run", tmp_path / "cache", "backend=native", "mesh.fsdp=4")],
         capture_output=True, text=True, timeout=300,
     )
     assert result.returncode != 0

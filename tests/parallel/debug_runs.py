@@ -1,0 +1,20 @@
+"""The short debug experiment that every backend test runs, and how to read its losses back."""
+
+from pathlib import Path
+
+from axtorch.train.metrics import read_metrics
+
+#: Steps before the checkpoint that the cross-mesh tests resume from (3 more follow).
+STEPS = 5
+
+
+def debug_overrides(run_dir: Path, cache: Path, *extra: str) -> list[str]:
+    return [
+        "experiment=debug", f"run_dir={run_dir}", f"data.cache_dir={cache}", "trainer.progress_bar=false",
+        "trainer.peak_flops=1e11", "trainer.log_every=1", f"trainer.max_steps={STEPS + 3}",
+        "trainer.eval_every=100", f"trainer.checkpoint_every={STEPS}", *extra,
+    ]
+
+
+def train_losses(run_dir: Path) -> list[float]:
+    return [m["train/loss"] for m in read_metrics(run_dir / "metrics.jsonl") if "train/loss" in m]

@@ -1,0 +1,106 @@
+"""The xla backend on CPU virtual devices (torch_xla SPMD), each run in its own process.
+
+torch_xla needs torch 2.9.0, so these tests run their workers with the interpreter of a separate
+environment: ``$AXTORCH_XLA_PYTHON`` or ``.venv-xla/bin/python`` (``make test`` creates it).
+"""
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from axtorch.config.compose import load_train_config
+from axtorch.train.checkpoint import read_model_tensors
+from axtorch.train.trainer import Trainer
+from debug_runs import STEPS, debug_overrides, train_losses
+
+ROOT = Path(__file__).resolve().parents[2]
+XLA_PYTHON = Path(os.environ.get("AXTORCH_XLA_PYTHON", ROOT / ".venv-xla" / "bin" / "python"))
+WORKER = Path(__file__).with_name("xla_worker.py")
+NATIVE_WORKER = Path(__file__).with_name("native_worker.py")
+
+pytestmark = pytest.mark.skipif(
+    not XLA_PYTHON.exists(), reason=f"no torch_xla environment at {XLA_PYTHON} (make test creates .venv-xla)"
+)
+
+
+def _xla(devices: int, out: Path, until: int, overrides: list[str]) -> dict:
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices), "TF_CPP_MIN_LOG_LEVEL": "2"}
+    command = [str(XLA_PYTHON), str(WORKER), str(out), str(until), "backend=xla", *overrides]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("xla")
+    cache = root / "cache"
+    Trainer(load_train_config(debug_overrides(root / "single", cache))).fit(until_step=STEPS)
+    reports = {
+        "xla1": _xla(1, root / "xla1.json", STEPS, debug_overrides(root / "xla1", cache)),
+        "xla_fsdp4": _xla(4, root / "xla_fsdp4.json", STEPS,
+                          debug_overrides(root / "xla_fsdp4", cache, "mesh.fsdp=4", "sharding=fsdp")),
+        "xla_fsdp2_tp2": _xla(4, root / "xla_fsdp2_tp2.json", STEPS, debug_overrides(
+            root / "xla_fsdp2_tp2", cache, "mesh.fsdp=2", "mesh.model=2", "sharding=fsdp_tp")),
+    }
+    return root, reports
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["xla1", "xla_fsdp4", "xla_fsdp2_tp2"])
+def test_losses_match_a_single_device(runs, name):
+    root, reports = runs
+    assert reports[name]["step"] == STEPS
+    single, xla = train_losses(root / "single"), train_losses(root / name)
+    assert len(xla) == STEPS
+    torch.testing.assert_close(torch.tensor(xla), torch.tensor(single), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_fsdp4_devices_hold_a_quarter_of_parameters_and_optimizer_state(runs):
+    _, reports = runs
+    report = reports["xla_fsdp4"]
+    for name, info in report["parameters"].items():
+        shards = info["shards"]
+        assert len(shards) == 4, name
+        if len(info["shape"]) == 2:  # the fsdp preset shards every matrix on dim 0; norms stay whole
+            expected = [info["shape"][0] // 4, info["shape"][1]]
+            assert all(shape == expected for shape in shards), (name, shards)
+            for key, state_shards in report["optimizer"][name].items():
+                assert all(shape == expected for shape in state_shards), (name, key, state_shards)
+        else:
+            assert all(shape == info["shape"] for shape in shards), name
+
+
+@pytest.mark.slow
+def test_xla_checkpoint_resumes_under_native_and_on_one_device(runs, tmp_path):
+    """XLA fsdp=4 -> native torchrun fsdp=2 (2 processes) -> one device: same losses as never stopping."""
+    root, _ = runs
+    cache = root / "cache"
+    name = f"step_{STEPS:08d}"
+    saved = read_model_tensors(root / "xla_fsdp4" / "checkpoints" / name)
+    reference_weights = read_model_tensors(root / "single" / "checkpoints" / name)
+    for key, value in reference_weights.items():
+        torch.testing.assert_close(saved[key], value, rtol=1e-4, atol=1e-5, msg=key)
+
+    to_native, to_single = tmp_path / "to_native", tmp_path / "to_single"
+    for target in (to_native, to_single):
+        shutil.copytree(root / "xla_fsdp4" / "checkpoints", target / "checkpoints")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+               str(NATIVE_WORKER), str(tmp_path / "native"), str(STEPS + 3),
+               *debug_overrides(to_native, cache, "backend=native", "mesh.fsdp=2", "sharding=fsdp")]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    Trainer(load_train_config(debug_overrides(to_single, cache))).fit()
+    Trainer(load_train_config(debug_overrides(root / "single", cache))).fit()
+    reference = train_losses(root / "single")[-3:]
+    assert all(math.isfinite(x) for x in reference)
+    torch.testing.assert_close(torch.tensor(train_losses(to_native)), torch.tensor(reference), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.tensor(train_losses(to_single)), torch.tensor(reference), rtol=1e-5, atol=1e-5)

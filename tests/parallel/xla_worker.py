@@ -1,0 +1,29 @@
+"""Run in its own process under the xla venv by the XLA tests: train, then report shard shapes.
+
+    PJRT_DEVICE=CPU CPU_NUM_DEVICES=N python tests/parallel/xla_worker.py OUT_JSON UNTIL_STEP OVERRIDE...
+"""
+
+import json
+import sys
+
+from axtorch.config.compose import load_train_config
+from axtorch.parallel.xla import local_shard_shapes
+from axtorch.train.trainer import Trainer
+
+
+def main() -> None:
+    out, until_step, *overrides = sys.argv[1:]
+    trainer = Trainer(load_train_config(overrides))
+    result = trainer.fit(until_step=int(until_step))
+    report = {"step": result.step, "parameters": {}, "optimizer": {}}
+    for group in trainer.optimizer.param_groups:
+        for name, param in zip(group["names"], group["params"]):
+            report["parameters"][name] = {"shape": list(param.shape), "shards": local_shard_shapes(param)}
+            state = trainer.optimizer.state[param]
+            report["optimizer"][name] = {key: local_shard_shapes(state[key]) for key in ("exp_avg", "exp_avg_sq")}
+    with open(out, "w") as handle:
+        json.dump(report, handle)
+
+
+if __name__ == "__main__":
+    main()
