@@ -38,6 +38,9 @@ class Backend(Protocol):
     def end_step(self) -> None:
         """Mark the end of a training step (XLA compiles and runs the step's graph here)."""
 
+    def to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Move a host batch (rows first) to the device(s), split as the backend's data axes say."""
+
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum over the data-parallel replicas (identity on one device)."""
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field
 
 from axtorch.config.errors import ConfigError
 
@@ -11,8 +11,8 @@ MESH_AXES = ("data", "fsdp", "seq", "expert", "model")
 
 
 @dataclass
-class MeshConfig:
-    """Sizes of the named mesh axes; at most one may be -1, meaning "whatever the devices leave"."""
+class DcnMeshConfig:
+    """For multi-slice TPU: how many slices each axis spans over the data-center network (DCN)."""
 
     data: int = 1
     fsdp: int = 1
@@ -20,9 +20,33 @@ class MeshConfig:
     expert: int = 1
     model: int = 1
 
+
+@dataclass
+class MeshConfig:
+    """Sizes of the named mesh axes; at most one may be -1, meaning "whatever the devices leave".
+
+    Sizes are totals. On multi-slice TPU, ``dcn`` says how many slices of each axis lie across
+    the slower network (usually only ``data``); the rest of each axis lies within a slice.
+    """
+
+    data: int = 1
+    fsdp: int = 1
+    seq: int = 1
+    expert: int = 1
+    model: int = 1
+    dcn: DcnMeshConfig = field(default_factory=DcnMeshConfig)
+
+    def resolve_dcn(self, sizes: dict[str, int], key: str = "mesh.dcn") -> dict[str, int]:
+        """DCN sizes per axis, each dividing that axis's total size."""
+        dcn = {axis: getattr(self.dcn, axis) for axis in MESH_AXES}
+        for axis, slices in dcn.items():
+            if slices < 1 or sizes[axis] % slices:
+                raise ConfigError(f"{key}.{axis}", slices, f"a positive divisor of mesh.{axis}={sizes[axis]}")
+        return dcn
+
     def resolve(self, num_devices: int, key: str = "mesh") -> dict[str, int]:
         """Axis sizes whose product is ``num_devices``, or a ConfigError naming the mismatch."""
-        sizes = {f.name: getattr(self, f.name) for f in fields(self)}
+        sizes = {axis: getattr(self, axis) for axis in MESH_AXES}
         inferred = [axis for axis, size in sizes.items() if size == -1]
         for axis, size in sizes.items():
             if size == 0 or size < -1:

@@ -40,6 +40,9 @@ class NativeBackend:
         if not dist.is_initialized():
             dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
         self.sizes = mesh.resolve(dist.get_world_size(), "mesh")
+        if any(slices > 1 for slices in mesh.resolve_dcn(self.sizes).values()):
+            raise ConfigError("mesh.dcn", "(set)", "all 1 with backend=native",
+                              reason="DCN slices describe multi-slice TPU meshes (backend=xla); span nodes with mesh.data")
         for axis in _UNSUPPORTED_AXES:
             if self.sizes[axis] != 1:
                 raise ConfigError(f"mesh.{axis}", self.sizes[axis], "1 (the native backend has no "
@@ -140,6 +143,9 @@ class NativeBackend:
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         pass  # optimizer state is created lazily, in the parameters' own layout
+
+    def to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
     def end_step(self) -> None:
         pass

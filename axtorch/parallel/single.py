@@ -47,6 +47,9 @@ class SingleDeviceBackend:
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         pass  # optimizer state is created lazily, in the parameters' own layout
 
+    def to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+
     def end_step(self) -> None:
         pass
 

@@ -26,6 +26,7 @@ from axtorch.parallel.rules import PartitionSpec, ShardingConfig, resolve_activa
 
 try:
     import torch_xla
+    import torch_xla.core.xla_model as xm
     import torch_xla.distributed.spmd as xs
     import torch_xla.runtime as xr
 except ImportError as error:  # pragma: no cover - exercised only without torch_xla
@@ -52,7 +53,13 @@ class XlaBackend:
         self.sizes = mesh.resolve(num_devices, "mesh")
         self.sharding = sharding
         axis_names = tuple(self.sizes)
-        self.mesh = xs.Mesh(np.arange(num_devices), tuple(self.sizes.values()), axis_names)
+        dcn = mesh.resolve_dcn(self.sizes)
+        if any(size > 1 for size in dcn.values()):
+            # Multi-slice: each axis spans ICI within a slice times DCN across slices.
+            ici = tuple(self.sizes[axis] // dcn[axis] for axis in axis_names)
+            self.mesh = xs.HybridMesh(ici_mesh_shape=ici, dcn_mesh_shape=tuple(dcn.values()), axis_names=axis_names)
+        else:
+            self.mesh = xs.Mesh(np.arange(num_devices), tuple(self.sizes.values()), axis_names)
         self.rank = xr.process_index()
         self.world_size = xr.process_count()
         # Each host feeds its own rows of the global batch; within a host, sharding splits them.
@@ -101,6 +108,15 @@ class XlaBackend:
             for key in ("exp_avg", "exp_avg_sq"):
                 state[key] = torch.zeros_like(param)
                 xs.mark_sharding(state[key], self.mesh, _xla_spec(spec))
+
+    def to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Transfer each tensor already split over the data-parallel axes, as MpDeviceLoader does."""
+        data_axes = tuple(axis for axis in ("data", "fsdp") if self.sizes[axis] > 1) or None
+        moved = {}
+        for key, tensor in batch.items():
+            spec = (data_axes,) + (None,) * (tensor.dim() - 1)
+            (moved[key],) = xm.send_cpu_data_to_device([tensor], self.device, xs.ShardingSpec(self.mesh, spec))
+        return moved
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor  # SPMD tensors are already global

@@ -172,7 +172,7 @@ class Trainer:
         start = self.backend.data_parallel_rank * self.local_batch_size
         rows = len(batch["input_ids"])  # a final validation batch may be short
         return [
-            {k: v[i : i + self.micro_batch_size].to(self.device, non_blocking=True) for k, v in batch.items()}
+            self.backend.to_device({k: v[i : i + self.micro_batch_size] for k, v in batch.items()})
             for i in range(start, min(start + self.local_batch_size, rows), self.micro_batch_size)
         ]
 

@@ -190,3 +190,14 @@ def test_optional_rule_that_matches_nothing_still_needs_a_valid_spec():
     optional = ParameterRule(pattern=r".*_proj\.bias", spec=["tensor"], optional=True)
     error = _error([optional, VECTORS, MATRICES])
     assert error.key == "sharding.parameters[0].spec"
+
+
+def test_dcn_slices_must_divide_their_axis():
+    from axtorch.parallel.mesh import DcnMeshConfig, MeshConfig
+
+    mesh = MeshConfig(data=4, fsdp=2, dcn=DcnMeshConfig(data=2))
+    sizes = mesh.resolve(8)
+    assert mesh.resolve_dcn(sizes)["data"] == 2
+    bad = MeshConfig(data=4, fsdp=2, dcn=DcnMeshConfig(data=3))
+    with pytest.raises(ConfigError, match="mesh.dcn.data"):
+        bad.resolve_dcn(bad.resolve(8))
