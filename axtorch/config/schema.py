@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Optional
 
 from axtorch.data.config import DataConfig
 from axtorch.models.causal_lm import CausalLMConfig
@@ -38,3 +39,5 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    #: Start from imported weights: ``hf:<directory>`` or ``gguf:<file>`` (ignored when resuming).
+    init_from: Optional[str] = None

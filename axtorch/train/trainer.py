@@ -25,6 +25,7 @@ from axtorch.config.errors import ConfigError
 from axtorch.config.schema import TrainConfig
 from axtorch.config.serialize import config_to_yaml
 from axtorch.data.loader import Batch, build_data
+from axtorch.interop.pretrained import check_same_architecture, copy_weights, load_pretrained
 from axtorch.models.causal_lm import CausalLM, CausalLMInput
 from axtorch.parallel.backend import Backend
 from axtorch.parallel.factory import build_backend
@@ -71,14 +72,29 @@ class Trainer:
         self.run_dir = Path(config.run_dir)
         self.backend = backend or build_backend(config)
         self.device = self.backend.device
+        replicas = self.backend.data_parallel_size
+        if config.trainer.batch_size % (replicas * config.trainer.grad_accum_steps):
+            raise ConfigError(
+                "trainer.batch_size", config.trainer.batch_size,
+                f"a multiple of {replicas} data-parallel replicas x {config.trainer.grad_accum_steps} accumulation steps",
+            )
         random.seed(config.trainer.seed)
+        self.pretrained = None
+        if config.init_from:
+            self.pretrained = load_pretrained(config.init_from, self.run_dir)
+            check_same_architecture(config.model, self.pretrained.config, config.init_from)
+            config.data.tokenizer.path = str(self.pretrained.tokenizer_path)
         self.data = self._build_data_once()
         if self.data.tokenizer.vocab_size > config.model.vocab_size:
             raise ConfigError(
                 "model.vocab_size", config.model.vocab_size, f"at least the tokenizer's {self.data.tokenizer.vocab_size}",
                 reason="token ids would index past the embedding table",
             )
-        self.model = self.backend.parallelize(build_model(config, self.backend.init_device))
+        model = build_model(config, self.backend.init_device)
+        if self.pretrained is not None:
+            copy_weights(model, self.pretrained)
+            self.pretrained = None  # free the imported copy
+        self.model = self.backend.parallelize(model)
         self.loss_fn = config.loss.build()
         self.optimizer = build_optimizer(self.model, config.optim)
         self.backend.prepare_optimizer(self.optimizer)
@@ -87,12 +103,6 @@ class Trainer:
             collective=self.backend,
         )
         trainer = config.trainer
-        replicas = self.backend.data_parallel_size
-        if trainer.batch_size % (replicas * trainer.grad_accum_steps):
-            raise ConfigError(
-                "trainer.batch_size", trainer.batch_size,
-                f"a multiple of {replicas} data-parallel replicas x {trainer.grad_accum_steps} accumulation steps",
-            )
         self.local_batch_size = trainer.batch_size // replicas
         self.micro_batch_size = self.local_batch_size // trainer.grad_accum_steps
         self.train_batches = self.data.train_batches(trainer.batch_size)

@@ -1,0 +1,84 @@
+"""``init_from=hf:DIR`` / ``init_from=gguf:FILE``: start training from imported weights.
+
+The run's own model config must describe the same network as the imported one (choose the
+matching preset, e.g. ``model=smollm2_135m``); anything that differs, apart from initialisation
+settings and the maximum length, is an error naming the differing keys rather than a silent
+partial load. The tokenizer comes with the weights: a GGUF's own, or the HF directory's
+``tokenizer.json``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from axtorch.config.errors import ConfigError
+from axtorch.config.serialize import config_to_dict
+from axtorch.models.causal_lm import CausalLM, CausalLMConfig
+
+_IGNORED_KEYS = ("init", "max_seq_len")
+
+
+@dataclass
+class Pretrained:
+    model: CausalLM
+    config: CausalLMConfig
+    #: A tokenizer.json that matches the weights.
+    tokenizer_path: Path
+
+
+def load_pretrained(source: str, scratch_dir: Path) -> Pretrained:
+    """Read ``hf:DIR`` or ``gguf:FILE``; a GGUF's tokenizer is written to ``scratch_dir``."""
+    kind, _, location = source.partition(":")
+    path = Path(location).expanduser()
+    if kind == "hf":
+        from axtorch.interop.hf import from_hf
+
+        model, config = from_hf(path)
+        tokenizer_path = path / "tokenizer.json"
+        if not tokenizer_path.is_file():
+            raise ConfigError("init_from", source, "an HF directory with a tokenizer.json", reason=f"no {tokenizer_path}")
+        return Pretrained(model, config, tokenizer_path)
+    if kind == "gguf":
+        from axtorch.interop.gguf import from_gguf
+
+        model, config, tokenizer = from_gguf(path)
+        scratch_dir.mkdir(parents=True, exist_ok=True)
+        tokenizer_path = scratch_dir / "pretrained_tokenizer.json"
+        tokenizer.save(tokenizer_path)
+        return Pretrained(model, config, tokenizer_path)
+    raise ConfigError("init_from", source, "hf:<directory> or gguf:<file>")
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, object]:
+    flat = {}
+    for key, value in tree.items():
+        if key in _IGNORED_KEYS:
+            continue
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _architecture(config: CausalLMConfig) -> dict[str, object]:
+    flat = _flatten(config_to_dict(config))
+    flat["decoder.layer.attention.head_dim"] = config.decoder.layer.attention.resolved_head_dim(config.dim)
+    return flat
+
+
+def check_same_architecture(ours: CausalLMConfig, theirs: CausalLMConfig, source: str) -> None:
+    mine, imported = _architecture(ours), _architecture(theirs)
+    differing = sorted(k for k in mine.keys() | imported.keys() if mine.get(k) != imported.get(k))
+    if differing:
+        details = ", ".join(f"model.{k}={mine.get(k)!r} vs {imported.get(k)!r}" for k in differing[:6])
+        raise ConfigError("init_from", source, "a model config describing the same network as the imported weights",
+                          reason=f"{len(differing)} model settings differ: {details}")
+
+
+def copy_weights(model: torch.nn.Module, pretrained: Pretrained) -> None:
+    with torch.no_grad():
+        model.load_state_dict(pretrained.model.state_dict(), strict=True)

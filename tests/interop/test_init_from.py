@@ -1,0 +1,54 @@
+"""``init_from=hf:DIR`` starts training from imported weights and their tokenizer."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+from axtorch.config.compose import load_train_config
+from axtorch.config.errors import ConfigError
+from axtorch.interop import from_hf
+from axtorch.train.trainer import Trainer
+
+
+@pytest.fixture
+def hf_dir(tmp_path):
+    """A random HF Llama shaped like the llama_debug preset, with a byte-level BPE tokenizer."""
+    config = transformers.LlamaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    directory = tmp_path / "hf"
+    transformers.LlamaForCausalLM(config).save_pretrained(directory)
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(["def main():\n    return 0\n"] * 50, trainer)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    return directory
+
+
+def _config(tmp_path, hf_dir, data_cache, *extra):
+    return load_train_config([
+        "experiment=debug", f"run_dir={tmp_path / 'run'}", f"data.cache_dir={data_cache}",
+        "trainer.progress_bar=false", "trainer.peak_flops=1e11", f"init_from=hf:{hf_dir}", *extra,
+    ])
+
+
+def test_training_starts_from_the_imported_weights_and_tokenizer(tmp_path, hf_dir, data_cache):
+    trainer = Trainer(_config(tmp_path, hf_dir, data_cache))
+    imported, _ = from_hf(hf_dir)
+    expected = imported.state_dict()
+    for name, value in trainer.model.state_dict().items():
+        assert torch.equal(value, expected[name]), name
+    assert trainer.data.tokenizer.vocab_size == Tokenizer.from_file(str(hf_dir / "tokenizer.json")).get_vocab_size()
+    assert trainer.fit(until_step=2).step == 2
+
+
+def test_a_model_config_that_differs_from_the_weights_is_refused(tmp_path, hf_dir, data_cache):
+    with pytest.raises(ConfigError, match="model.dim=128 vs 64"):
+        Trainer(_config(tmp_path, hf_dir, data_cache, "model.dim=128"))
