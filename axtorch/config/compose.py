@@ -106,8 +106,12 @@ def load_train_config(overrides: Sequence[str] = ()) -> TrainConfig:
 
 
 def _root_cause(error: BaseException) -> BaseException:
+    """The innermost OmegaConf error behind a Hydra one (it carries ``full_key``), else ``error``."""
     while error.__cause__ is not None:
         error = error.__cause__
+    context = error.__context__
+    if not isinstance(error, OmegaConfBaseException) and isinstance(context, OmegaConfBaseException):
+        return context  # Hydra re-raises composition errors without chaining them as the cause
     return error
 
 
@@ -125,12 +129,14 @@ def _failing_value(error: BaseException, overrides: Sequence[str]) -> str:
     for override in overrides:
         if override.split("=", 1)[0].lstrip("+~") == key:
             return override.split("=", 1)[1] if "=" in override else override
-    return "?"
+    return "(set by a composed preset)"
 
 
 def _allowed(error: BaseException) -> str:
     """What the failing key accepts, read off OmegaConf's or Hydra's message."""
     message = _first_line(_root_cause(error))
+    if match := re.search(r"Key '(\w+)' not in '(\w+)'", message):
+        return f"only the fields of {match.group(2)} (the option chosen for this slot has no {match.group(1)!r})"
     if match := re.search(r"could not be converted to (\w+)", message):
         return f"a value of type {match.group(1)}"
     if match := re.search(r"expected one of (\[.*?\])", message):

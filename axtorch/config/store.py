@@ -17,10 +17,16 @@ from axtorch.data.sources import (
     PythonStdlibSourceConfig,
     TextFilesSourceConfig,
 )
-from axtorch.layers.attention_mask import CausalMaskConfig
+from axtorch.layers.attention_mask import CausalMaskConfig, SlidingWindowMaskConfig
 from axtorch.layers.feed_forward import Activation, GatedFeedForwardConfig, MLPFeedForwardConfig
 from axtorch.layers.norm import LayerNormConfig, RMSNormConfig
-from axtorch.layers.position import NoPositionConfig, RotaryEmbeddingConfig
+from axtorch.layers.position import (
+    LinearScaledRotaryEmbeddingConfig,
+    Llama3RotaryEmbeddingConfig,
+    NoPositionConfig,
+    RotaryEmbeddingConfig,
+    YarnRotaryEmbeddingConfig,
+)
 
 SCHEMA_NAME = "train_schema"
 
@@ -37,9 +43,26 @@ CHOICES = {
     "model/norm": ("model.decoder.layer.norm", {"rmsnorm": RMSNormConfig(), "layernorm": LayerNormConfig()}),
     "model/position": (
         "model.decoder.layer.attention.position",
-        {"rope": RotaryEmbeddingConfig(), "none": NoPositionConfig()},
+        {
+            "rope": RotaryEmbeddingConfig(),
+            "rope_llama3": Llama3RotaryEmbeddingConfig(),
+            "rope_linear": LinearScaledRotaryEmbeddingConfig(),
+            "rope_yarn": YarnRotaryEmbeddingConfig(),
+            "none": NoPositionConfig(),
+        },
     ),
-    "model/mask": ("model.decoder.layer.attention.mask", {"causal": CausalMaskConfig()}),
+    "model/mask": (
+        "model.decoder.layer.attention.mask",
+        {"causal": CausalMaskConfig(), "sliding_window": SlidingWindowMaskConfig()},
+    ),
+    # One choice fills both of attention's optional per-head norms (QK-norm), which go together.
+    "model/qk_norm": (
+        "model.decoder.layer.attention",
+        {
+            "rmsnorm": {"query_norm": RMSNormConfig(), "key_norm": RMSNormConfig()},
+            "none": {"query_norm": None, "key_norm": None},
+        },
+    ),
     "data/source": (
         "data.source",
         {

@@ -31,7 +31,7 @@ DEFAULT_MAX_SHARD_BYTES = 5_000_000_000
 
 
 def from_hf(directory: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> tuple[CausalLM, CausalLMConfig]:
-    """Load a HF Llama, Mistral (no sliding window) or Qwen2 checkpoint directory.
+    """Load a HF Llama, Mistral, Qwen2 or Qwen3 checkpoint directory.
 
     Tensors are read in the checkpoint's dtype and cast to ``dtype``. Raises ``ValueError`` for a
     model type or config feature axtorch cannot represent.
@@ -64,11 +64,13 @@ def to_hf(
     dtype: torch.dtype | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> None:
-    """Write ``model`` as a ``LlamaForCausalLM`` checkpoint that ``transformers`` loads as is.
+    """Write ``model`` as a checkpoint that ``transformers`` loads as is.
 
+    The architecture is ``LlamaForCausalLM`` unless the model needs another family: a sliding
+    window gives ``MistralForCausalLM``, QK-norm ``Qwen3ForCausalLM`` (see ``llama_config_to_hf``).
     ``dtype`` defaults to the model's. Weights over ``max_shard_bytes`` are split into
     ``model-0000i-of-0000n.safetensors`` files plus an index. An earlier export in ``directory``
-    is replaced. Raises ``ValueError`` (before writing anything) if Llama cannot express the model.
+    is replaced. Raises ``ValueError`` (before writing anything) if no such family can express the model.
     """
     hf_config = llama_config_to_hf(model.config)
     dtype = dtype or next(model.parameters()).dtype

@@ -1,14 +1,15 @@
 """Hugging Face Llama-family <-> axtorch: config mapping, parameter names, model assembly.
 
 axtorch uses HF's weight layouts ([out, in] projections, rotate-half RoPE), so conversion is a
-renaming with no tensor surgery. Llama, Mistral (without sliding window) and Qwen2 share the
-architecture and parameter names; they differ only in config fields, mapped here. A config field
-that axtorch cannot honour raises ``ValueError`` naming it: a silently different model is worse
-than no model.
+renaming with no tensor surgery. Llama, Mistral, Qwen2 and Qwen3 share the architecture and
+parameter names; they differ only in config fields (biases, sliding window, QK-norm, RoPE
+scaling), mapped here. A config field that axtorch cannot honour raises ``ValueError`` naming
+it: a silently different model is worse than no model.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from itertools import chain
 from typing import Any, Callable, Iterable, Mapping
@@ -16,16 +17,30 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 
 from axtorch.layers.attention import AttentionConfig
-from axtorch.layers.attention_mask import CausalMaskConfig
+from axtorch.layers.attention_mask import CausalMaskConfig, MaskConfig, SlidingWindowMaskConfig
 from axtorch.layers.feed_forward import Activation, GatedFeedForwardConfig
 from axtorch.layers.linear import LinearConfig
 from axtorch.layers.norm import RMSNormConfig
-from axtorch.layers.position import RotaryEmbeddingConfig
+from axtorch.layers.position import (
+    LinearScaledRotaryEmbeddingConfig,
+    Llama3RotaryEmbeddingConfig,
+    RotaryEmbeddingConfig,
+    YarnRotaryEmbeddingConfig,
+)
 from axtorch.layers.transformer import DecoderConfig, TransformerLayerConfig
 from axtorch.models.causal_lm import CausalLM, CausalLMConfig
 
 #: HF ``model_type`` values whose models are this architecture (given the checks below).
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+#: HF ``rope_type`` -> (axtorch config, the HF keys it requires). The configs' other fields are
+#: named as HF's keys are; ``theta`` is HF's ``rope_theta``.
+_ROPE_TYPES: dict[str, tuple[type[RotaryEmbeddingConfig], tuple[str, ...]]] = {
+    "default": (RotaryEmbeddingConfig, ()),
+    "llama3": (Llama3RotaryEmbeddingConfig, ("factor", "low_freq_factor", "high_freq_factor")),
+    "linear": (LinearScaledRotaryEmbeddingConfig, ("factor",)),
+    "yarn": (YarnRotaryEmbeddingConfig, ()),
+}
 
 #: HF ``hidden_act`` <-> axtorch activation, for the functions that compute the same thing.
 _ACTIVATIONS = {
@@ -41,6 +56,8 @@ _NAMES = [
     ("model.layers.{i}.self_attn.k_proj", "decoder.layers.{i}.attention.k_proj"),
     ("model.layers.{i}.self_attn.v_proj", "decoder.layers.{i}.attention.v_proj"),
     ("model.layers.{i}.self_attn.o_proj", "decoder.layers.{i}.attention.o_proj"),
+    ("model.layers.{i}.self_attn.q_norm", "decoder.layers.{i}.attention.query_norm"),
+    ("model.layers.{i}.self_attn.k_norm", "decoder.layers.{i}.attention.key_norm"),
     ("model.layers.{i}.mlp.gate_proj", "decoder.layers.{i}.feed_forward.gate_proj"),
     ("model.layers.{i}.mlp.up_proj", "decoder.layers.{i}.feed_forward.up_proj"),
     ("model.layers.{i}.mlp.down_proj", "decoder.layers.{i}.feed_forward.down_proj"),
@@ -119,43 +136,92 @@ def _getter(hf: Mapping[str, Any] | Any) -> Callable[..., Any]:
     return lambda key, default=None: getattr(hf, key, default)
 
 
-def _rope_theta(get: Callable[..., Any]) -> float:
-    """The RoPE base; raises for any RoPE variant but the default one."""
-    for field in ("rope_parameters", "rope_scaling"):
-        settings = get(field) or {}
-        rope_type = settings.get("rope_type") or settings.get("type") or "default"
-        if rope_type != "default":
-            raise ValueError(
-                f"HF config {field}.rope_type={rope_type!r} is not supported: axtorch's RotaryEmbedding "
-                "implements only default RoPE (no frequency scaling)"
-            )
-    return float((get("rope_parameters") or {}).get("rope_theta") or get("rope_theta") or 10000.0)
-
-
-def _check_full_attention(get: Callable[..., Any]) -> None:
-    """Raise for sliding-window attention, which axtorch's causal mask cannot express."""
-    # Qwen2 carries a window size but only uses it when use_sliding_window is set; others always do.
-    if get("use_sliding_window", True) and get("sliding_window") is not None:
+def _position_config(get: Callable[..., Any]) -> RotaryEmbeddingConfig:
+    """The RoPE config for HF's ``rope_scaling`` (older files) or ``rope_parameters`` (transformers 5)."""
+    source = "rope_scaling" if get("rope_scaling") else "rope_parameters"
+    settings = dict(get(source) or {})
+    rope_type = settings.get("rope_type") or settings.get("type") or "default"
+    if rope_type not in _ROPE_TYPES:
         raise ValueError(
-            f"HF config sliding_window={get('sliding_window')!r} is not supported: axtorch has no "
-            "sliding-window attention mask yet (only full causal attention)"
+            f"HF config {source}.rope_type={rope_type!r} is not supported; supported: {sorted(_ROPE_TYPES)}"
         )
-    layer_types = get("layer_types") or []
-    other = sorted(set(layer_types) - {"full_attention"})
-    if other:
-        raise ValueError(f"HF config layer_types containing {other} is not supported: only full_attention")
+    partial_rotary_factor = settings.get("partial_rotary_factor") or get("partial_rotary_factor") or 1.0
+    if partial_rotary_factor != 1.0:
+        raise ValueError(
+            f"HF config partial_rotary_factor={partial_rotary_factor!r} is not supported: RoPE must rotate whole heads"
+        )
+    if settings.get("attention_factor") is None and settings.get("mscale") and settings.get("mscale_all_dim"):
+        raise ValueError(f"HF config {source}.mscale / mscale_all_dim (DeepSeek's YaRN attention factor) is not supported")
+    config_class, required = _ROPE_TYPES[rope_type]
+    missing = [key for key in required if settings.get(key) is None]
+    if missing:
+        raise ValueError(f"HF config {source} with rope_type={rope_type!r} lacks {missing}")
+    # As HF: a top-level original_max_position_embeddings wins, then the RoPE settings', then
+    # max_position_embeddings; YaRN's factor defaults to the context extension ratio.
+    max_length = get("max_position_embeddings", 2048)
+    settings["original_max_position_embeddings"] = (
+        get("original_max_position_embeddings") or settings.get("original_max_position_embeddings") or max_length
+    )
+    if rope_type == "yarn" and settings.get("factor") is None:
+        settings["factor"] = max_length / settings["original_max_position_embeddings"]
+    values = {
+        field.name: settings[field.name]
+        for field in dataclasses.fields(config_class)
+        if field.name != "theta" and settings.get(field.name) is not None
+    }
+    theta = float(settings.get("rope_theta") or get("rope_theta") or 10000.0)
+    return config_class(theta=theta, **values)
+
+
+def _rope_to_hf(position: RotaryEmbeddingConfig) -> dict[str, Any]:
+    """``rope_theta`` and ``rope_scaling`` in the form both transformers 4 and 5 read."""
+    rope_type = next(name for name, (cls, _) in _ROPE_TYPES.items() if cls is type(position))
+    scaling = {field.name: getattr(position, field.name) for field in dataclasses.fields(position) if field.name != "theta"}
+    scaling = {key: value for key, value in scaling.items() if value is not None}
+    return {"rope_theta": position.theta, "rope_scaling": {"rope_type": rope_type, **scaling} if scaling else None}
+
+
+def _mask_config(get: Callable[..., Any], model_type: str) -> MaskConfig:
+    """Causal, or a sliding window when the HF model uses the same window in every layer."""
+    num_layers = get("num_hidden_layers")
+    layer_types = get("layer_types")
+    if model_type == "mistral":
+        window = get("sliding_window", 4096)  # MistralConfig's default when the field is absent
+    elif model_type in ("qwen2", "qwen3"):
+        # Qwen carries a window size but uses it only when use_sliding_window is set, and then only
+        # from layer max_window_layers on.
+        window = get("sliding_window", 4096) if get("use_sliding_window", False) else None
+        if layer_types is None:
+            first_sliding = get("max_window_layers", 28) if window is not None else num_layers
+            layer_types = ["sliding_attention" if i >= first_sliding else "full_attention" for i in range(num_layers)]
+    else:
+        window = get("sliding_window")
+        if window is not None:
+            raise ValueError(f"HF config sliding_window={window!r} is not supported for model_type={model_type!r}")
+    kinds = set(layer_types or ["sliding_attention" if window is not None else "full_attention"])
+    unknown = sorted(kinds - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise ValueError(f"HF config layer_types containing {unknown} is not supported: only full or sliding attention")
+    if len(kinds) > 1:
+        raise ValueError(
+            "HF config layer_types mixing full_attention and sliding_attention is not supported: "
+            "all axtorch layers share one attention mask"
+        )
+    if kinds == {"sliding_attention"} and window is not None:
+        return SlidingWindowMaskConfig(window=window)
+    return CausalMaskConfig()
 
 
 def llama_config_from_hf(hf: Mapping[str, Any] | Any) -> CausalLMConfig:
-    """An axtorch config equal in function to a HF Llama/Mistral/Qwen2 config (object or ``config.json`` dict)."""
+    """An axtorch config equal in function to a HF Llama/Mistral/Qwen2/Qwen3 config (object or ``config.json`` dict)."""
     get = _getter(hf)
     model_type = get("model_type", "llama")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"HF config model_type={model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}")
     if get("quantization_config") is not None:
         raise ValueError("HF config quantization_config is set: quantized checkpoints are not supported")
-    rope_theta = _rope_theta(get)
-    _check_full_attention(get)
+    position = _position_config(get)
+    mask = _mask_config(get, model_type)
     hidden_act = get("hidden_act", "silu")
     if hidden_act not in _ACTIVATIONS:
         raise ValueError(f"HF config hidden_act={hidden_act!r} is not supported; supported: {sorted(_ACTIVATIONS)}")
@@ -163,6 +229,10 @@ def llama_config_from_hf(hf: Mapping[str, Any] | Any) -> CausalLMConfig:
     # Qwen2 has biases on the q/k/v projections only; Llama's attention_bias covers all four.
     qkv_bias, output_bias = (True, False) if model_type == "qwen2" else (attention_bias, attention_bias)
     mlp_bias = bool(get("mlp_bias", False))
+    norm_eps = get("rms_norm_eps", 1e-6)
+    # Qwen3 normalises each head's queries and keys; its head_dim defaults to 128, not dim / heads.
+    qk_norm = RMSNormConfig(eps=norm_eps) if model_type == "qwen3" else None
+    head_dim = get("head_dim", 128 if model_type == "qwen3" else None)
     return CausalLMConfig(
         vocab_size=get("vocab_size"),
         dim=get("hidden_size"),
@@ -174,12 +244,14 @@ def llama_config_from_hf(hf: Mapping[str, Any] | Any) -> CausalLMConfig:
                 attention=AttentionConfig(
                     num_heads=get("num_attention_heads"),
                     num_kv_heads=get("num_key_value_heads") or get("num_attention_heads"),
-                    head_dim=get("head_dim"),
+                    head_dim=head_dim,
                     dropout=float(get("attention_dropout", 0.0)),
                     qkv_projection=LinearConfig(bias=qkv_bias),
                     output_projection=LinearConfig(bias=output_bias),
-                    position=RotaryEmbeddingConfig(theta=rope_theta),
-                    mask=CausalMaskConfig(),
+                    query_norm=qk_norm,
+                    key_norm=qk_norm,
+                    position=position,
+                    mask=mask,
                 ),
                 feed_forward=GatedFeedForwardConfig(
                     hidden_dim=get("intermediate_size"),
@@ -187,38 +259,62 @@ def llama_config_from_hf(hf: Mapping[str, Any] | Any) -> CausalLMConfig:
                     projection=LinearConfig(bias=mlp_bias),
                     output_projection=LinearConfig(bias=mlp_bias),
                 ),
-                norm=RMSNormConfig(eps=get("rms_norm_eps", 1e-6)),
+                norm=RMSNormConfig(eps=norm_eps),
             ),
         ),
     )
 
 
+#: HF family -> its ``architectures`` entry, for the families ``llama_config_to_hf`` writes.
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
 def _require(condition: bool, feature: str) -> None:
     if not condition:
-        raise ValueError(f"HF Llama cannot express this model: {feature}")
+        raise ValueError(f"no HF family that to_hf writes ({', '.join(_ARCHITECTURES)}) can express this model: {feature}")
+
+
+def _hf_family(config: CausalLMConfig) -> str:
+    """The simplest HF family with the model's features: QK-norm needs Qwen3, a sliding window Mistral."""
+    attention = config.decoder.layer.attention
+    if attention.query_norm is not None or attention.key_norm is not None:
+        return "qwen3"
+    return "mistral" if type(attention.mask) is SlidingWindowMaskConfig else "llama"
 
 
 def llama_config_to_hf(config: CausalLMConfig) -> dict[str, Any]:
-    """A ``LlamaForCausalLM`` ``config.json`` dict for ``config``; ``ValueError`` if Llama cannot express it.
+    """A ``config.json`` dict for ``config`` as a HF Llama, Mistral or Qwen3 model.
 
+    Llama unless the model needs more: Mistral for a sliding window, Qwen3 for QK-norm (with a
+    sliding window too, on every layer). ``ValueError`` if none of them can express the model.
     Only exact config types are accepted: a subclass may compute something else.
     """
     layer = config.decoder.layer
     attention, feed_forward, norm = layer.attention, layer.feed_forward, layer.norm
     final_norm = config.decoder.final_norm or norm
-    _require(type(norm) is RMSNormConfig, f"layer norm {type(norm).__name__} (Llama uses RMSNorm)")
+    family = _hf_family(config)
+    _require(type(norm) is RMSNormConfig, f"layer norm {type(norm).__name__} (they use RMSNorm)")
     _require(
         type(final_norm) is RMSNormConfig and final_norm.eps == norm.eps,
-        f"final norm {final_norm} differs from the layer norm {norm} (Llama has one rms_norm_eps)",
+        f"final norm {final_norm} differs from the layer norm {norm} (they have one rms_norm_eps)",
     )
     _require(
-        type(attention.position) is RotaryEmbeddingConfig,
-        f"position encoding {type(attention.position).__name__} (Llama uses RoPE)",
+        any(type(attention.position) is cls for cls, _ in _ROPE_TYPES.values()),
+        f"position encoding {type(attention.position).__name__} (they use RoPE: {sorted(_ROPE_TYPES)})",
     )
-    _require(type(attention.mask) is CausalMaskConfig, f"attention mask {type(attention.mask).__name__}")
+    _require(
+        type(attention.mask) in (CausalMaskConfig, SlidingWindowMaskConfig),
+        f"attention mask {type(attention.mask).__name__}",
+    )
+    if family == "qwen3":
+        _require(
+            all(type(n) is RMSNormConfig and n.eps == norm.eps for n in (attention.query_norm, attention.key_norm)),
+            f"query/key norms {attention.query_norm} and {attention.key_norm} (Qwen3 has RMSNorms on both, "
+            f"with the layer norm's eps {norm.eps})",
+        )
     _require(
         type(feed_forward) is GatedFeedForwardConfig,
-        f"feed-forward {type(feed_forward).__name__} (Llama uses a gated MLP)",
+        f"feed-forward {type(feed_forward).__name__} (they use a gated MLP)",
     )
     hidden_act = {ours: hf for hf, ours in _ACTIVATIONS.items()}[feed_forward.activation]
     _require(
@@ -229,10 +325,30 @@ def llama_config_to_hf(config: CausalLMConfig) -> dict[str, Any]:
         feed_forward.projection.bias == feed_forward.output_projection.bias,
         "bias on some feed-forward projections only (mlp_bias covers all three)",
     )
+    _require(
+        family == "llama" or not feed_forward.projection.bias,
+        f"feed-forward biases with a {family} model (only Llama has mlp_bias)",
+    )
+    _require(
+        family != "mistral" or not attention.qkv_projection.bias,
+        "attention biases with a sliding window (Mistral has no attention_bias)",
+    )
     _require(config.tie_embeddings or not config.lm_head.bias, "a bias on the output head")
+    window = attention.mask.window if type(attention.mask) is SlidingWindowMaskConfig else None
+    family_fields = {
+        "llama": {"attention_bias": attention.qkv_projection.bias, "mlp_bias": feed_forward.projection.bias},
+        "mistral": {"sliding_window": window},
+        "qwen3": {
+            "attention_bias": attention.qkv_projection.bias,
+            "use_sliding_window": window is not None,
+            "sliding_window": window,
+            # Qwen3 slides from layer max_window_layers on: from the first layer, or never.
+            "max_window_layers": 0 if window is not None else config.decoder.num_layers,
+        },
+    }
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [_ARCHITECTURES[family]],
+        "model_type": family,
         "vocab_size": config.vocab_size,
         "hidden_size": config.dim,
         "intermediate_size": feed_forward.hidden_dim,
@@ -243,10 +359,8 @@ def llama_config_to_hf(config: CausalLMConfig) -> dict[str, Any]:
         "hidden_act": hidden_act,
         "max_position_embeddings": config.max_seq_len,
         "rms_norm_eps": norm.eps,
-        "rope_theta": attention.position.theta,
-        "rope_scaling": None,
-        "attention_bias": attention.qkv_projection.bias,
+        **_rope_to_hf(attention.position),
         "attention_dropout": attention.dropout,
-        "mlp_bias": feed_forward.projection.bias,
+        **family_fields[family],
         "tie_word_embeddings": config.tie_embeddings,
     }

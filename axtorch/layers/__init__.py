@@ -1,7 +1,7 @@
 """Layers: each an ``nn.Module`` built from its own config dataclass (``config.build(...)``)."""
 
 from axtorch.layers.attention import AttentionConfig, AttentionInput, AttentionOutput, GroupedQueryAttention
-from axtorch.layers.attention_mask import CausalMask, CausalMaskConfig, MaskConfig
+from axtorch.layers.attention_mask import CausalMask, CausalMaskConfig, MaskConfig, SlidingWindowMask, SlidingWindowMaskConfig
 from axtorch.layers.embedding import Embedding, EmbeddingConfig
 from axtorch.layers.feed_forward import (
     Activation,
@@ -17,7 +17,16 @@ from axtorch.layers.init import InitConfig, InitScheme
 from axtorch.layers.kv_cache import KVCache
 from axtorch.layers.linear import Linear, LinearConfig
 from axtorch.layers.norm import LayerNorm, LayerNormConfig, NormConfig, RMSNorm, RMSNormConfig
-from axtorch.layers.position import NoPosition, NoPositionConfig, PositionConfig, RotaryEmbedding, RotaryEmbeddingConfig
+from axtorch.layers.position import (
+    LinearScaledRotaryEmbeddingConfig,
+    Llama3RotaryEmbeddingConfig,
+    NoPosition,
+    NoPositionConfig,
+    PositionConfig,
+    RotaryEmbedding,
+    RotaryEmbeddingConfig,
+    YarnRotaryEmbeddingConfig,
+)
 from axtorch.layers.transformer import (
     Decoder,
     DecoderConfig,
@@ -53,6 +62,8 @@ __all__ = [
     "InitScheme",
     "KVCache",
     "LayerNorm",
+    "LinearScaledRotaryEmbeddingConfig",
+    "Llama3RotaryEmbeddingConfig",
     "LayerNormConfig",
     "Linear",
     "LinearConfig",
@@ -66,8 +77,11 @@ __all__ = [
     "RMSNormConfig",
     "RotaryEmbedding",
     "RotaryEmbeddingConfig",
+    "SlidingWindowMask",
+    "SlidingWindowMaskConfig",
     "TransformerLayer",
     "TransformerLayerConfig",
     "TransformerLayerInput",
     "TransformerLayerOutput",
+    "YarnRotaryEmbeddingConfig",
 ]

@@ -1,7 +1,8 @@
 """Multi-head attention with grouped-query (and multi-query) key/value heads.
 
 Behaviour comes from children named in the config: the projections (``LinearConfig``), the
-position encoding (``PositionConfig``) and the mask (``MaskConfig``). MHA, GQA and MQA are the
+optional per-head query and key norms (``NormConfig``), the position encoding
+(``PositionConfig``) and the mask (``MaskConfig``). MHA, GQA and MQA are the
 same class: ``num_kv_heads`` equal to, a divisor of, or 1 against ``num_heads``.
 """
 
@@ -19,6 +20,7 @@ from axtorch.config.errors import ConfigError
 from axtorch.layers.attention_mask import MaskConfig
 from axtorch.layers.kv_cache import KVCache
 from axtorch.layers.linear import LinearConfig
+from axtorch.layers.norm import NormConfig
 from axtorch.layers.position import PositionConfig
 
 
@@ -32,6 +34,10 @@ class AttentionConfig:
     dropout: float = 0.0
     qkv_projection: LinearConfig = field(default_factory=LinearConfig)
     output_projection: LinearConfig = field(default_factory=LinearConfig)
+    #: Norms over each head's ``head_dim`` features of the queries and keys, before the position
+    #: encoding (QK-norm, as in Qwen3 and OLMo 2); None means none.
+    query_norm: Optional[NormConfig] = None
+    key_norm: Optional[NormConfig] = None
     position: PositionConfig = MISSING
     mask: MaskConfig = MISSING
 
@@ -89,6 +95,8 @@ class GroupedQueryAttention(nn.Module):
         self.k_proj = config.qkv_projection.build(dim, self.num_kv_heads * self.head_dim)
         self.v_proj = config.qkv_projection.build(dim, self.num_kv_heads * self.head_dim)
         self.o_proj = config.output_projection.build(self.num_heads * self.head_dim, dim)
+        self.query_norm = _build_optional_norm(config.query_norm, self.head_dim)
+        self.key_norm = _build_optional_norm(config.key_norm, self.head_dim)
         self.position = config.position.build(self.head_dim)
         self.mask = config.mask.build()
 
@@ -100,8 +108,8 @@ class GroupedQueryAttention(nn.Module):
         batch, seq, _ = x.shape
         # Head counts come from the projections' outputs, so a tensor-parallel backend that splits
         # the projections by heads runs this code unchanged on its local heads.
-        q = self.q_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        q = self.query_norm(self.q_proj(x).view(batch, seq, -1, self.head_dim)).transpose(1, 2)
+        k = self.key_norm(self.k_proj(x).view(batch, seq, -1, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         q, k = self.position(q, k, inputs.positions)
 
@@ -123,3 +131,7 @@ class GroupedQueryAttention(nn.Module):
         )
         out = out.transpose(1, 2).reshape(batch, seq, -1)
         return AttentionOutput(hidden_states=self.o_proj(out), kv_cache=inputs.kv_cache)
+
+
+def _build_optional_norm(config: Optional[NormConfig], dim: int) -> nn.Module:
+    return nn.Identity() if config is None else config.build(dim)

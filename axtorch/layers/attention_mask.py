@@ -1,10 +1,16 @@
-"""Which keys a query may attend to. ``MaskConfig`` is the slot type of the attention mask."""
+"""Which keys a query may attend to. ``MaskConfig`` is the slot type of the attention mask.
+
+Masks compare absolute positions, so the same rule serves training (keys are the sequence) and
+KV-cache decoding (keys are cache slots indexed by position; empty slots lie in the future and
+are masked by the same comparison).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+from omegaconf import MISSING
 from torch import nn
 
 
@@ -22,13 +28,24 @@ class CausalMaskConfig(MaskConfig):
         return CausalMask()
 
 
-class CausalMask(nn.Module):
-    """A query at position p sees keys at positions <= p.
+@dataclass
+class SlidingWindowMaskConfig(MaskConfig):
+    """Causal attention to the last ``window`` positions only (Mistral, Gemma's local layers)."""
 
-    Masks compare absolute positions, so the same rule serves training (keys are the sequence)
-    and KV-cache decoding (keys are cache slots indexed by position; empty slots lie in the
-    future and are masked by the same comparison).
-    """
+    #: How many positions a query sees, itself included.
+    window: int = MISSING
+
+    def build(self) -> SlidingWindowMask:
+        return SlidingWindowMask(self)
+
+
+def _distance(query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
+    """[B, 1, Sq, Sk] how many positions each key lies behind each query (negative: in its future)."""
+    return query_positions[:, None, :, None] - key_positions[:, None, None, :]
+
+
+class CausalMask(nn.Module):
+    """A query at position p sees keys at positions <= p."""
 
     #: True when, for a full sequence with positions 0..S-1, the mask is plain causal, which lets
     #: attention use the fused ``is_causal`` kernels instead of materialising the mask.
@@ -36,4 +53,24 @@ class CausalMask(nn.Module):
 
     def forward(self, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
         """Boolean [B, 1, Sq, Sk] mask, True where attention is allowed."""
-        return (key_positions[:, None, None, :] <= query_positions[:, None, :, None])
+        return _distance(query_positions, key_positions) >= 0
+
+
+class SlidingWindowMask(nn.Module):
+    """A query at position p sees keys at positions in (p - window, p]."""
+
+    is_plain_causal = False
+
+    def __init__(self, config: SlidingWindowMaskConfig):
+        super().__init__()
+        if config.window <= 0:
+            raise ValueError(f"sliding-window mask needs a positive window, got window={config.window}")
+        self.window = config.window
+
+    def forward(self, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
+        """Boolean [B, 1, Sq, Sk] mask, True where attention is allowed."""
+        distance = _distance(query_positions, key_positions)
+        return (distance >= 0) & (distance < self.window)
+
+    def extra_repr(self) -> str:
+        return f"window={self.window}"

@@ -1,8 +1,16 @@
-"""Position encodings applied inside attention. ``PositionConfig`` is the slot type."""
+"""Position encodings applied inside attention. ``PositionConfig`` is the slot type.
+
+Rotary embeddings come in several frequency schedules (plain, Llama 3.1, linear, YaRN). They
+differ only in the inverse frequencies and in a scale on cos/sin, so each variant is a config
+class that computes those two things, and all of them build the one ``RotaryEmbedding`` module
+that applies the rotation.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch import nn
@@ -18,10 +26,112 @@ class PositionConfig:
 
 @dataclass
 class RotaryEmbeddingConfig(PositionConfig):
+    """Plain RoPE: pair i of a head rotates at ``theta ** (-2i / head_dim)`` radians per position.
+
+    Subclasses change the frequency schedule by overriding ``inverse_frequencies`` and
+    ``attention_scaling``. Frequencies are computed in float32 with the same operations, in the
+    same order, as HF transformers' ``rope_init_fn``s, so that the two agree bit for bit.
+    """
+
     theta: float = 10000.0
 
     def build(self, head_dim: int) -> RotaryEmbedding:
         return RotaryEmbedding(self, head_dim)
+
+    def inverse_frequencies(self, head_dim: int, device: torch.device) -> torch.Tensor:
+        """float32 [head_dim / 2] radians per position of each rotated pair."""
+        return 1.0 / self._theta_powers(head_dim, device)
+
+    def _theta_powers(self, head_dim: int, device: torch.device) -> torch.Tensor:
+        """float32 [head_dim / 2] ``theta ** (2i / head_dim)``, the reciprocals of plain RoPE's frequencies."""
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+        return self.theta**exponents
+
+    def attention_scaling(self) -> float:
+        """Factor on cos and sin (so on q.k through both): a softmax temperature for long contexts."""
+        return 1.0
+
+
+@dataclass
+class Llama3RotaryEmbeddingConfig(RotaryEmbeddingConfig):
+    """Llama 3.1 frequency remapping for long contexts.
+
+    Pairs whose wavelength is shorter than ``original_max_position_embeddings / high_freq_factor``
+    keep their frequency; those longer than ``original_max_position_embeddings / low_freq_factor``
+    are slowed down ``factor`` times; the band between is interpolated smoothly.
+    """
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def inverse_frequencies(self, head_dim: int, device: torch.device) -> torch.Tensor:
+        unscaled = super().inverse_frequencies(head_dim, device)
+        original_length = self.original_max_position_embeddings
+        wavelength = 2 * math.pi / unscaled
+        # 0 at the low-frequency edge of the band, 1 at its high-frequency edge.
+        smooth = (original_length / wavelength - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor)
+        interpolated = (1 - smooth) * unscaled / self.factor + smooth * unscaled
+        slowed = torch.where(wavelength > original_length / self.low_freq_factor, unscaled / self.factor, interpolated)
+        return torch.where(wavelength < original_length / self.high_freq_factor, unscaled, slowed)
+
+
+@dataclass
+class LinearScaledRotaryEmbeddingConfig(RotaryEmbeddingConfig):
+    """Position interpolation: positions divided by ``factor`` (computed, as HF does, on the frequencies)."""
+
+    factor: float = 1.0
+
+    def inverse_frequencies(self, head_dim: int, device: torch.device) -> torch.Tensor:
+        return super().inverse_frequencies(head_dim, device) / self.factor
+
+
+@dataclass
+class YarnRotaryEmbeddingConfig(RotaryEmbeddingConfig):
+    """YaRN (Peng et al. 2023): interpolate slow pairs, keep fast ones, and sharpen attention.
+
+    Pairs that turn more than ``beta_fast`` times over ``original_max_position_embeddings`` keep
+    their frequency, those that turn fewer than ``beta_slow`` times are divided by ``factor``, and a
+    linear ramp over pair indices blends the two between. cos and sin are multiplied by
+    ``attention_factor``, by default ``0.1 * ln(factor) + 1``.
+    """
+
+    factor: float = 1.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    #: None means ``0.1 * ln(factor) + 1`` (1 when ``factor <= 1``).
+    attention_factor: Optional[float] = None
+    #: Round the ramp's ends outwards to whole pair indices (HF's default; gpt-oss turns it off).
+    truncate: bool = True
+
+    def inverse_frequencies(self, head_dim: int, device: torch.device) -> torch.Tensor:
+        powers = self._theta_powers(head_dim, device)
+        kept, interpolated = 1.0 / powers, 1.0 / (self.factor * powers)
+        low, high = self._ramp_ends(head_dim)
+        if low == high:
+            high += 0.001  # a ramp of zero width would divide by zero
+        ramp = ((torch.arange(head_dim // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
+        keep_weight = 1 - ramp
+        return interpolated * (1 - keep_weight) + kept * keep_weight
+
+    def _ramp_ends(self, head_dim: int) -> tuple[float, float]:
+        """Pair indices at which the pairs turn ``beta_fast`` and ``beta_slow`` times over the original context."""
+
+        def pair_index(turns: float) -> float:
+            positions_per_radian = self.original_max_position_embeddings / (turns * 2 * math.pi)
+            return (head_dim * math.log(positions_per_radian)) / (2 * math.log(self.theta))
+
+        low, high = pair_index(self.beta_fast), pair_index(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        return max(low, 0), min(high, head_dim - 1)
+
+    def attention_scaling(self) -> float:
+        if self.attention_factor is not None:
+            return self.attention_factor
+        return 0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
 
 
 @dataclass
@@ -33,25 +143,26 @@ class NoPositionConfig(PositionConfig):
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding (RoFormer) in the "rotate half" layout that HF Llama uses.
 
-    Angles are computed in float32 from the absolute positions on every call: no buffers, so the
-    module is valid on the meta device and for any sequence length, and the values match HF's
-    float32 computation bit for bit.
+    The frequency schedule comes from the config (any ``RotaryEmbeddingConfig``). Angles are
+    computed in float32 from the absolute positions on every call: no buffers, so the module is
+    valid on the meta device and for any sequence length, and the values match HF's float32
+    computation bit for bit.
     """
 
     def __init__(self, config: RotaryEmbeddingConfig, head_dim: int):
         super().__init__()
         if head_dim % 2:
             raise ValueError(f"rotary embedding needs an even head_dim, got {head_dim}")
-        self.theta = config.theta
+        self.config = config
         self.head_dim = head_dim
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate ``q`` [B, Hq, S, D] and ``k`` [B, Hkv, S, D] by ``positions`` [B, S]."""
-        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=q.device).float() / self.head_dim
-        inv_freq = 1.0 / (self.theta**exponents)
-        angles = positions.float()[..., None] * inv_freq  # [B, S, D/2]
+        inverse_frequencies = self.config.inverse_frequencies(self.head_dim, q.device)
+        angles = positions.float()[..., None] * inverse_frequencies  # [B, S, D/2]
         angles = torch.cat((angles, angles), dim=-1)[:, None]  # [B, 1, S, D]
-        cos, sin = angles.cos(), angles.sin()
+        scaling = self.config.attention_scaling()
+        cos, sin = angles.cos() * scaling, angles.sin() * scaling
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 

@@ -10,16 +10,24 @@ transformers = pytest.importorskip("transformers")
 
 from axtorch.interop import from_hf, to_hf
 from axtorch.interop.hf_llama import llama_config_from_hf
+from axtorch.layers.attention_mask import CausalMaskConfig, SlidingWindowMaskConfig
 from axtorch.layers.feed_forward import MLPFeedForwardConfig
 from axtorch.layers.linear import LinearConfig
-from axtorch.layers.norm import LayerNormConfig
-from axtorch.layers.position import NoPositionConfig
+from axtorch.layers.norm import LayerNormConfig, RMSNormConfig
+from axtorch.layers.position import (
+    LinearScaledRotaryEmbeddingConfig,
+    Llama3RotaryEmbeddingConfig,
+    NoPositionConfig,
+    RotaryEmbeddingConfig,
+    YarnRotaryEmbeddingConfig,
+)
 from axtorch.models import CausalLMInput
 
 FAMILIES = {
     "llama": (transformers.LlamaConfig, transformers.models.llama.modeling_llama.LlamaRMSNorm),
     "mistral": (transformers.MistralConfig, transformers.models.mistral.modeling_mistral.MistralRMSNorm),
     "qwen2": (transformers.Qwen2Config, transformers.models.qwen2.modeling_qwen2.Qwen2RMSNorm),
+    "qwen3": (transformers.Qwen3Config, transformers.models.qwen3.modeling_qwen3.Qwen3RMSNorm),
 }
 SHAPE = dict(
     vocab_size=97, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=8,
@@ -47,18 +55,40 @@ def _ids():
     return torch.randint(0, SHAPE["vocab_size"], (2, 19), generator=torch.Generator().manual_seed(1))
 
 
+LLAMA3_ROPE = dict(
+    rope_type="llama3", rope_theta=5000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+    original_max_position_embeddings=16,
+)
+#: case -> (family, tied, HF config fields beyond SHAPE, architecture that to_hf writes back).
 CASES = {
-    "llama-biases": ("llama", False, dict(attention_bias=True, mlp_bias=True)),
-    "llama-tied": ("llama", True, {}),
-    "mistral": ("mistral", False, dict(sliding_window=None)),
-    "qwen2-tied": ("qwen2", True, {}),
+    "llama-biases": ("llama", False, dict(attention_bias=True, mlp_bias=True), "LlamaForCausalLM"),
+    "llama-tied": ("llama", True, {}, "LlamaForCausalLM"),
+    "llama-rope-llama3": ("llama", False, dict(rope_parameters=LLAMA3_ROPE), "LlamaForCausalLM"),
+    # Pre-transformers-5 spelling: rope_scaling with "type" and a top-level rope_theta.
+    "llama-rope-linear": ("llama", True, dict(rope_scaling={"type": "linear", "factor": 4.0}), "LlamaForCausalLM"),
+    "llama-rope-yarn": (
+        "llama", False,
+        dict(rope_parameters=dict(rope_type="yarn", rope_theta=5000.0, factor=4.0, original_max_position_embeddings=32)),
+        "LlamaForCausalLM",
+    ),
+    "mistral": ("mistral", False, dict(sliding_window=None), "LlamaForCausalLM"),
+    "mistral-window": ("mistral", False, dict(sliding_window=5), "MistralForCausalLM"),
+    "qwen2-tied": ("qwen2", True, {}, None),
+    "qwen2-window": ("qwen2", False, dict(use_sliding_window=True, sliding_window=5, max_window_layers=0), None),
+    "qwen3-tied": ("qwen3", True, dict(head_dim=16), "Qwen3ForCausalLM"),
+    "qwen3-window-biases": (
+        "qwen3", False,
+        dict(head_dim=16, attention_bias=True, use_sliding_window=True, sliding_window=5, max_window_layers=0),
+        "Qwen3ForCausalLM",
+    ),
 }
+EXPORTABLE = [case for case, (*_, architecture) in CASES.items() if architecture is not None]
 
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("sharded", [False, True])
 def test_from_hf_logits_equal_transformers(case, sharded, tmp_path):
-    family, tie, overrides = CASES[case]
+    family, tie, overrides, _ = CASES[case]
     hf_model = _hf_model(family, tie, **overrides)
     hf_model.save_pretrained(tmp_path, max_shard_size="20KB" if sharded else "5GB")
     assert (tmp_path / "model.safetensors.index.json").exists() == sharded
@@ -71,17 +101,17 @@ def test_from_hf_logits_equal_transformers(case, sharded, tmp_path):
     assert difference < 1e-10
 
 
-@pytest.mark.parametrize("case", ["llama-biases", "llama-tied", "mistral"])
+@pytest.mark.parametrize("case", EXPORTABLE)
 @pytest.mark.parametrize("max_shard_bytes", [5_000_000_000, 40_000])
 def test_to_hf_loads_in_transformers_with_the_same_logits(case, max_shard_bytes, tmp_path):
-    family, tie, overrides = CASES[case]
+    family, tie, overrides, architecture = CASES[case]
     hf_model = _hf_model(family, tie, **overrides)
     hf_model.save_pretrained(tmp_path / "source")
     model, _ = from_hf(tmp_path / "source", dtype=torch.float64)
 
     to_hf(model, tmp_path / "export", max_shard_bytes=max_shard_bytes)
     written = json.loads((tmp_path / "export" / "config.json").read_text())
-    assert written["architectures"] == ["LlamaForCausalLM"] and written["torch_dtype"] == "float64"
+    assert written["architectures"] == [architecture] and written["torch_dtype"] == "float64"
     shards = sorted(p.name for p in (tmp_path / "export").glob("*.safetensors"))
     if max_shard_bytes < 5_000_000_000:
         assert len(shards) > 1 and (tmp_path / "export" / "model.safetensors.index.json").exists()
@@ -91,7 +121,7 @@ def test_to_hf_loads_in_transformers_with_the_same_logits(case, max_shard_bytes,
         tmp_path / "export", dtype=torch.float64, attn_implementation="sdpa"
     ).eval()
 
-    assert isinstance(reloaded, transformers.LlamaForCausalLM)
+    assert type(reloaded).__name__ == architecture
     ids = _ids()
     difference = (reloaded(input_ids=ids).logits - hf_model(input_ids=ids).logits).abs().max()
     print(f"{case} max_shard_bytes={max_shard_bytes}: max |logits difference| after to_hf {difference.item():.3g}")
@@ -109,16 +139,58 @@ def test_from_hf_reads_the_checkpoint_dtype_and_casts(tmp_path):
     assert torch.equal(model.decoder.layers[1].feed_forward.down_proj.weight, expected)
 
 
+#: config.json fields (beyond a tiny shape) -> the axtorch attention config they import as.
+FEATURE_CONFIGS = {
+    "llama3": (
+        {"model_type": "llama", "rope_theta": 500000.0, "rope_scaling": {
+            "rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192}},
+        dict(position=Llama3RotaryEmbeddingConfig(theta=500000.0, factor=32.0, original_max_position_embeddings=8192)),
+    ),
+    "linear": (
+        {"model_type": "llama", "rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}},
+        dict(position=LinearScaledRotaryEmbeddingConfig(theta=1e4, factor=2.0)),
+    ),
+    "yarn-factor-from-lengths": (  # YaRN's factor defaults to the context extension ratio
+        {"model_type": "qwen3", "max_position_embeddings": 131072, "rope_scaling": {
+            "rope_type": "yarn", "factor": None, "original_max_position_embeddings": 32768}},
+        dict(position=YarnRotaryEmbeddingConfig(factor=4.0, original_max_position_embeddings=32768),
+             head_dim=128, query_norm=RMSNormConfig(), key_norm=RMSNormConfig()),
+    ),
+    "mistral-default-window": (  # MistralConfig's sliding_window default applies when the field is absent
+        {"model_type": "mistral"},
+        dict(position=RotaryEmbeddingConfig(), mask=SlidingWindowMaskConfig(window=4096)),
+    ),
+    "qwen2-window-unused": (  # Qwen2 slides only from layer max_window_layers (28) on
+        {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 4096},
+        dict(position=RotaryEmbeddingConfig()),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", FEATURE_CONFIGS)
+def test_from_hf_maps_each_feature_to_its_config(case):
+    fields, expected = FEATURE_CONFIGS[case]
+    config = {"vocab_size": 97, "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2,
+              "num_attention_heads": 8, **fields}
+    attention = llama_config_from_hf(config).decoder.layer.attention
+    for name, value in {"mask": CausalMaskConfig(), "query_norm": None, "key_norm": None, **expected}.items():
+        assert getattr(attention, name) == value, name
+
+
 @pytest.mark.parametrize(
     ("family", "fields", "message"),
     [
         ("gpt2", {}, "model_type='gpt2'"),
-        ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling.rope_type='llama3'"),
-        ("llama", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rope_parameters.rope_type='yarn'"),
-        ("llama", {"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_type='linear'"),
-        ("mistral", {"sliding_window": 4096}, "sliding_window=4096"),
-        ("qwen2", {"use_sliding_window": True, "sliding_window": 4096}, "sliding_window=4096"),
+        ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "lacks ['low_freq_factor', 'high_freq_factor']"),
+        ("llama", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "rope_parameters.rope_type='dynamic'"),
+        ("llama", {"rope_scaling": {"type": "longrope", "factor": 2.0}}, "rope_type='longrope'"),
+        ("llama", {"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
+        ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 1.0}}, "mscale"),
+        ("llama", {"sliding_window": 4096}, "sliding_window=4096"),
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 4096, "max_window_layers": 1}, "mixing"),
         ("qwen2", {"layer_types": ["full_attention", "sliding_attention"]}, "sliding_attention"),
+        ("qwen3", {"layer_types": ["full_attention", "chunked_attention"]}, "chunked_attention"),
         ("llama", {"hidden_act": "gelu_new"}, "hidden_act='gelu_new'"),
     ],
 )
@@ -136,6 +208,12 @@ def _tiny_llama_config():
     return llama_config_from_hf({k: v for k, v in SHAPE.items() if k != "rope_theta"})
 
 
+def _sliding_window_with_attention_biases(config):
+    attention = config.decoder.layer.attention
+    attention.mask = SlidingWindowMaskConfig(window=8)
+    attention.qkv_projection = attention.output_projection = LinearConfig(bias=True)
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
@@ -143,9 +221,12 @@ def _tiny_llama_config():
         (lambda c: setattr(c.decoder.layer, "feed_forward", MLPFeedForwardConfig(hidden_dim=160)), "gated MLP"),
         (lambda c: setattr(c.decoder.layer.attention, "position", NoPositionConfig()), "RoPE"),
         (lambda c: setattr(c.decoder.layer.attention, "qkv_projection", LinearConfig(bias=True)), "q/k/v"),
+        (lambda c: setattr(c.decoder.layer.attention, "query_norm", RMSNormConfig(eps=1e-5)), "query/key norms"),
+        (lambda c: setattr(c.decoder.layer.attention, "key_norm", LayerNormConfig()), "query/key norms"),
+        (_sliding_window_with_attention_biases, "Mistral has no attention_bias"),
     ],
 )
-def test_to_hf_refuses_what_llama_cannot_express(change, message, tmp_path):
+def test_to_hf_refuses_what_no_hf_family_can_express(change, message, tmp_path):
     config = _tiny_llama_config()
     change(config)
     with torch.device("meta"):

@@ -23,12 +23,18 @@ from axtorch.layers import (
     TransformerLayerConfig,
     TransformerLayerInput,
 )
+from axtorch.layers.attention_mask import SlidingWindowMaskConfig
+from axtorch.layers.position import (
+    LinearScaledRotaryEmbeddingConfig,
+    Llama3RotaryEmbeddingConfig,
+    YarnRotaryEmbeddingConfig,
+)
 
 
-def _attention(num_heads=4, num_kv_heads=None, dim=32, position=None):
+def _attention(num_heads=4, num_kv_heads=None, dim=32, position=None, mask=None, qk_norm=None):
     config = AttentionConfig(
-        num_heads=num_heads, num_kv_heads=num_kv_heads,
-        position=position or RotaryEmbeddingConfig(), mask=CausalMaskConfig(),
+        num_heads=num_heads, num_kv_heads=num_kv_heads, query_norm=qk_norm, key_norm=qk_norm,
+        position=position or RotaryEmbeddingConfig(), mask=mask or CausalMaskConfig(),
     )
     torch.manual_seed(0)
     module = config.build(dim)
@@ -84,8 +90,18 @@ def test_multi_query_attention_has_one_kv_head():
     assert mqa.k_proj.weight.shape == (8, 32) and mqa.v_proj.weight.shape == (8, 32)
 
 
-def test_rotary_embedding_makes_scores_depend_on_relative_position_only():
-    rope = RotaryEmbeddingConfig(theta=100.0).build(8)
+@pytest.mark.parametrize(
+    "config",
+    [
+        RotaryEmbeddingConfig(theta=100.0),
+        Llama3RotaryEmbeddingConfig(theta=100.0, factor=8.0, original_max_position_embeddings=32),
+        LinearScaledRotaryEmbeddingConfig(theta=100.0, factor=4.0),
+        YarnRotaryEmbeddingConfig(theta=100.0, factor=4.0, original_max_position_embeddings=32),
+    ],
+    ids=lambda config: type(config).__name__,
+)
+def test_rotary_embedding_makes_scores_depend_on_relative_position_only(config):
+    rope = config.build(8)
     q, k = torch.randn(1, 1, 1, 8, dtype=torch.float64), torch.randn(1, 1, 1, 8, dtype=torch.float64)
 
     def score(query_pos, key_pos):
@@ -104,6 +120,51 @@ def test_rotary_embedding_preserves_norm_and_is_identity_at_zero():
     torch.testing.assert_close(rotated, q)
     rotated, _ = rope(q, q, _positions(2, 4) * 37)
     torch.testing.assert_close(rotated.norm(dim=-1), q.norm(dim=-1))
+
+
+def test_sliding_window_mask_sees_the_last_window_positions():
+    mask = SlidingWindowMaskConfig(window=3).build()
+    allowed = mask(_positions(1, 6), _positions(1, 6))[0, 0]
+    for query in range(6):
+        assert allowed[query].nonzero().flatten().tolist() == list(range(max(0, query - 2), query + 1))
+    with pytest.raises(ValueError, match="window=0"):
+        SlidingWindowMaskConfig(window=0).build()
+
+
+def test_sliding_window_attention_ignores_tokens_beyond_the_window():
+    attention = _attention(mask=SlidingWindowMaskConfig(window=3))
+    x = torch.randn(1, 8, 32)
+    base = attention(AttentionInput(x, _positions(1, 8))).hidden_states
+    changed = x.clone()
+    changed[:, 2] = torch.randn(32)
+    out = attention(AttentionInput(changed, _positions(1, 8))).hidden_states
+    torch.testing.assert_close(out[:, :2], base[:, :2])  # before the token
+    assert not torch.allclose(out[:, 2:5], base[:, 2:5])  # positions 2, 3, 4 see position 2
+    torch.testing.assert_close(out[:, 5:], base[:, 5:])  # position 2 is out of their window
+
+
+def _outputs_before_and_after_scaling_queries_and_keys(attention, x):
+    with torch.no_grad():
+        before = attention(AttentionInput(x, _positions(2, 5))).hidden_states
+        attention.q_proj.weight.mul_(7.0)
+        attention.k_proj.weight.mul_(0.2)
+        return before, attention(AttentionInput(x, _positions(2, 5))).hidden_states
+
+
+def test_qk_norm_adds_per_head_norms_that_make_attention_invariant_to_the_scale_of_q_and_k():
+    plain = _attention(num_kv_heads=2).double()
+    normed = _attention(num_kv_heads=2, qk_norm=RMSNormConfig(eps=1e-12)).double()
+    assert isinstance(plain.query_norm, torch.nn.Identity) and not list(plain.query_norm.parameters())
+    shapes = {name: tuple(p.shape) for name, p in normed.named_parameters() if "norm" in name}
+    assert shapes == {"query_norm.weight": (8,), "key_norm.weight": (8,)}  # one gain per head feature
+    with torch.no_grad():
+        normed.query_norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(2, 5, 32, dtype=torch.float64)
+
+    before, after = _outputs_before_and_after_scaling_queries_and_keys(normed, x)
+    torch.testing.assert_close(after, before, rtol=1e-6, atol=1e-10)
+    before, after = _outputs_before_and_after_scaling_queries_and_keys(plain, x)
+    assert not torch.allclose(after, before)
 
 
 def test_no_position_attention_is_permutation_equivariant_over_the_past():
