@@ -21,3 +21,22 @@ def float64_hf_rmsnorm(monkeypatch):
     for norm in (models.llama.modeling_llama.LlamaRMSNorm, models.mistral.modeling_mistral.MistralRMSNorm,
                  models.qwen2.modeling_qwen2.Qwen2RMSNorm, models.qwen3.modeling_qwen3.Qwen3RMSNorm):
         monkeypatch.setattr(norm, "forward", forward)
+
+
+@pytest.fixture
+def random_hf_model():
+    """Build a float64 HF model from a config, with norms and biases perturbed away from 1 and 0."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    def build(config):
+        config._attn_implementation = "sdpa"
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config).double().eval()
+        with torch.no_grad():  # HF initialises norms to 1 and biases to 0: perturb so they are tested
+            for name, param in model.named_parameters():
+                if "norm" in name or name.endswith("bias"):
+                    param.add_(0.1 * torch.randn_like(param))
+        return model
+
+    return build

@@ -55,3 +55,18 @@ class Backend(Protocol):
 
     def close(self) -> None:
         """Release communicators."""
+
+
+class HostFedBackend:
+    """Shared behaviour of backends whose processes each feed their own device eagerly."""
+
+    device: torch.device
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        pass  # optimizer state is created lazily, in the parameters' own layout
+
+    def to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+
+    def end_step(self) -> None:
+        pass

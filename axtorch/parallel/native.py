@@ -29,13 +29,14 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 
 from axtorch.config.errors import ConfigError
+from axtorch.parallel.backend import HostFedBackend
 from axtorch.parallel.mesh import MeshConfig
 from axtorch.parallel.rules import PartitionSpec, ShardingConfig, resolve_parameter_specs
 
 _UNSUPPORTED_AXES = ("seq", "expert")
 
 
-class NativeBackend:
+class NativeBackend(HostFedBackend):
     def __init__(self, mesh: MeshConfig, sharding: ShardingConfig, device_type: str = "cpu"):
         if not dist.is_initialized():
             dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
@@ -140,15 +141,6 @@ class NativeBackend:
             for grad in grads:
                 grad.mul_(scale.to(grad.dtype))
         return total.float()
-
-    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        pass  # optimizer state is created lazily, in the parameters' own layout
-
-    def to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
-
-    def end_step(self) -> None:
-        pass
 
     def barrier(self) -> None:
         dist.barrier()

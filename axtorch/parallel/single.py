@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from axtorch.config.errors import ConfigError
+from axtorch.parallel.backend import HostFedBackend
 
 
 def resolve_device(name: str, key: str = "trainer.device") -> torch.device:
@@ -24,7 +25,7 @@ def resolve_device(name: str, key: str = "trainer.device") -> torch.device:
     return device
 
 
-class SingleDeviceBackend:
+class SingleDeviceBackend(HostFedBackend):
     rank = 0
     world_size = 1
     data_parallel_rank = 0
@@ -43,15 +44,6 @@ class SingleDeviceBackend:
 
     def clip_grad_norm(self, parameters: list[nn.Parameter], max_norm: Optional[float]) -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm if max_norm is not None else math.inf)
-
-    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        pass  # optimizer state is created lazily, in the parameters' own layout
-
-    def to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
-
-    def end_step(self) -> None:
-        pass
 
     def barrier(self) -> None:
         pass

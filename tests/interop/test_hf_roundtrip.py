@@ -38,17 +38,9 @@ SHAPE = dict(
 pytestmark = pytest.mark.usefixtures("float64_hf_rmsnorm")
 
 
-def _hf_model(family: str, tie: bool, **overrides):
+def _hf_config(family: str, tie: bool, **overrides):
     config_class, _ = FAMILIES[family]
-    config = config_class(**SHAPE, tie_word_embeddings=tie, **overrides)
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).double().eval()
-    with torch.no_grad():  # HF initialises norms to 1 and biases to 0: perturb so they are tested
-        for name, param in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
-                param.add_(0.1 * torch.randn_like(param))
-    return model
+    return config_class(**SHAPE, tie_word_embeddings=tie, **overrides)
 
 
 def _ids():
@@ -87,9 +79,9 @@ EXPORTABLE = [case for case, (*_, architecture) in CASES.items() if architecture
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("sharded", [False, True])
-def test_from_hf_logits_equal_transformers(case, sharded, tmp_path):
+def test_from_hf_logits_equal_transformers(case, sharded, tmp_path, random_hf_model):
     family, tie, overrides, _ = CASES[case]
-    hf_model = _hf_model(family, tie, **overrides)
+    hf_model = random_hf_model(_hf_config(family, tie, **overrides))
     hf_model.save_pretrained(tmp_path, max_shard_size="20KB" if sharded else "5GB")
     assert (tmp_path / "model.safetensors.index.json").exists() == sharded
 
@@ -103,9 +95,9 @@ def test_from_hf_logits_equal_transformers(case, sharded, tmp_path):
 
 @pytest.mark.parametrize("case", EXPORTABLE)
 @pytest.mark.parametrize("max_shard_bytes", [5_000_000_000, 40_000])
-def test_to_hf_loads_in_transformers_with_the_same_logits(case, max_shard_bytes, tmp_path):
+def test_to_hf_loads_in_transformers_with_the_same_logits(case, max_shard_bytes, tmp_path, random_hf_model):
     family, tie, overrides, architecture = CASES[case]
-    hf_model = _hf_model(family, tie, **overrides)
+    hf_model = random_hf_model(_hf_config(family, tie, **overrides))
     hf_model.save_pretrained(tmp_path / "source")
     model, _ = from_hf(tmp_path / "source", dtype=torch.float64)
 
@@ -128,8 +120,8 @@ def test_to_hf_loads_in_transformers_with_the_same_logits(case, max_shard_bytes,
     assert difference < 1e-10
 
 
-def test_from_hf_reads_the_checkpoint_dtype_and_casts(tmp_path):
-    hf_model = _hf_model("llama", tie=False).to(torch.bfloat16)
+def test_from_hf_reads_the_checkpoint_dtype_and_casts(tmp_path, random_hf_model):
+    hf_model = random_hf_model(_hf_config("llama", tie=False)).to(torch.bfloat16)
     hf_model.save_pretrained(tmp_path)
 
     model, _ = from_hf(tmp_path)

@@ -45,17 +45,6 @@ FAMILIES = {
 }
 
 
-def _hf_model(config):
-    torch.manual_seed(0)
-    config._attn_implementation = "sdpa"
-    model = transformers.AutoModelForCausalLM.from_config(config).double().eval()
-    with torch.no_grad():  # HF initialises norms to 1 and biases to 0: perturb so they are tested
-        for name, param in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
-                param.add_(0.1 * torch.randn_like(param))
-    return model
-
-
 def _llama_config(tie: bool, attention_bias: bool = False):
     return transformers.LlamaConfig(
         **SHAPE, rope_theta=5000.0, tie_word_embeddings=tie, attention_bias=attention_bias,
@@ -96,16 +85,16 @@ def _assert_logits_and_gradients_match(hf_config, hf_model, ours):
 
 @pytest.mark.parametrize("tie", [False, True])
 @pytest.mark.parametrize("attention_bias", [False, True])
-def test_logits_and_gradients_match_hf_llama(tie, attention_bias):
+def test_logits_and_gradients_match_hf_llama(tie, attention_bias, random_hf_model):
     hf_config = _llama_config(tie, attention_bias)
-    hf_model = _hf_model(hf_config)
+    hf_model = random_hf_model(hf_config)
     _assert_logits_and_gradients_match(hf_config, hf_model, _ours(hf_config, hf_model))
 
 
 @pytest.mark.parametrize("case", FAMILIES)
-def test_logits_and_gradients_match_hf_family(case):
+def test_logits_and_gradients_match_hf_family(case, random_hf_model):
     hf_config = _family_config(case)
-    hf_model = _hf_model(hf_config)
+    hf_model = random_hf_model(hf_config)
     ours = _ours(hf_config, hf_model)
     ids, logits = _assert_logits_and_gradients_match(hf_config, hf_model, ours)
 
@@ -126,9 +115,9 @@ def _without_scaling_window_and_qk_norm(config):
 
 
 @pytest.mark.parametrize("case", ["llama", "mistral-window", "qwen3-window"])
-def test_kv_cache_decoding_matches_full_forward(case):
+def test_kv_cache_decoding_matches_full_forward(case, random_hf_model):
     hf_config = _llama_config(tie=False) if case == "llama" else _family_config(case)
-    ours = _ours(hf_config, _hf_model(hf_config))
+    ours = _ours(hf_config, random_hf_model(hf_config))
     ids = torch.randint(0, hf_config.vocab_size, (2, 12))
     full = ours(CausalLMInput(input_ids=ids)).logits
     caches = ours.allocate_kv_caches(2, 16, dtype=torch.float64, device=torch.device("cpu"))
