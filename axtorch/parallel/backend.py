@@ -11,6 +11,8 @@ from typing import Any, Optional, Protocol
 import torch
 from torch import nn
 
+from axtorch.train.tensor_shards import Piece, owned_pieces
+
 
 class Backend(Protocol):
     #: Where this process computes.
@@ -53,6 +55,9 @@ class Backend(Protocol):
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every process's ``obj``, in rank order, on every process."""
 
+    def owned_pieces(self, tensor: torch.Tensor) -> list[Piece]:
+        """The blocks of ``tensor`` this process writes into a checkpoint."""
+
     def close(self) -> None:
         """Release communicators."""
 
@@ -61,6 +66,7 @@ class HostFedBackend:
     """Shared behaviour of backends whose processes each feed their own device eagerly."""
 
     device: torch.device
+    rank: int
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         pass  # optimizer state is created lazily, in the parameters' own layout
@@ -70,3 +76,6 @@ class HostFedBackend:
 
     def end_step(self) -> None:
         pass
+
+    def owned_pieces(self, tensor: torch.Tensor) -> list[Piece]:
+        return owned_pieces(tensor, self.rank)

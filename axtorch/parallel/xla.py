@@ -23,6 +23,7 @@ from torch import nn
 from axtorch.config.errors import ConfigError
 from axtorch.parallel.mesh import MeshConfig
 from axtorch.parallel.rules import PartitionSpec, ShardingConfig, resolve_activation_specs, resolve_parameter_specs
+from axtorch.train.tensor_shards import Piece
 
 try:
     import torch_xla
@@ -133,8 +134,22 @@ class XlaBackend:
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         if self.world_size > 1:  # pragma: no cover - multi-host only
-            raise NotImplementedError("multi-host XLA checkpoints are not implemented yet")
+            raise NotImplementedError("multi-host XLA checkpoints (gathering the hosts' piece lists) are not implemented yet")
         return [obj]
+
+    def owned_pieces(self, tensor: torch.Tensor) -> list[Piece]:
+        """One piece per distinct block held by this host's devices: no host gathers a whole tensor."""
+        wrapped = xs.wrap_if_sharded(tensor)
+        if not isinstance(wrapped, xs.XLAShardedTensor):
+            return [Piece(tensor.detach().cpu().contiguous(), tuple(tensor.shape), (0,) * tensor.dim())]
+        pieces = []
+        for shard in wrapped.local_shards:
+            if shard.replica_id != 0:
+                continue
+            whole = shard.indices is Ellipsis  # a replicated annotation: every device holds it all
+            offsets = (0,) * tensor.dim() if whole else tuple(index.start or 0 for index in shard.indices)
+            pieces.append(Piece(shard.data.contiguous(), tuple(tensor.shape), offsets))
+        return pieces
 
     def close(self) -> None:
         pass

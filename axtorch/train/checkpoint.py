@@ -26,7 +26,7 @@ from typing import Any, Optional, Protocol
 import torch
 from safetensors.torch import save_file
 
-from axtorch.train.tensor_shards import Piece, load_into, owned_piece, read_block
+from axtorch.train.tensor_shards import Piece, load_into, owned_pieces, read_block
 
 MODEL = "model"
 OPTIMIZER = "optimizer"
@@ -44,6 +44,9 @@ class Collective(Protocol):
 
     def all_gather_object(self, obj: Any) -> list[Any]: ...
 
+    def owned_pieces(self, tensor: torch.Tensor) -> list[Piece]:
+        """The blocks of ``tensor`` that this process stores (none, its own, or one per local device)."""
+
 
 class LocalCollective:
     rank = 0
@@ -54,6 +57,9 @@ class LocalCollective:
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         return [obj]
+
+    def owned_pieces(self, tensor: torch.Tensor) -> list[Piece]:
+        return owned_pieces(tensor, self.rank)
 
 
 def checkpoint_dir_name(step: int) -> str:
@@ -86,19 +92,30 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tenso
     return tensors
 
 
-def _pieces(tensors: dict[str, torch.Tensor], rank: int) -> dict[str, Piece]:
-    return {name: piece for name, t in tensors.items() if (piece := owned_piece(t, rank)) is not None}
+def _pieces(tensors: dict[str, torch.Tensor], collective: Collective) -> dict[str, list[Piece]]:
+    return {name: pieces for name, t in tensors.items() if (pieces := collective.owned_pieces(t))}
 
 
-def _write_pieces(directory: Path, prefix: str, pieces: dict[str, Piece], collective: Collective) -> None:
+def _piece_key(name: str, piece: Piece, count: int) -> str:
+    """The safetensors key of a piece: the tensor's name, made unique when a file holds several."""
+    return name if count == 1 else f"{name}@{'_'.join(map(str, piece.offsets))}"
+
+
+def _write_pieces(directory: Path, prefix: str, pieces: dict[str, list[Piece]], collective: Collective) -> None:
     """Each process writes its pieces; the first writes the index describing all of them."""
     file = _shard_file(prefix, collective.rank, collective.world_size)
-    save_file({name: p.tensor for name, p in pieces.items()}, directory / file, metadata={"format": "pt"})
-    described = {
-        name: {"shape": list(p.global_shape), "dtype": str(p.tensor.dtype).removeprefix("torch."),
-               "piece": {"file": file, "offsets": list(p.offsets), "shape": list(p.tensor.shape)}}
-        for name, p in pieces.items()
-    }
+    stored, described = {}, {}
+    for name, name_pieces in pieces.items():
+        first = name_pieces[0]
+        entry = {"shape": list(first.global_shape), "dtype": str(first.tensor.dtype).removeprefix("torch."),
+                 "pieces": []}
+        for piece in name_pieces:
+            key = _piece_key(name, piece, len(name_pieces))
+            stored[key] = piece.tensor
+            entry["pieces"].append({"file": file, "key": key, "offsets": list(piece.offsets),
+                                    "shape": list(piece.tensor.shape)})
+        described[name] = entry
+    save_file(stored, directory / file, metadata={"format": "pt"})
     everything = collective.all_gather_object(described)
     if collective.rank != 0:
         return
@@ -106,10 +123,10 @@ def _write_pieces(directory: Path, prefix: str, pieces: dict[str, Piece], collec
     for part in everything:
         for name, info in part.items():
             entry = tensors.setdefault(name, {"shape": info["shape"], "dtype": info["dtype"], "pieces": []})
-            entry["pieces"].append(info["piece"])
+            entry["pieces"].extend(info["pieces"])
     index: dict[str, Any] = {"metadata": {"format": "axtorch", "world_size": collective.world_size}, "tensors": tensors}
-    if collective.world_size == 1:  # whole tensors in one file: also a valid HF weight map
-        index["weight_map"] = {name: file for name in sorted(tensors)}
+    if all(len(e["pieces"]) == 1 and e["pieces"][0]["key"] == name for name, e in tensors.items()):
+        index["weight_map"] = {name: e["pieces"][0]["file"] for name, e in sorted(tensors.items())}  # as HF
     (directory / index_file(prefix)).write_text(json.dumps(index, indent=1))
 
 
@@ -186,8 +203,8 @@ class Checkpointer:
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> Path:
         self.wait()
         path = self.root / checkpoint_dir_name(step)
-        rank = self.collective.rank
-        pieces = {MODEL: _pieces(model.state_dict(), rank), OPTIMIZER: _pieces(optimizer_tensors(optimizer), rank)}
+        pieces = {MODEL: _pieces(model.state_dict(), self.collective),
+                  OPTIMIZER: _pieces(optimizer_tensors(optimizer), self.collective)}
         if self.async_save:
             self._pending = threading.Thread(target=self._write, args=(path, pieces, state), name="axtorch-checkpoint")
             self._pending.start()
@@ -209,7 +226,7 @@ class Checkpointer:
         if optimizer is not None:
             load_optimizer(path, optimizer)
 
-    def _write(self, path: Path, pieces: dict[str, dict[str, Piece]], state: dict[str, Any]) -> None:
+    def _write(self, path: Path, pieces: dict[str, dict[str, list[Piece]]], state: dict[str, Any]) -> None:
         collective = self.collective
         tmp = path.with_name(f".{path.name}.tmp")
         try:

@@ -41,6 +41,12 @@ def local_region(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]
     return tuple(tensor.shape), (0,) * tensor.dim()
 
 
+def owned_pieces(tensor: torch.Tensor, rank: int) -> list[Piece]:
+    """The blocks this process stores: its local block if it is that block's first replica."""
+    piece = owned_piece(tensor, rank)
+    return [] if piece is None else [piece]
+
+
 def owned_piece(tensor: torch.Tensor, rank: int) -> Optional[Piece]:
     """This process's block if it is the one to store it (first replica), else None."""
     if is_distributed(tensor):
@@ -70,7 +76,7 @@ def read_block(
         if any(lo >= hi for lo, hi in zip(lows, highs)):
             continue
         with safe_open(directory / piece["file"], framework="pt") as handle:
-            stored = handle.get_slice(name)
+            stored = handle.get_slice(piece.get("key", name))
             values = stored[tuple(slice(lo - p, hi - p) for lo, hi, p in zip(lows, highs, piece["offsets"]))]
         if block is None:
             block = torch.empty(shape, dtype=values.dtype)

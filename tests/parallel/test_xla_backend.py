@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from axtorch.config.compose import load_train_config
-from axtorch.train.checkpoint import read_model_tensors
+from axtorch.train.checkpoint import read_index, read_model_tensors
 from axtorch.train.trainer import Trainer
 from debug_runs import STEPS, debug_overrides, train_losses
 
@@ -85,6 +85,9 @@ def test_xla_checkpoint_resumes_under_native_and_on_one_device(runs, tmp_path):
     root, _ = runs
     cache = root / "cache"
     name = f"step_{STEPS:08d}"
+    index = read_index(root / "xla_fsdp4" / "checkpoints" / name)
+    assert len(index["decoder.layers.0.attention.q_proj.weight"]["pieces"]) == 4  # one block per device
+    assert len(index["decoder.final_norm.weight"]["pieces"]) == 1  # replicated: written once
     saved = read_model_tensors(root / "xla_fsdp4" / "checkpoints" / name)
     reference_weights = read_model_tensors(root / "single" / "checkpoints" / name)
     for key, value in reference_weights.items():
