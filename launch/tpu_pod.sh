@@ -4,10 +4,11 @@
 #   TPU_NAME=my-v5p-128 ZONE=us-east5-a launch/tpu_pod.sh mesh.fsdp=-1 model=llama3_8b \
 #       run_dir=/mnt/shared/runs/llama3_8b
 #
-# REQUIRES THE xla BACKEND ON THE POD, AND THAT BACKEND IS NOT AVAILABLE YET: it is in progress
-# (torch_xla SPMD: one process per host driving all of the host's chips, PJRT_DEVICE=TPU). Do not
-# expect this script to train until it lands. The native backend (torchrun with NCCL or gloo)
-# does not drive TPUs, so there is no torchrun variant here. Untested on a TPU pod.
+# Runs the xla backend (torch_xla SPMD: one process per host driving all of the host's chips,
+# PJRT_DEVICE=TPU), which the tests exercise on CPU virtual devices. Untested on a TPU pod; on more
+# than one host, saving a checkpoint is not implemented yet (docs/parallelism.md, "Not yet").
+# The native backend (torchrun with NCCL or gloo) does not drive TPUs, so there is no torchrun
+# variant here.
 #
 # Every argument is a Hydra override, passed (shell-quoted) to
 #   cd $AXTORCH_DIR && PJRT_DEVICE=TPU python -m axtorch.train backend=xla <your overrides>

@@ -21,8 +21,8 @@
 #
 # VARIANT=xla: torch-neuronx, i.e. torch_xla with PJRT_DEVICE=NEURON, through axtorch's xla
 #   backend (`backend=xla`): one process per host that sees all NEURON_CORES cores and shards
-#   with XLA SPMD. THE xla BACKEND IS IN PROGRESS AND NOT YET AVAILABLE; this variant runs one
-#   host only, and how the xla backend spans several hosts is decided with that backend.
+#   with XLA SPMD. The xla backend is tested on CPU virtual devices only; this variant runs one
+#   host only (multi-host xla checkpoints are not implemented yet).
 #
 # Environment:
 #   VARIANT          native (default) or xla

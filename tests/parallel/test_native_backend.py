@@ -2,6 +2,7 @@
 and checkpoints that move between meshes."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import torch
 
 from axtorch.config.compose import load_train_config
 from axtorch.train.checkpoint import read_model_tensors
+from axtorch.train.metrics import read_metrics
 from axtorch.train.trainer import Trainer
 from debug_runs import STEPS, debug_overrides, train_losses
 
@@ -92,11 +94,18 @@ def test_checkpoint_moves_between_meshes_and_training_continues_alike(runs, tmp_
     torch.testing.assert_close(torch.tensor(train_losses(to_single)), torch.tensor(reference), rtol=1e-5, atol=1e-5)
 
 
-def test_native_backend_rejects_a_mesh_that_does_not_fit_the_world(tmp_path):
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-         "-m", "axtorch.train", *debug_overrides(tmp_path / "run", tmp_path / "cache", "backend=native", "mesh.fsdp=4")],
-        capture_output=True, text=True, timeout=300,
-    )
-    assert result.returncode != 0
-    assert "mesh axes fsdp=4 need 4 devices, found 2" in result.stderr
+def test_launcher_runs_native_training_and_rejects_a_mesh_that_does_not_fit(tmp_path):
+    """launch/torchrun_single_node.sh with 2 CPU processes: a run that fits, and one that does not."""
+    launcher = Path(__file__).resolve().parents[2] / "launch" / "torchrun_single_node.sh"
+    env = {**os.environ, "NPROC": "2", "TORCHRUN": str(Path(sys.executable).with_name("torchrun"))}
+
+    def launch(run: str, *extra: str) -> subprocess.CompletedProcess:
+        overrides = debug_overrides(tmp_path / run, tmp_path / "cache", "backend=native", *extra)
+        return subprocess.run([str(launcher), *overrides], capture_output=True, text=True, timeout=300, env=env)
+
+    fits = launch("fits", "mesh.fsdp=2", "sharding=fsdp")
+    assert fits.returncode == 0, fits.stderr[-3000:]
+    assert [m["step"] for m in read_metrics(tmp_path / "fits" / "metrics.jsonl") if "train/loss" in m] == list(range(1, STEPS + 4))
+    too_big = launch("too_big", "mesh.fsdp=4")
+    assert too_big.returncode != 0
+    assert "mesh axes fsdp=4 need 4 devices, found 2" in too_big.stderr
