@@ -13,11 +13,10 @@
 # VARIANT=native (default): TorchNeuron, the Neuron device as a native torch device type.
 #   torchrun starts one process per NeuronCore and the native backend runs FSDP2 / DTensor over
 #   them: `backend=native trainer.device=neuron`, mesh axes multiplying to NEURON_CORES x NNODES.
-#   Not ready in axtorch yet: axtorch.parallel.native creates a gloo process group for every
-#   device type other than cuda, and axtorch never imports torch_neuronx; TorchNeuron's
-#   documented setup imports torch_neuronx (which registers the device and its collectives) and
-#   uses the "neuron" process-group backend. TorchNeuron's documentation also targets trn2 and
-#   later; check that it supports your instance type.
+#   For trainer.device=neuron, axtorch.parallel.native imports torch_neuronx (which registers the
+#   device and its collectives) and lets torch pick the process-group backend the device
+#   registered. Untested: TorchNeuron cannot be installed in axtorch's CI. TorchNeuron's
+#   documentation targets trn2 and later; check that it supports your instance type.
 #
 # VARIANT=xla: torch-neuronx, i.e. torch_xla with PJRT_DEVICE=NEURON, through axtorch's xla
 #   backend (`backend=xla`): one process per host that sees all NEURON_CORES cores and shards

@@ -17,6 +17,7 @@ accelerator with a torch.distributed backend (e.g. TorchNeuron's native device).
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
 from typing import Any, Optional
@@ -34,12 +35,18 @@ from axtorch.parallel.mesh import MeshConfig
 from axtorch.parallel.rules import PartitionSpec, ShardingConfig, resolve_parameter_specs
 
 _UNSUPPORTED_AXES = ("seq", "expert")
+#: Device types that exist only once their plugin is imported (untested here: not installable).
+_DEVICE_PLUGINS = {"neuron": "torch_neuronx"}
 
 
 class NativeBackend(HostFedBackend):
     def __init__(self, mesh: MeshConfig, sharding: ShardingConfig, device_type: str = "cpu"):
+        if device_type in _DEVICE_PLUGINS:
+            importlib.import_module(_DEVICE_PLUGINS[device_type])  # registers the device and its collectives
         if not dist.is_initialized():
-            dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
+            # gloo on CPU, NCCL on CUDA; for another device type (e.g. TorchNeuron's) torch picks
+            # the process-group backend that device registered (untested here).
+            dist.init_process_group(backend={"cpu": "gloo", "cuda": "nccl"}.get(device_type))
         self.sizes = mesh.resolve(dist.get_world_size(), "mesh")
         if any(slices > 1 for slices in mesh.resolve_dcn(self.sizes).values()):
             raise ConfigError("mesh.dcn", "(set)", "all 1 with backend=native",
