@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
@@ -59,6 +61,7 @@ class MetricsLogger:
                 # Imported here so that readers of the file (axtorch-plot) do not pay for importing torch.
                 from torch.utils.tensorboard import SummaryWriter
 
+                _wait_for_a_later_event_file_second(self.run_dir / TENSORBOARD_DIRNAME)
                 self._tensorboard = SummaryWriter(
                     str(self.run_dir / TENSORBOARD_DIRNAME),
                     purge_step=step if self._resumed else None,
@@ -141,3 +144,16 @@ def _drop_torn_last_line(path: Path) -> None:
         data = file.read()
         if not data.endswith(b"\n"):
             file.truncate(data.rfind(b"\n") + 1)
+
+
+def _wait_for_a_later_event_file_second(directory: Path) -> None:
+    """Make sure a new event file sorts after the existing ones.
+
+    TensorBoard reads event files in name order, and names start with the creation second
+    (followed by host, pid and a counter that do not sort numerically). A restart within the same
+    second as an earlier file would otherwise be read first and its purge would not apply.
+    """
+    seconds = [int(m.group(1)) for p in directory.glob("events.out.tfevents.*")
+               if (m := re.match(r"events\.out\.tfevents\.(\d+)\.", p.name))]
+    if seconds and max(seconds) >= int(time.time()):
+        time.sleep(max(seconds) + 1 - time.time())
