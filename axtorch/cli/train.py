@@ -29,12 +29,12 @@ def _fail(error: ConfigError) -> None:
 def _train(cfg: DictConfig) -> None:
     try:
         trainer = Trainer(to_train_config(cfg))
-    except ConfigError as error:
+        try:
+            result = trainer.fit()
+        finally:
+            trainer.backend.close()
+    except ConfigError as error:  # also raised by fit(), e.g. resuming checkpoints of another model
         _fail(error)
-    try:
-        result = trainer.fit()
-    finally:
-        trainer.backend.close()
     if not trainer.backend.is_main_process:
         return
     start = f"{result.initial_eval_loss:.4f} -> " if result.initial_eval_loss is not None else ""

@@ -242,12 +242,12 @@ class Trainer:
         """
         trainer = self.config.trainer
         stop = trainer.max_steps if until_step is None else min(until_step, trainer.max_steps)
-        self._prepare_run_dir()
         latest = self.checkpointer.latest()
         if latest is not None:
-            self.resume(latest)
+            self.resume(latest)  # first: a refused resume must leave the run directory untouched
             if self.backend.is_main_process:
                 print(f"resumed from {latest} at step {self.step}")
+        self._prepare_run_dir()
         initial_eval = final_eval = None
         last_checkpoint = latest
         main = self.backend.is_main_process
@@ -285,6 +285,8 @@ class Trainer:
                 if self.step % trainer.checkpoint_every == 0 or self.step == stop:
                     last_checkpoint = self.save_checkpoint()
             progress.close()
+        if final_eval is None:  # resumed at (or past) the last step: still report where the run stands
+            final_eval = self.evaluate()["eval/loss"]
         self.checkpointer.wait()
         if trainer.plot and main:
             plot_runs([self.run_dir], self.run_dir / "loss.png")

@@ -68,6 +68,8 @@ def test_resuming_with_a_different_model_is_refused(tmp_path, data_cache):
     from axtorch.config.errors import ConfigError
 
     Trainer(_config(tmp_path / "run", data_cache, "trainer.max_steps=2")).fit()
+    saved_config = (tmp_path / "run" / "config.yaml").read_text()
     other = Trainer(_config(tmp_path / "run", data_cache, "trainer.max_steps=4", "model.dim=128"))
     with pytest.raises(ConfigError, match="different model"):
         other.fit()
+    assert (tmp_path / "run" / "config.yaml").read_text() == saved_config  # the run directory is untouched
