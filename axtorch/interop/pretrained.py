@@ -29,27 +29,36 @@ class Pretrained:
     tokenizer_path: Path
 
 
+def _parse(source: str) -> tuple[str, Path]:
+    kind, _, location = source.partition(":")
+    if kind not in ("hf", "gguf"):
+        raise ConfigError("init_from", source, "hf:<directory> or gguf:<file>")
+    return kind, Path(location).expanduser()
+
+
+def pretrained_tokenizer_path(source: str, scratch_dir: Path) -> Path:
+    """Where the tokenizer matching ``source`` lives (a GGUF's is extracted into ``scratch_dir``)."""
+    kind, path = _parse(source)
+    return path / "tokenizer.json" if kind == "hf" else scratch_dir / "pretrained_tokenizer.json"
+
+
 def load_pretrained(source: str, scratch_dir: Path) -> Pretrained:
     """Read ``hf:DIR`` or ``gguf:FILE``; a GGUF's tokenizer is written to ``scratch_dir``."""
-    kind, _, location = source.partition(":")
-    path = Path(location).expanduser()
+    kind, path = _parse(source)
+    tokenizer_path = pretrained_tokenizer_path(source, scratch_dir)
     if kind == "hf":
         from axtorch.interop.hf import from_hf
 
         model, config = from_hf(path)
-        tokenizer_path = path / "tokenizer.json"
         if not tokenizer_path.is_file():
             raise ConfigError("init_from", source, "an HF directory with a tokenizer.json", reason=f"no {tokenizer_path}")
         return Pretrained(model, config, tokenizer_path)
-    if kind == "gguf":
-        from axtorch.interop.gguf import from_gguf
+    from axtorch.interop.gguf import from_gguf
 
-        model, config, tokenizer = from_gguf(path)
-        scratch_dir.mkdir(parents=True, exist_ok=True)
-        tokenizer_path = scratch_dir / "pretrained_tokenizer.json"
-        tokenizer.save(tokenizer_path)
-        return Pretrained(model, config, tokenizer_path)
-    raise ConfigError("init_from", source, "hf:<directory> or gguf:<file>")
+    model, config, tokenizer = from_gguf(path)
+    scratch_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(tokenizer_path)
+    return Pretrained(model, config, tokenizer_path)
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict[str, object]:

@@ -25,11 +25,16 @@ from axtorch.config.errors import ConfigError
 from axtorch.config.schema import TrainConfig
 from axtorch.config.serialize import config_to_yaml
 from axtorch.data.loader import Batch, build_data
-from axtorch.interop.pretrained import check_same_architecture, copy_weights, load_pretrained
+from axtorch.interop.pretrained import (
+    check_same_architecture,
+    copy_weights,
+    load_pretrained,
+    pretrained_tokenizer_path,
+)
 from axtorch.models.causal_lm import CausalLM, CausalLMInput
 from axtorch.parallel.backend import Backend
 from axtorch.parallel.factory import build_backend
-from axtorch.train.checkpoint import Checkpointer, read_trainer_state
+from axtorch.train.checkpoint import Checkpointer, list_checkpoints, read_trainer_state
 from axtorch.train.config import Precision
 from axtorch.train.flops import measure_matmul_peak_flops, mfu, transformer_flops_per_token
 from axtorch.train.loss import LossInput
@@ -81,9 +86,12 @@ class Trainer:
         random.seed(config.trainer.seed)
         self.pretrained = None
         if config.init_from:
-            self.pretrained = load_pretrained(config.init_from, self.run_dir)
-            check_same_architecture(config.model, self.pretrained.config, config.init_from)
-            config.data.tokenizer.path = str(self.pretrained.tokenizer_path)
+            if list_checkpoints(self.run_dir / "checkpoints"):  # resuming: the weights come from there
+                config.data.tokenizer.path = str(pretrained_tokenizer_path(config.init_from, self.run_dir))
+            else:
+                self.pretrained = load_pretrained(config.init_from, self.run_dir)
+                check_same_architecture(config.model, self.pretrained.config, config.init_from)
+                config.data.tokenizer.path = str(self.pretrained.tokenizer_path)
         self.data = self._build_data_once()
         if self.data.tokenizer.vocab_size > config.model.vocab_size:
             raise ConfigError(

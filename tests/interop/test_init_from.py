@@ -47,6 +47,9 @@ def test_training_starts_from_the_imported_weights_and_tokenizer(tmp_path, hf_di
         assert torch.equal(value, expected[name]), name
     assert trainer.data.tokenizer.vocab_size == Tokenizer.from_file(str(hf_dir / "tokenizer.json")).get_vocab_size()
     assert trainer.fit(until_step=2).step == 2
+    resumed = Trainer(_config(tmp_path, hf_dir, data_cache))  # weights come from the checkpoint now
+    assert resumed.pretrained is None
+    assert resumed.fit(until_step=3).step == 3
 
 
 def test_a_model_config_that_differs_from_the_weights_is_refused(tmp_path, hf_dir, data_cache):
