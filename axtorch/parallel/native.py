@@ -115,7 +115,9 @@ class NativeBackend(HostFedBackend):
 
         for layer in model.decoder.layers:
             fully_shard(layer, mesh=dp_mesh, shard_placement_fn=placement)
-        fully_shard(model, mesh=dp_mesh, shard_placement_fn=placement)
+        # The root too reshards after each forward, so that evaluation (no backward) leaves every
+        # parameter sharded, as the plan and the checkpoint expect.
+        fully_shard(model, mesh=dp_mesh, shard_placement_fn=placement, reshard_after_forward=True)
         # FSDP averages gradients over the replicas (a custom divide factor needs PREMUL_SUM,
         # which gloo lacks); the trainer cancels the average by scaling the loss.
         self.gradient_divisor = self.data_parallel_size
