@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import enum
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
+from torch import nn
 
 
 class InitScheme(enum.Enum):
@@ -41,3 +44,27 @@ def initialize(tensor: torch.Tensor, config: InitConfig) -> None:
     else:  # pragma: no cover - the enum is exhaustive
         raise ValueError(f"unknown init scheme {config.scheme}")
 
+
+
+def initial_parameter_values(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each parameter's initial value, full-size on the host, one module at a time.
+
+    Every submodule's ``reset_parameters`` runs in module order on a host twin that holds only
+    that module's own parameters (the contract: ``reset_parameters`` initialises the module's own
+    parameters, not its children's). So a model still on the meta device, or already sharded, is
+    initialised exactly as a whole model on the CPU would be under the same seed, and no more than
+    one module's parameters are ever held in full.
+    """
+    for module_name, module in model.named_modules():
+        reset = getattr(type(module), "reset_parameters", None)
+        own = list(module.named_parameters(recurse=False))
+        if module is model or reset is None or not own:
+            continue
+        twin = copy.copy(module)
+        object.__setattr__(twin, "_parameters", {})
+        for name, param in own:
+            twin.register_parameter(name, nn.Parameter(torch.empty(param.shape, dtype=param.dtype), requires_grad=False))
+        reset(twin)
+        prefix = f"{module_name}." if module_name else ""
+        for name, value in twin.named_parameters(recurse=False):
+            yield prefix + name, value.detach()

@@ -6,19 +6,17 @@ distributed backends implement it over a device mesh. Layers never see a backend
 
 from __future__ import annotations
 
-from typing import Any, Optional, Protocol
+from typing import Any, Iterable, Optional, Protocol
 
 import torch
 from torch import nn
 
-from axtorch.train.tensor_shards import Piece, owned_pieces
+from axtorch.train.tensor_shards import Piece, copy_into_local_block, owned_pieces
 
 
 class Backend(Protocol):
     #: Where this process computes.
     device: torch.device
-    #: Where parameters are materialised and initialised before ``parallelize`` places them.
-    init_device: torch.device
     #: This process among all of the job's processes.
     rank: int
     world_size: int
@@ -32,7 +30,13 @@ class Backend(Protocol):
     is_main_process: bool
 
     def parallelize(self, model: nn.Module) -> nn.Module:
-        """Place (and shard) the model; returns the module to train."""
+        """Shard a model built on the meta device; returns the module to train.
+
+        Parameters hold no values yet: ``materialize`` fills them, one at a time.
+        """
+
+    def fill_parameter(self, model: nn.Module, name: str, value: torch.Tensor) -> None:
+        """Give parameter ``name`` its full host ``value``; this process keeps only its own block."""
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Create or place optimizer state where the backend needs it before the first step."""
@@ -62,11 +66,30 @@ class Backend(Protocol):
         """Release communicators."""
 
 
+def materialize(backend: Backend, model: nn.Module, values: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Fill every parameter of a parallelized model from ``(name, full host value)`` pairs, streamed.
+
+    A process never holds more than the current value in full plus its own blocks, so a model
+    larger than one host's memory initialises (or imports) as long as its shards fit.
+    """
+    pending = {name for name, _ in model.named_parameters()}
+    for name, value in values:
+        if name not in pending:
+            raise KeyError(f"a value for {name!r}, which is not a parameter of the model (or came twice)")
+        backend.fill_parameter(model, name, value)
+        pending.discard(name)
+    if pending:
+        raise RuntimeError(f"no value for parameters {sorted(pending)[:5]} ({len(pending)} in all)")
+
+
 class HostFedBackend:
     """Shared behaviour of backends whose processes each feed their own device eagerly."""
 
     device: torch.device
     rank: int
+
+    def fill_parameter(self, model: nn.Module, name: str, value: torch.Tensor) -> None:
+        copy_into_local_block(model.get_parameter(name), value)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         pass  # optimizer state is created lazily, in the parameters' own layout

@@ -60,7 +60,6 @@ class NativeBackend(HostFedBackend):
         else:
             self.device = torch.device(device_type, int(os.environ.get("LOCAL_RANK", 0)))
             getattr(torch, device_type).set_device(self.device)
-        self.init_device = self.device
         self.sharding = sharding
         self.mesh: DeviceMesh = init_device_mesh(device_type, tuple(self.sizes.values()), mesh_dim_names=tuple(self.sizes))
         coordinate = dict(zip(self.sizes, self.mesh.get_coordinate()))
@@ -81,7 +80,8 @@ class NativeBackend(HostFedBackend):
             self._apply_tensor_parallel(model, specs)
         if self.data_parallel_size > 1:
             self._apply_fsdp(model, specs)
-        return model
+        # Only now is storage allocated: each rank's own shards, never the whole model.
+        return model.to_empty(device=self.device)
 
     def _apply_tensor_parallel(self, model: nn.Module, specs: dict[str, PartitionSpec]) -> None:
         tp_mesh = self.mesh["model"]

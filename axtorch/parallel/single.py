@@ -34,10 +34,10 @@ class SingleDeviceBackend(HostFedBackend):
     gradient_divisor = 1
 
     def __init__(self, device: torch.device):
-        self.device = self.init_device = device
+        self.device = device
 
     def parallelize(self, model: nn.Module) -> nn.Module:
-        return model
+        return model.to_empty(device=self.device)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor

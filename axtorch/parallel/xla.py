@@ -47,9 +47,6 @@ class XlaBackend:
     def __init__(self, mesh: MeshConfig, sharding: ShardingConfig):
         xr.use_spmd()
         self.device = torch_xla.device()
-        # Initialise on the host with torch's generator, so a seed gives the same weights as on
-        # any other backend; parallelize() then moves them to the devices.
-        self.init_device = torch.device("cpu")
         num_devices = xr.global_runtime_device_count()
         self.sizes = mesh.resolve(num_devices, "mesh")
         self.sharding = sharding
@@ -70,17 +67,28 @@ class XlaBackend:
         self.parameter_specs: dict[str, PartitionSpec] = {}
 
     def parallelize(self, model: nn.Module) -> nn.Module:
-        model.to(self.device)
+        """Resolve the specs and hook the activations; parameters stay on the meta device until filled."""
         self.parameter_specs = resolve_parameter_specs(
             {name: tuple(p.shape) for name, p in model.named_parameters()}, self.sharding, self.sizes
         )
-        for name, param in model.named_parameters():
-            xs.mark_sharding(param, self.mesh, _xla_spec(self.parameter_specs[name]))
         modules = dict(model.named_modules())
         activation_specs = resolve_activation_specs(modules, self.sharding, self.sizes)
         for (module_name, io, field), spec in activation_specs.items():
             self._hook_activation(modules[module_name], io, field, _xla_spec(spec))
         return model
+
+    def fill_parameter(self, model: nn.Module, name: str, value: torch.Tensor) -> None:
+        """Send ``value`` to the devices split by its spec, so that each device receives only its block."""
+        module_name, _, param_name = name.rpartition(".")
+        spec = _xla_spec(self.parameter_specs[name])
+        if sum(axes is not None for axes in spec) <= 1:
+            (data,) = xm.send_cpu_data_to_device([value.contiguous()], self.device, xs.ShardingSpec(self.mesh, spec))
+        else:
+            # torch_xla 2.9's sharded transfer fails ("too many indices") for a spec that splits two
+            # dimensions: send the whole value, then reshard it on the devices.
+            data = value.to(self.device)
+            xs.mark_sharding(data, self.mesh, spec)
+        model.get_submodule(module_name).register_parameter(param_name, nn.Parameter(data))
 
     def _hook_activation(self, module: nn.Module, io: str, field: str, spec: tuple) -> None:
         def annotate(value: Any) -> None:

@@ -92,6 +92,18 @@ def load_into(target: torch.Tensor, directory: Path, entry: dict[str, Any], name
     if tuple(entry["shape"]) != tuple(target.shape):
         raise ValueError(f"{name}: checkpoint shape {tuple(entry['shape'])} != model shape {tuple(target.shape)}")
     shape, offsets = local_region(target)
+    _copy_local(target, read_block(directory, entry, name, tuple(shape), tuple(offsets)))
+
+
+def copy_into_local_block(target: torch.Tensor, whole: torch.Tensor) -> None:
+    """Copy ``target``'s own block of the global value ``whole`` into ``target``, in place."""
+    if tuple(whole.shape) != tuple(target.shape):
+        raise ValueError(f"value of shape {tuple(whole.shape)} for a tensor of shape {tuple(target.shape)}")
+    shape, offsets = local_region(target)
+    _copy_local(target, whole[tuple(slice(o, o + s) for o, s in zip(offsets, shape))])
+
+
+def _copy_local(target: torch.Tensor, block: torch.Tensor) -> None:
     local = target.to_local() if is_distributed(target) else target
     with torch.no_grad():
-        local.copy_(read_block(directory, entry, name, tuple(shape), tuple(offsets)))
+        local.copy_(block)

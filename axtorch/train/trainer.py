@@ -1,4 +1,4 @@
-"""The single-device training loop: data, model, optimizer, evaluation, checkpoints, metrics.
+"""The training loop, written once for every backend: data, model, optimizer, evaluation, checkpoints, metrics.
 
 Everything the loop touches comes from ``TrainConfig``; the loop itself knows nothing about which
 layers the model is made of.
@@ -26,17 +26,23 @@ from axtorch.config.schema import TrainConfig
 from axtorch.config.serialize import config_to_yaml
 from axtorch.data.loader import Batch, build_data
 from axtorch.interop.pretrained import (
+    Pretrained,
     check_same_architecture,
-    copy_weights,
     load_pretrained,
     pretrained_tokenizer_path,
 )
+from axtorch.layers.init import initial_parameter_values
 from axtorch.models.causal_lm import CausalLM, CausalLMInput
-from axtorch.parallel.backend import Backend
+from axtorch.parallel.backend import Backend, materialize
 from axtorch.parallel.factory import build_backend
 from axtorch.train.checkpoint import Checkpointer, list_checkpoints, read_trainer_state
 from axtorch.train.config import Precision
-from axtorch.train.flops import measure_matmul_peak_flops, mfu, transformer_flops_per_token
+from axtorch.train.flops import (
+    active_non_embedding_parameters,
+    measure_matmul_peak_flops,
+    mfu,
+    transformer_flops_per_token,
+)
 from axtorch.train.loss import LossInput
 from axtorch.train.metrics import MetricsLogger
 from axtorch.train.optimizer import build_optimizer
@@ -62,12 +68,29 @@ def config_digest(text: str) -> str:
 
 
 def build_model(config: TrainConfig, device: torch.device) -> CausalLM:
-    """Build on the meta device (no memory), materialise on ``device``, initialise under the seed."""
+    """One unsharded, initialised model on ``device``: the trainer's weights for the same seed."""
     with torch.device("meta"):
         model = config.model.build()
     model.to_empty(device=device)
     torch.manual_seed(config.trainer.seed)
     model.init_weights()
+    return model
+
+
+def build_parallel_model(config: TrainConfig, backend: Backend, pretrained: Optional[Pretrained] = None) -> CausalLM:
+    """Build on the meta device, shard with ``backend``, then fill the shards one parameter at a time.
+
+    The values are the seeded initialisation (the same as ``build_model``'s) or ``pretrained``'s
+    weights; no process ever holds the whole model.
+    """
+    with torch.device("meta"):
+        model = backend.parallelize(config.model.build())
+    if pretrained is not None:
+        values = pretrained.model.state_dict().items()
+    else:
+        torch.manual_seed(config.trainer.seed)
+        values = initial_parameter_values(model)
+    materialize(backend, model, values)
     return model
 
 
@@ -98,11 +121,8 @@ class Trainer:
                 "model.vocab_size", config.model.vocab_size, f"at least the tokenizer's {self.data.tokenizer.vocab_size}",
                 reason="token ids would index past the embedding table",
             )
-        model = build_model(config, self.backend.init_device)
-        if self.pretrained is not None:
-            copy_weights(model, self.pretrained)
-            self.pretrained = None  # free the imported copy
-        self.model = self.backend.parallelize(model)
+        self.model = build_parallel_model(config, self.backend, self.pretrained)
+        self.pretrained = None  # free the imported copy
         self.loss_fn = config.loss.build()
         self.optimizer = build_optimizer(self.model, config.optim)
         self.backend.prepare_optimizer(self.optimizer)
@@ -134,10 +154,9 @@ class Trainer:
 
     def _flops_per_token(self) -> float:
         model_cfg = self.config.model
-        non_embedding = sum(p.numel() for n, p in self.model.named_parameters() if n != "embedding.weight")
         return transformer_flops_per_token(
-            non_embedding, model_cfg.decoder.num_layers, model_cfg.dim, self.config.data.seq_len,
-            model_cfg.vocab_size, model_cfg.tie_embeddings,
+            active_non_embedding_parameters(self.model), model_cfg.decoder.num_layers, model_cfg.dim,
+            self.config.data.seq_len, model_cfg.vocab_size, model_cfg.tie_embeddings,
         )
 
     def peak_flops(self) -> float:

@@ -1,0 +1,49 @@
+"""Meta-device construction, streamed initialisation and ``materialize``: no process holds the whole model."""
+
+import pytest
+import torch
+
+from axtorch.config.compose import load_train_config
+from axtorch.layers.init import initial_parameter_values
+from axtorch.parallel.backend import materialize
+from axtorch.parallel.single import SingleDeviceBackend
+from axtorch.train.trainer import build_model, build_parallel_model
+
+
+def _config():
+    return load_train_config(["experiment=debug"])
+
+
+def test_streamed_initial_values_of_a_meta_model_equal_a_whole_model_initialised_in_place():
+    config = _config()
+    whole = build_model(config, torch.device("cpu"))
+    with torch.device("meta"):
+        meta = config.model.build()
+    torch.manual_seed(config.trainer.seed)
+    streamed = dict(initial_parameter_values(meta))
+    assert list(streamed) == [name for name, _ in whole.named_parameters()]
+    for name, param in whole.named_parameters():
+        assert torch.equal(streamed[name], param), name
+    assert all(p.is_meta for p in meta.parameters())  # the source model was never materialised
+
+
+def test_parallel_build_on_one_device_equals_the_unsharded_build():
+    config = _config()
+    whole = build_model(config, torch.device("cpu"))
+    built = build_parallel_model(config, SingleDeviceBackend(torch.device("cpu")))
+    for (name, expected), (_, actual) in zip(whole.named_parameters(), built.named_parameters()):
+        assert torch.equal(expected, actual), name
+
+
+def test_materialize_names_parameters_left_without_a_value_and_values_without_a_parameter():
+    config = _config()
+    backend = SingleDeviceBackend(torch.device("cpu"))
+    with torch.device("meta"):
+        model = backend.parallelize(config.model.build())
+    values = list(initial_parameter_values(model))
+    with pytest.raises(RuntimeError, match=r"no value for parameters \['embedding.weight'\]"):
+        materialize(backend, model, values[1:])
+    with pytest.raises(KeyError, match="decoder.layers.99"):
+        materialize(backend, model, [("decoder.layers.99.attention.q_proj.weight", values[0][1])])
+    with pytest.raises(ValueError, match="shape"):
+        materialize(backend, model, [("embedding.weight", torch.zeros(3, 3))])
