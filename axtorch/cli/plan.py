@@ -6,6 +6,7 @@ placement and the per-device memory and FLOPs, in seconds even for 405B::
 
     axtorch-plan model=llama3_70b mesh.fsdp=32 mesh.model=8 sharding=fsdp_tp
     axtorch-plan model=llama3_8b mesh.fsdp=-1 devices=64 sharding=fsdp batch=2 seq_len=8192 remat=full
+    axtorch-plan model=mixtral_8x7b mesh.expert=8 mesh.fsdp=32 sharding=fsdp_ep
 
 Plan-only options: ``batch=`` (sequences per device, default 1), ``seq_len=`` (default
 ``data.seq_len``), ``remat=none|full`` (default none) and ``devices=`` (the device count, needed
@@ -31,7 +32,7 @@ from axtorch.config.schema import TrainConfig
 from axtorch.models.causal_lm import CausalLMConfig
 from axtorch.parallel.mesh import MESH_AXES, MeshConfig
 from axtorch.parallel.rules import PartitionSpec, resolve_parameter_specs, shard_shape
-from axtorch.train.flops import transformer_flops_per_token
+from axtorch.train.flops import active_non_embedding_parameters, active_parameters, transformer_flops_per_token
 
 FP32_BYTES = 4
 ACTIVATION_BYTES = 2  # the activation formula counts 16-bit (bf16) values
@@ -63,6 +64,8 @@ class Plan:
     mesh_sizes: dict[str, int]
     parameters: list[ParameterGroup]
     total_parameters: int
+    #: Parameters one token uses: all of them, except a mixture of experts' unchosen experts.
+    active_parameters: int
     parameter_bytes: int
     gradient_bytes: int
     optimizer_bytes: int
@@ -102,15 +105,16 @@ def plan(
     if seq_len > model.max_seq_len:
         raise ConfigError("seq_len", seq_len, f"at most model.max_seq_len={model.max_seq_len}")
     with torch.device("meta"):
-        named_shapes = {name: tuple(p.shape) for name, p in model.build().named_parameters()}
+        network = model.build()
+    named_shapes = {name: tuple(p.shape) for name, p in network.named_parameters()}
     specs = resolve_parameter_specs(named_shapes, config.sharding, mesh_sizes)
     shard_elements = sum(math.prod(shard_shape(named_shapes[name], spec, mesh_sizes)) for name, spec in specs.items())
     total = sum(math.prod(shape) for shape in named_shapes.values())
-    non_embedding = total - math.prod(named_shapes["embedding.weight"])
     return Plan(
         mesh_sizes=dict(mesh_sizes),
         parameters=_group_layers(named_shapes, specs, mesh_sizes),
         total_parameters=total,
+        active_parameters=active_parameters(network),
         parameter_bytes=FP32_BYTES * shard_elements,
         gradient_bytes=FP32_BYTES * shard_elements,
         optimizer_bytes=2 * FP32_BYTES * shard_elements,
@@ -119,7 +123,8 @@ def plan(
         seq_len=seq_len,
         remat=remat,
         flops_per_token=transformer_flops_per_token(
-            non_embedding, model.decoder.num_layers, model.dim, seq_len, model.vocab_size, model.tie_embeddings
+            active_non_embedding_parameters(network), model.decoder.num_layers, model.dim, seq_len,
+            model.vocab_size, model.tie_embeddings,
         ),
     )
 
@@ -208,6 +213,7 @@ def format_plan(result: Plan) -> str:
         *table,
         "",
         f"total parameters: {result.total_parameters:,} ({result.total_parameters / 1e9:.2f}B)",
+        f"active parameters per token: {result.active_parameters:,} ({result.active_parameters / 1e9:.2f}B)",
         "per-device memory:",
         *(f"  {label.ljust(label_width)}  {num_bytes / GIB:9.2f} GiB" for label, num_bytes in memory),
         f"training FLOPs per token (seq {result.seq_len}): {result.flops_per_token:.3e}",

@@ -19,14 +19,19 @@ from axtorch.data.sources import (
 )
 from axtorch.layers.attention_mask import CausalMaskConfig, SlidingWindowMaskConfig
 from axtorch.layers.feed_forward import Activation, GatedFeedForwardConfig, MLPFeedForwardConfig
+from axtorch.layers.mixture_of_experts import MixtureOfExpertsConfig
 from axtorch.layers.norm import LayerNormConfig, RMSNormConfig
 from axtorch.layers.position import (
+    AlibiConfig,
     LinearScaledRotaryEmbeddingConfig,
     Llama3RotaryEmbeddingConfig,
     NoPositionConfig,
     RotaryEmbeddingConfig,
     YarnRotaryEmbeddingConfig,
 )
+from axtorch.layers.position_embedding import LearnedPositionEmbeddingConfig
+from axtorch.layers.residual import PostNormResidualConfig, PreNormResidualConfig, SandwichNormResidualConfig
+from axtorch.layers.remat import FullRematConfig, SelectiveRematConfig
 
 SCHEMA_NAME = "train_schema"
 
@@ -38,6 +43,15 @@ CHOICES = {
             "swiglu": GatedFeedForwardConfig(activation=Activation.silu),
             "geglu": GatedFeedForwardConfig(activation=Activation.gelu_tanh),
             "gelu": MLPFeedForwardConfig(activation=Activation.gelu),
+            "moe": MixtureOfExpertsConfig(activation=Activation.silu),
+        },
+    ),
+    # Experts that every token of a mixture-of-experts layer uses (choose after model/ffn=moe).
+    "model/shared_experts": (
+        "model.decoder.layer.feed_forward",
+        {
+            "swiglu": {"shared_experts": GatedFeedForwardConfig(activation=Activation.silu)},
+            "none": {"shared_experts": None},
         },
     ),
     "model/norm": ("model.decoder.layer.norm", {"rmsnorm": RMSNormConfig(), "layernorm": LayerNormConfig()}),
@@ -49,11 +63,16 @@ CHOICES = {
             "rope_linear": LinearScaledRotaryEmbeddingConfig(),
             "rope_yarn": YarnRotaryEmbeddingConfig(),
             "none": NoPositionConfig(),
+            "alibi": AlibiConfig(),
         },
     ),
     "model/mask": (
         "model.decoder.layer.attention.mask",
         {"causal": CausalMaskConfig(), "sliding_window": SlidingWindowMaskConfig()},
+    ),
+    "model/norm_placement": (
+        "model.decoder.layer.residual",
+        {"pre": PreNormResidualConfig(), "post": PostNormResidualConfig(), "sandwich": SandwichNormResidualConfig()},
     ),
     # One choice fills both of attention's optional per-head norms (QK-norm), which go together.
     "model/qk_norm": (
@@ -61,6 +80,23 @@ CHOICES = {
         {
             "rmsnorm": {"query_norm": RMSNormConfig(), "key_norm": RMSNormConfig()},
             "none": {"query_norm": None, "key_norm": None},
+        },
+    ),
+    # Absolute positions added to the token embeddings (GPT-2), beside or instead of model/position.
+    "model/position_embedding": (
+        "model",
+        {
+            "learned": {"position_embedding": LearnedPositionEmbeddingConfig()},
+            "none": {"position_embedding": None},
+        },
+    ),
+    # Activation checkpointing of each decoder layer; no choice (or none) keeps every activation.
+    "model/remat": (
+        "model.decoder",
+        {
+            "none": {"remat": None},
+            "full": {"remat": FullRematConfig()},
+            "selective": {"remat": SelectiveRematConfig()},
         },
     ),
     "data/source": (

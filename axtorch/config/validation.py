@@ -24,5 +24,19 @@ def validate_train_config(config: TrainConfig) -> None:
             "mesh.model", tensor_parallel, f"a divisor of the {kv_heads} key/value heads",
             reason="tensor parallelism splits attention by whole key/value heads",
         )
+    position = config.model.decoder.layer.attention.position
+    if tensor_parallel > 1 and config.backend is Backend.native and position.varies_across_heads():
+        # Native tensor parallelism runs attention on each rank's local heads without telling it
+        # which; XLA's SPMD keeps global shapes in the model code, so it has no such limit.
+        raise ConfigError(
+            "mesh.model", tensor_parallel, f"1 with {type(position).__name__} on the native backend (or backend=xla)",
+            reason=f"{type(position).__name__} treats each attention head differently, and native tensor "
+            "parallelism gives each rank a subset of heads it cannot identify",
+        )
+    if config.model.decoder.scan_layers and config.backend is not Backend.xla:
+        raise ConfigError(
+            "model.decoder.scan_layers", True, "false unless backend=xla",
+            reason=f"backend={config.backend.value} has no compiled loop over layers (torch_xla's scan_layers)",
+        )
     if config.backend is Backend.single:
         config.mesh.resolve(1, "mesh")  # distributed backends check the mesh against their world size

@@ -3,19 +3,31 @@
 axtorch uses HF's weight layouts ([out, in] projections, rotate-half RoPE), so conversion is a
 renaming with no tensor surgery. Llama, Mistral, Qwen2 and Qwen3 share the architecture and
 parameter names; they differ only in config fields (biases, sliding window, QK-norm, RoPE
-scaling), mapped here. A config field that axtorch cannot honour raises ``ValueError`` naming
-it: a silently different model is worse than no model.
+scaling), mapped here. Mixtral and Qwen3-MoE are Mistral and Qwen3 with a mixture of experts as
+every layer's MLP; what is particular to their experts lives in ``hf_moe``. A config field that
+axtorch cannot honour raises ``ValueError`` naming it: a silently different model is worse than
+no model.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from itertools import chain
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
+from axtorch.interop.assembly import model_from_state_dict
+from axtorch.interop.hf_moe import (
+    MOE_ARCHITECTURES,
+    MOE_MODEL_TYPES,
+    MOE_NAMES,
+    expert_tensors_from_hf,
+    expert_tensors_to_hf,
+    is_mixture_of_experts,
+    mixture_of_experts_from_hf,
+    mixture_of_experts_to_hf,
+)
 from axtorch.layers.attention import AttentionConfig
 from axtorch.layers.attention_mask import CausalMaskConfig, MaskConfig, SlidingWindowMaskConfig
 from axtorch.layers.feed_forward import Activation, GatedFeedForwardConfig
@@ -27,11 +39,12 @@ from axtorch.layers.position import (
     RotaryEmbeddingConfig,
     YarnRotaryEmbeddingConfig,
 )
+from axtorch.layers.residual import PreNormResidualConfig
 from axtorch.layers.transformer import DecoderConfig, TransformerLayerConfig
 from axtorch.models.causal_lm import CausalLM, CausalLMConfig
 
 #: HF ``model_type`` values whose models are this architecture (given the checks below).
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", *MOE_MODEL_TYPES)
 
 #: HF ``rope_type`` -> (axtorch config, the HF keys it requires). The configs' other fields are
 #: named as HF's keys are; ``theta`` is HF's ``rope_theta``.
@@ -50,7 +63,8 @@ _ACTIVATIONS = {
     "relu": Activation.relu,
 }
 
-#: (HF name template, axtorch name template); ``{i}`` is the layer index.
+#: (HF name template, axtorch name template); ``{i}`` is the layer index. Names end in ``.weight`` or
+#: ``.bias``, except stacked expert tensors (see ``hf_moe``), which have no suffix.
 _NAMES = [
     ("model.layers.{i}.self_attn.q_proj", "decoder.layers.{i}.attention.q_proj"),
     ("model.layers.{i}.self_attn.k_proj", "decoder.layers.{i}.attention.k_proj"),
@@ -66,11 +80,12 @@ _NAMES = [
     ("model.embed_tokens", "embedding"),
     ("model.norm", "decoder.final_norm"),
     ("lm_head", "lm_head"),
+    *MOE_NAMES,
 ]
 
 
 def _name_pattern(template: str) -> re.Pattern:
-    return re.compile(re.escape(template).replace(r"\{i\}", r"(?P<i>\d+)") + r"\.(?P<suffix>weight|bias)$")
+    return re.compile(re.escape(template).replace(r"\{i\}", r"(?P<i>\d+)") + r"(?P<suffix>\.weight|\.bias|)$")
 
 
 _HF_TO_AXTORCH = [(_name_pattern(hf), ours) for hf, ours in _NAMES]
@@ -81,7 +96,7 @@ def _rename(name: str, table: list[tuple[re.Pattern, str]]) -> str | None:
     for pattern, target in table:
         match = pattern.match(name)
         if match:
-            return f"{target.format(i=match.groupdict().get('i'))}.{match['suffix']}"
+            return f"{target.format(i=match.groupdict().get('i'))}{match['suffix']}"
     return None
 
 
@@ -112,22 +127,23 @@ def hf_to_axtorch_state_dict(
     return converted
 
 
+def axtorch_to_hf_state_dict(state: Mapping[str, torch.Tensor], model_type: str = "llama") -> dict[str, torch.Tensor]:
+    """Rename axtorch tensors to HF's names: the inverse of ``hf_to_axtorch_state_dict``.
+
+    A mixture of experts' stacked tensors become ``model_type``'s per-expert tensors (views).
+    """
+    renamed = ((axtorch_to_hf_name(name), tensor) for name, tensor in state.items())
+    return dict(expert_tensors_to_hf(renamed, model_type))
+
+
 def llama_model_from_hf_tensors(
     config: CausalLMConfig, tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype
 ) -> CausalLM:
-    """Build ``config`` on the meta device and adopt HF-named ``tensors`` cast to ``dtype``.
-
-    ``assign=True`` makes the tensors the parameters, so weights are never held twice; pass a
-    lazy iterable and each checkpoint-dtype tensor is freed once its cast copy exists.
-    """
-    with torch.device("meta"):
-        model = config.build()
-    state = hf_to_axtorch_state_dict(((name, tensor.to(dtype)) for name, tensor in tensors), config.tie_embeddings)
-    model.load_state_dict(state, strict=True, assign=True)
-    unloaded = [name for name, t in chain(model.named_parameters(), model.named_buffers()) if t.is_meta]
-    if unloaded:
-        raise RuntimeError(f"no checkpoint tensor for {unloaded} (left on the meta device)")
-    return model
+    """Build ``config`` around HF-named ``tensors`` cast to ``dtype`` (lazily: see ``model_from_state_dict``)."""
+    cast = ((name, tensor.to(dtype)) for name, tensor in tensors)
+    stacked = expert_tensors_from_hf(cast, config.decoder.layer.feed_forward)
+    state = hf_to_axtorch_state_dict(stacked, config.tie_embeddings)
+    return model_from_state_dict(config, state)
 
 
 def _getter(hf: Mapping[str, Any] | Any) -> Callable[..., Any]:
@@ -194,9 +210,11 @@ def _mask_config(get: Callable[..., Any], model_type: str) -> MaskConfig:
         if layer_types is None:
             first_sliding = get("max_window_layers", 28) if window is not None else num_layers
             layer_types = ["sliding_attention" if i >= first_sliding else "full_attention" for i in range(num_layers)]
+    elif model_type == "qwen3_moe":  # unlike Qwen3, every layer slides when use_sliding_window is set
+        window = get("sliding_window", 4096) if get("use_sliding_window", False) else None
     else:
         window = get("sliding_window")
-        if window is not None:
+        if window is not None and model_type != "mixtral":
             raise ValueError(f"HF config sliding_window={window!r} is not supported for model_type={model_type!r}")
     kinds = set(layer_types or ["sliding_attention" if window is not None else "full_attention"])
     unknown = sorted(kinds - {"full_attention", "sliding_attention"})
@@ -213,7 +231,10 @@ def _mask_config(get: Callable[..., Any], model_type: str) -> MaskConfig:
 
 
 def llama_config_from_hf(hf: Mapping[str, Any] | Any) -> CausalLMConfig:
-    """An axtorch config equal in function to a HF Llama/Mistral/Qwen2/Qwen3 config (object or ``config.json`` dict)."""
+    """An axtorch config equal in function to a HF config (object or ``config.json`` dict) of a supported type.
+
+    The types are Llama, Mistral, Qwen2, Qwen3, Mixtral and Qwen3-MoE (``SUPPORTED_MODEL_TYPES``).
+    """
     get = _getter(hf)
     model_type = get("model_type", "llama")
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -230,8 +251,9 @@ def llama_config_from_hf(hf: Mapping[str, Any] | Any) -> CausalLMConfig:
     qkv_bias, output_bias = (True, False) if model_type == "qwen2" else (attention_bias, attention_bias)
     mlp_bias = bool(get("mlp_bias", False))
     norm_eps = get("rms_norm_eps", 1e-6)
-    # Qwen3 normalises each head's queries and keys; its head_dim defaults to 128, not dim / heads.
-    qk_norm = RMSNormConfig(eps=norm_eps) if model_type == "qwen3" else None
+    # Qwen3 normalises each head's queries and keys; its head_dim defaults to 128, not dim / heads
+    # (Qwen3-MoE's to dim / heads).
+    qk_norm = RMSNormConfig(eps=norm_eps) if model_type in ("qwen3", "qwen3_moe") else None
     head_dim = get("head_dim", 128 if model_type == "qwen3" else None)
     return CausalLMConfig(
         vocab_size=get("vocab_size"),
@@ -253,20 +275,28 @@ def llama_config_from_hf(hf: Mapping[str, Any] | Any) -> CausalLMConfig:
                     position=position,
                     mask=mask,
                 ),
-                feed_forward=GatedFeedForwardConfig(
+                feed_forward=mixture_of_experts_from_hf(get, model_type, _ACTIVATIONS[hidden_act])
+                if model_type in MOE_MODEL_TYPES
+                else GatedFeedForwardConfig(
                     hidden_dim=get("intermediate_size"),
                     activation=_ACTIVATIONS[hidden_act],
                     projection=LinearConfig(bias=mlp_bias),
                     output_projection=LinearConfig(bias=mlp_bias),
                 ),
                 norm=RMSNormConfig(eps=norm_eps),
+                residual=PreNormResidualConfig(),
             ),
         ),
     )
 
 
 #: HF family -> its ``architectures`` entry, for the families ``llama_config_to_hf`` writes.
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    **MOE_ARCHITECTURES,
+}
 
 
 def _require(condition: bool, feature: str) -> None:
@@ -274,25 +304,32 @@ def _require(condition: bool, feature: str) -> None:
         raise ValueError(f"no HF family that to_hf writes ({', '.join(_ARCHITECTURES)}) can express this model: {feature}")
 
 
-def _hf_family(config: CausalLMConfig) -> str:
-    """The simplest HF family with the model's features: QK-norm needs Qwen3, a sliding window Mistral."""
+def llama_family(config: CausalLMConfig) -> str:
+    """The simplest HF family with the model's features: QK-norm needs Qwen3, a sliding window Mistral.
+
+    A mixture of experts needs Mixtral, or Qwen3-MoE with QK-norm.
+    """
     attention = config.decoder.layer.attention
-    if attention.query_norm is not None or attention.key_norm is not None:
+    qk_norm = attention.query_norm is not None or attention.key_norm is not None
+    if is_mixture_of_experts(config):
+        return "qwen3_moe" if qk_norm else "mixtral"
+    if qk_norm:
         return "qwen3"
     return "mistral" if type(attention.mask) is SlidingWindowMaskConfig else "llama"
 
 
 def llama_config_to_hf(config: CausalLMConfig) -> dict[str, Any]:
-    """A ``config.json`` dict for ``config`` as a HF Llama, Mistral or Qwen3 model.
+    """A ``config.json`` dict for ``config`` as a HF Llama, Mistral, Qwen3, Mixtral or Qwen3-MoE model.
 
     Llama unless the model needs more: Mistral for a sliding window, Qwen3 for QK-norm (with a
-    sliding window too, on every layer). ``ValueError`` if none of them can express the model.
+    sliding window too, on every layer), Mixtral or Qwen3-MoE (with QK-norm) for a mixture of
+    experts. ``ValueError`` if none of them can express the model.
     Only exact config types are accepted: a subclass may compute something else.
     """
     layer = config.decoder.layer
     attention, feed_forward, norm = layer.attention, layer.feed_forward, layer.norm
     final_norm = config.decoder.final_norm or norm
-    family = _hf_family(config)
+    family = llama_family(config)
     _require(type(norm) is RMSNormConfig, f"layer norm {type(norm).__name__} (they use RMSNorm)")
     _require(
         type(final_norm) is RMSNormConfig and final_norm.eps == norm.eps,
@@ -306,15 +343,15 @@ def llama_config_to_hf(config: CausalLMConfig) -> dict[str, Any]:
         type(attention.mask) in (CausalMaskConfig, SlidingWindowMaskConfig),
         f"attention mask {type(attention.mask).__name__}",
     )
-    if family == "qwen3":
+    if family in ("qwen3", "qwen3_moe"):
         _require(
             all(type(n) is RMSNormConfig and n.eps == norm.eps for n in (attention.query_norm, attention.key_norm)),
             f"query/key norms {attention.query_norm} and {attention.key_norm} (Qwen3 has RMSNorms on both, "
             f"with the layer norm's eps {norm.eps})",
         )
     _require(
-        type(feed_forward) is GatedFeedForwardConfig,
-        f"feed-forward {type(feed_forward).__name__} (they use a gated MLP)",
+        type(feed_forward) is GatedFeedForwardConfig or family in MOE_MODEL_TYPES,
+        f"feed-forward {type(feed_forward).__name__} (they use a gated MLP or a mixture of gated MLPs)",
     )
     hidden_act = {ours: hf for hf, ours in _ACTIVATIONS.items()}[feed_forward.activation]
     _require(
@@ -334,6 +371,21 @@ def llama_config_to_hf(config: CausalLMConfig) -> dict[str, Any]:
         "attention biases with a sliding window (Mistral has no attention_bias)",
     )
     _require(config.tie_embeddings or not config.lm_head.bias, "a bias on the output head")
+    _require(config.position_embedding is None, "absolute position embeddings (they have only RoPE)")
+    _require(
+        config.embedding.multiplier == 1.0 and not config.embedding.scale_by_sqrt_dim,
+        "scaled token embeddings (multiplier or scale_by_sqrt_dim)",
+    )
+    _require(config.embedding_dropout == 0.0, f"embedding_dropout={config.embedding_dropout} (they have none)")
+    _require(
+        layer.residual is None or (type(layer.residual) is PreNormResidualConfig and layer.residual.dropout == 0.0),
+        f"norm placement {layer.residual} (they are pre-norm, without residual dropout)",
+    )
+    _require(
+        attention.softmax_scale is None and attention.logit_softcap is None,
+        f"attention softmax_scale={attention.softmax_scale}, logit_softcap={attention.logit_softcap} "
+        "(they scale by 1/sqrt(head_dim) and do not cap)",
+    )
     window = attention.mask.window if type(attention.mask) is SlidingWindowMaskConfig else None
     family_fields = {
         "llama": {"attention_bias": attention.qkv_projection.bias, "mlp_bias": feed_forward.projection.bias},
@@ -345,7 +397,14 @@ def llama_config_to_hf(config: CausalLMConfig) -> dict[str, Any]:
             # Qwen3 slides from layer max_window_layers on: from the first layer, or never.
             "max_window_layers": 0 if window is not None else config.decoder.num_layers,
         },
+        "mixtral": {"sliding_window": window},
+        "qwen3_moe": {
+            "attention_bias": attention.qkv_projection.bias,
+            "use_sliding_window": window is not None,
+            "sliding_window": window,
+        },
     }
+    experts = mixture_of_experts_to_hf(config, family) if family in MOE_MODEL_TYPES else {}
     return {
         "architectures": [_ARCHITECTURES[family]],
         "model_type": family,
@@ -362,5 +421,6 @@ def llama_config_to_hf(config: CausalLMConfig) -> dict[str, Any]:
         **_rope_to_hf(attention.position),
         "attention_dropout": attention.dropout,
         **family_fields[family],
+        **experts,
         "tie_word_embeddings": config.tie_embeddings,
     }

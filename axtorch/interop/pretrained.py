@@ -2,9 +2,9 @@
 
 The run's own model config must describe the same network as the imported one (choose the
 matching preset, e.g. ``model=smollm2_135m``); anything that differs, apart from initialisation
-settings and the maximum length, is an error naming the differing keys rather than a silent
-partial load. The tokenizer comes with the weights: a GGUF's own, or the HF directory's
-``tokenizer.json``.
+settings, a router's loss weights and the maximum length (unless it sizes a learned position
+table), is an error naming the differing keys rather than a silent partial load. The tokenizer
+comes with the weights: a GGUF's own, or the HF directory's ``tokenizer.json``.
 """
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from axtorch.config.errors import ConfigError
 from axtorch.config.serialize import config_to_dict
 from axtorch.models.causal_lm import CausalLM, CausalLMConfig
 
-_IGNORED_KEYS = ("init", "max_seq_len")
+#: Settings that do not change the network a checkpoint holds: initialisation, the maximum length,
+#: and the weights of a router's training losses (HF's are one coefficient, axtorch's per layer).
+_IGNORED_KEYS = ("init", "max_seq_len", "load_balancing_loss_weight", "z_loss_weight")
 
 
 @dataclass
@@ -76,6 +76,8 @@ def _flatten(tree: dict, prefix: str = "") -> dict[str, object]:
 def _architecture(config: CausalLMConfig) -> dict[str, object]:
     flat = _flatten(config_to_dict(config))
     flat["decoder.layer.attention.head_dim"] = config.decoder.layer.attention.resolved_head_dim(config.dim)
+    if config.position_embedding is not None:  # then max_seq_len is the position table's size
+        flat["max_seq_len"] = config.max_seq_len
     return flat
 
 
@@ -86,8 +88,3 @@ def check_same_architecture(ours: CausalLMConfig, theirs: CausalLMConfig, source
         details = ", ".join(f"model.{k}={mine.get(k)!r} vs {imported.get(k)!r}" for k in differing[:6])
         raise ConfigError("init_from", source, "a model config describing the same network as the imported weights",
                           reason=f"{len(differing)} model settings differ: {details}")
-
-
-def copy_weights(model: torch.nn.Module, pretrained: Pretrained) -> None:
-    with torch.no_grad():
-        model.load_state_dict(pretrained.model.state_dict(), strict=True)

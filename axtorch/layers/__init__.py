@@ -16,16 +16,42 @@ from axtorch.layers.feed_forward import (
 from axtorch.layers.init import InitConfig, InitScheme
 from axtorch.layers.kv_cache import KVCache
 from axtorch.layers.linear import Linear, LinearConfig
+from axtorch.layers.mixture_of_experts import (
+    Gating,
+    GroupedExperts,
+    MixtureOfExperts,
+    MixtureOfExpertsConfig,
+    Router,
+    RouterConfig,
+    RouterOutput,
+)
 from axtorch.layers.norm import LayerNorm, LayerNormConfig, NormConfig, RMSNorm, RMSNormConfig
 from axtorch.layers.position import (
+    AlibiConfig,
+    AlibiPositionBias,
     LinearScaledRotaryEmbeddingConfig,
     Llama3RotaryEmbeddingConfig,
     NoPosition,
     NoPositionConfig,
     PositionConfig,
+    PositionEncoding,
     RotaryEmbedding,
     RotaryEmbeddingConfig,
     YarnRotaryEmbeddingConfig,
+)
+from axtorch.layers.position_embedding import (
+    LearnedPositionEmbedding,
+    LearnedPositionEmbeddingConfig,
+    PositionEmbeddingConfig,
+)
+from axtorch.layers.residual import (
+    PostNormResidual,
+    PostNormResidualConfig,
+    PreNormResidual,
+    PreNormResidualConfig,
+    ResidualConfig,
+    SandwichNormResidual,
+    SandwichNormResidualConfig,
 )
 from axtorch.layers.transformer import (
     Decoder,
@@ -40,6 +66,8 @@ from axtorch.layers.transformer import (
 
 __all__ = [
     "Activation",
+    "AlibiConfig",
+    "AlibiPositionBias",
     "AttentionConfig",
     "AttentionInput",
     "AttentionOutput",
@@ -57,11 +85,15 @@ __all__ = [
     "FeedForwardOutput",
     "GatedFeedForward",
     "GatedFeedForwardConfig",
+    "Gating",
+    "GroupedExperts",
     "GroupedQueryAttention",
     "InitConfig",
     "InitScheme",
     "KVCache",
     "LayerNorm",
+    "LearnedPositionEmbedding",
+    "LearnedPositionEmbeddingConfig",
     "LinearScaledRotaryEmbeddingConfig",
     "Llama3RotaryEmbeddingConfig",
     "LayerNormConfig",
@@ -69,14 +101,28 @@ __all__ = [
     "LinearConfig",
     "MLPFeedForwardConfig",
     "MaskConfig",
+    "MixtureOfExperts",
+    "MixtureOfExpertsConfig",
     "NoPosition",
     "NoPositionConfig",
     "NormConfig",
     "PositionConfig",
+    "PositionEmbeddingConfig",
+    "PositionEncoding",
+    "PostNormResidual",
+    "PostNormResidualConfig",
+    "PreNormResidual",
+    "PreNormResidualConfig",
     "RMSNorm",
     "RMSNormConfig",
+    "ResidualConfig",
     "RotaryEmbedding",
     "RotaryEmbeddingConfig",
+    "Router",
+    "RouterConfig",
+    "RouterOutput",
+    "SandwichNormResidual",
+    "SandwichNormResidualConfig",
     "SlidingWindowMask",
     "SlidingWindowMaskConfig",
     "TransformerLayer",

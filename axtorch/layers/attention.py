@@ -4,6 +4,11 @@ Behaviour comes from children named in the config: the projections (``LinearConf
 optional per-head query and key norms (``NormConfig``), the position encoding
 (``PositionConfig``) and the mask (``MaskConfig``). MHA, GQA and MQA are the
 same class: ``num_kv_heads`` equal to, a divisor of, or 1 against ``num_heads``.
+
+Scores go through ``scaled_dot_product_attention`` (fused kernels) unless a logit soft cap is
+set: SDPA has no hook between q.k and the softmax, so soft-capping computes the scores
+explicitly (``soft_capped_attention``). A position encoding's score bias (ALiBi) needs no such
+path: it joins the mask as an additive float ``attn_mask``.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from axtorch.layers.kv_cache import KVCache
 from axtorch.layers.linear import LinearConfig
 from axtorch.layers.norm import NormConfig
 from axtorch.layers.position import PositionConfig
+from axtorch.layers.remat import activation_name
 
 
 @dataclass
@@ -40,6 +46,13 @@ class AttentionConfig:
     key_norm: Optional[NormConfig] = None
     position: PositionConfig = MISSING
     mask: MaskConfig = MISSING
+    #: Factor on q.k before the softmax; None means ``1 / sqrt(head_dim)``. Gemma sets
+    #: ``query_pre_attn_scalar ** -0.5``, which differs from that when head_dim does.
+    softmax_scale: Optional[float] = None
+    #: Soft cap on the attention scores, ``cap * tanh(scores / cap)`` before the mask and softmax
+    #: (Gemma 2), so that no logit leaves (-cap, cap); None means none. Capped attention computes
+    #: the [B, H, S, S] scores explicitly instead of through the fused kernels.
+    logit_softcap: Optional[float] = None
 
     def resolved_kv_heads(self) -> int:
         return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
@@ -66,6 +79,10 @@ class AttentionConfig:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"{key}.dropout", self.dropout, "a probability in [0, 1)")
+        if self.softmax_scale is not None and not self.softmax_scale > 0:
+            raise ConfigError(f"{key}.softmax_scale", self.softmax_scale, "a positive number, or null for 1/sqrt(head_dim)")
+        if self.logit_softcap is not None and not self.logit_softcap > 0:
+            raise ConfigError(f"{key}.logit_softcap", self.logit_softcap, "a positive number, or null for no cap")
 
     def build(self, dim: int) -> GroupedQueryAttention:
         return GroupedQueryAttention(self, dim)
@@ -108,29 +125,67 @@ class GroupedQueryAttention(nn.Module):
         batch, seq, _ = x.shape
         # Head counts come from the projections' outputs, so a tensor-parallel backend that splits
         # the projections by heads runs this code unchanged on its local heads.
-        q = self.query_norm(self.q_proj(x).view(batch, seq, -1, self.head_dim)).transpose(1, 2)
-        k = self.key_norm(self.k_proj(x).view(batch, seq, -1, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        with activation_name("attention_query"):
+            q = self.query_norm(self.q_proj(x).view(batch, seq, -1, self.head_dim)).transpose(1, 2)
+        with activation_name("attention_key"):
+            k = self.key_norm(self.k_proj(x).view(batch, seq, -1, self.head_dim)).transpose(1, 2)
+        with activation_name("attention_value"):
+            v = self.v_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         q, k = self.position(q, k, inputs.positions)
 
         if inputs.kv_cache is not None:
             k, v = inputs.kv_cache.update(k, v, inputs.positions)
-            mask = self.mask(inputs.positions, inputs.kv_cache.key_positions())
-            is_causal = False
-        elif self.mask.is_plain_causal:
-            mask, is_causal = None, True
+            key_positions = inputs.kv_cache.key_positions()
         else:
-            mask, is_causal = self.mask(inputs.positions, inputs.positions), False
-
-        out = F.scaled_dot_product_attention(
-            q, k, v,
-            attn_mask=mask,
-            is_causal=is_causal,
-            dropout_p=self.config.dropout if self.training else 0.0,
-            enable_gqa=q.shape[1] != k.shape[1],
-        )
+            key_positions = inputs.positions
+        bias = self.position.score_bias(inputs.positions, key_positions, self.num_heads)
+        if bias is not None and bias.shape[1] != q.shape[1]:
+            raise ValueError(
+                f"the position encoding biases {bias.shape[1]} heads but this attention holds {q.shape[1]}: "
+                "an encoding that differs between heads cannot run on a tensor-parallel subset of them"
+            )
+        cap = self.config.logit_softcap
+        # A plain causal mask over a whole sequence lets SDPA use its fused causal kernels.
+        fused_causal = inputs.kv_cache is None and self.mask.is_plain_causal and bias is None and cap is None
+        mask = None if fused_causal else self.mask(inputs.positions, key_positions)
+        if bias is not None:  # an additive float mask: the bias where allowed, -inf elsewhere
+            mask = bias.to(q.dtype).masked_fill(~mask, float("-inf"))
+        dropout_p = self.config.dropout if self.training else 0.0
+        with activation_name("attention_context"):
+            if cap is None:
+                out = F.scaled_dot_product_attention(
+                    q, k, v,
+                    attn_mask=mask,
+                    is_causal=fused_causal,
+                    dropout_p=dropout_p,
+                    scale=self.config.softmax_scale,
+                    enable_gqa=q.shape[1] != k.shape[1],
+                )
+            else:
+                scale = self.head_dim**-0.5 if self.config.softmax_scale is None else self.config.softmax_scale
+                out = soft_capped_attention(q, k, v, mask, scale=scale, cap=cap, dropout_p=dropout_p)
         out = out.transpose(1, 2).reshape(batch, seq, -1)
-        return AttentionOutput(hidden_states=self.o_proj(out), kv_cache=inputs.kv_cache)
+        with activation_name("attention_output"):
+            return AttentionOutput(hidden_states=self.o_proj(out), kv_cache=inputs.kv_cache)
+
+
+def soft_capped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, *, scale: float, cap: float, dropout_p: float
+) -> torch.Tensor:
+    """SDPA's result with the scores soft-capped: ``softmax(mask(cap * tanh(scale * q.k / cap))) v``.
+
+    q [B, Hq, Sq, D]; k, v [B, Hkv, Sk, D] with Hkv dividing Hq (GQA); ``mask`` as SDPA's
+    ``attn_mask``: boolean (True where attention is allowed) or additive float, broadcastable to
+    [B, Hq, Sq, Sk]. Scores are computed in q's dtype and the softmax in float32, as HF's eager
+    Gemma 2 attention does. ``dropout_p`` applies as given (pass 0 in evaluation).
+    """
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, k.transpose(-2, -1)) * scale
+    scores = cap * torch.tanh(scores / cap)
+    scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(F.dropout(weights, p=dropout_p), v)
 
 
 def _build_optional_norm(config: Optional[NormConfig], dim: int) -> nn.Module:

@@ -39,8 +39,12 @@ class SlidingWindowMaskConfig(MaskConfig):
         return SlidingWindowMask(self)
 
 
-def _distance(query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
-    """[B, 1, Sq, Sk] how many positions each key lies behind each query (negative: in its future)."""
+def position_distance(query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
+    """[B, 1, Sq, Sk] how many positions each key lies behind each query (negative: in its future).
+
+    Masks compare it with their window; position encodings that bias scores by distance (ALiBi)
+    scale it.
+    """
     return query_positions[:, None, :, None] - key_positions[:, None, None, :]
 
 
@@ -53,7 +57,7 @@ class CausalMask(nn.Module):
 
     def forward(self, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
         """Boolean [B, 1, Sq, Sk] mask, True where attention is allowed."""
-        return _distance(query_positions, key_positions) >= 0
+        return position_distance(query_positions, key_positions) >= 0
 
 
 class SlidingWindowMask(nn.Module):
@@ -69,7 +73,7 @@ class SlidingWindowMask(nn.Module):
 
     def forward(self, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
         """Boolean [B, 1, Sq, Sk] mask, True where attention is allowed."""
-        distance = _distance(query_positions, key_positions)
+        distance = position_distance(query_positions, key_positions)
         return (distance >= 0) & (distance < self.window)
 
     def extra_repr(self) -> str:

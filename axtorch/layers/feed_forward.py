@@ -17,6 +17,7 @@ from torch import nn
 
 from axtorch.config.errors import ConfigError
 from axtorch.layers.linear import LinearConfig
+from axtorch.layers.remat import activation_name
 
 
 class Activation(enum.Enum):
@@ -91,8 +92,10 @@ class GatedFeedForward(nn.Module):
 
     def forward(self, inputs: FeedForwardInput) -> FeedForwardOutput:
         x = inputs.hidden_states
-        h = activate(self.gate_proj(x), self.activation) * self.up_proj(x)
-        return FeedForwardOutput(hidden_states=self.down_proj(h))
+        with activation_name("feed_forward_hidden"):
+            h = activate(self.gate_proj(x), self.activation) * self.up_proj(x)
+        with activation_name("feed_forward_output"):
+            return FeedForwardOutput(hidden_states=self.down_proj(h))
 
 
 class FeedForward(nn.Module):
@@ -105,5 +108,7 @@ class FeedForward(nn.Module):
         self.down_proj = config.output_projection.build(config.hidden_dim, dim)
 
     def forward(self, inputs: FeedForwardInput) -> FeedForwardOutput:
-        h = activate(self.up_proj(inputs.hidden_states), self.activation)
-        return FeedForwardOutput(hidden_states=self.down_proj(h))
+        with activation_name("feed_forward_hidden"):
+            h = activate(self.up_proj(inputs.hidden_states), self.activation)
+        with activation_name("feed_forward_output"):
+            return FeedForwardOutput(hidden_states=self.down_proj(h))

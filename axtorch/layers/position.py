@@ -1,5 +1,10 @@
 """Position encodings applied inside attention. ``PositionConfig`` is the slot type.
 
+An encoding acts in one or both of two places, the two methods of ``PositionEncoding``: on the
+queries and keys before their dot product (RoPE rotates them), and on the scores after it (ALiBi
+adds a bias). Both take absolute positions, so an encoding works unchanged with the KV cache,
+where the keys are cache slots indexed by position.
+
 Rotary embeddings come in several frequency schedules (plain, Llama 3.1, linear, YaRN). They
 differ only in the inverse frequencies and in a scale on cos/sin, so each variant is a config
 class that computes those two things, and all of them build the one ``RotaryEmbedding`` module
@@ -15,13 +20,42 @@ from typing import Optional
 import torch
 from torch import nn
 
+from axtorch.layers.attention_mask import position_distance
+
 
 @dataclass
 class PositionConfig:
     """Slot type for the position encoding of queries and keys; build with ``build(head_dim)``."""
 
-    def build(self, head_dim: int) -> nn.Module:
+    def build(self, head_dim: int) -> PositionEncoding:
         raise NotImplementedError(f"{type(self).__name__} is a slot type: choose a concrete position config")
+
+    def varies_across_heads(self) -> bool:
+        """True when heads are encoded differently (ALiBi's slopes).
+
+        Such an encoding must see every head: a tensor-parallel backend that hands each rank a
+        subset of heads, without saying which, cannot run it. Validation reads this.
+        """
+        return False
+
+
+class PositionEncoding(nn.Module):
+    """What attention asks of a position encoding; the defaults leave attention position-blind.
+
+    ``forward`` transforms queries [B, Hq, S, D] and keys [B, Hkv, S, D] at ``positions`` [B, S]
+    before their dot product. ``score_bias`` returns a float [B, num_heads, Sq, Sk] added to the
+    scores (after the softmax scale and any soft cap, together with the mask), or None for no
+    bias; its query and key positions are [B, Sq] and [B, Sk], the keys being cache slots when
+    decoding with a KV cache.
+    """
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return q, k
+
+    def score_bias(
+        self, query_positions: torch.Tensor, key_positions: torch.Tensor, num_heads: int
+    ) -> Optional[torch.Tensor]:
+        return None
 
 
 @dataclass
@@ -140,7 +174,23 @@ class NoPositionConfig(PositionConfig):
         return NoPosition()
 
 
-class RotaryEmbedding(nn.Module):
+@dataclass
+class AlibiConfig(PositionConfig):
+    """ALiBi (Press et al. 2022): no rotation; each head's scores fall linearly with the distance.
+
+    Head h adds ``-slope_h * (query_pos - key_pos)`` to its scores. The slopes are fixed, a
+    geometric sequence over the heads (``alibi_slopes``), so ALiBi has no parameters and no
+    maximum length.
+    """
+
+    def build(self, head_dim: int) -> AlibiPositionBias:
+        return AlibiPositionBias()
+
+    def varies_across_heads(self) -> bool:
+        return True
+
+
+class RotaryEmbedding(PositionEncoding):
     """Rotary position embedding (RoFormer) in the "rotate half" layout that HF Llama uses.
 
     The frequency schedule comes from the config (any ``RotaryEmbeddingConfig``). Angles are
@@ -172,8 +222,40 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos.to(x.dtype) + rotated_half * sin.to(x.dtype)
 
 
-class NoPosition(nn.Module):
+class NoPosition(PositionEncoding):
     """No position information in attention (for models that add it elsewhere, or NoPE)."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return q, k
+
+class AlibiPositionBias(PositionEncoding):
+    """Adds ``-slope_h * (query_pos - key_pos)`` to the scores of head h; leaves q and k alone.
+
+    The bias is computed from absolute positions on every call (no buffers, like RoPE), in
+    float32. Keys in a query's future get a positive bias, which the causal mask removes.
+    """
+
+    def score_bias(self, query_positions: torch.Tensor, key_positions: torch.Tensor, num_heads: int) -> torch.Tensor:
+        slopes = alibi_slopes(num_heads, query_positions.device)[:, None, None]  # [H, 1, 1]
+        return -slopes * position_distance(query_positions, key_positions).float()  # [B, H, Sq, Sk]
+
+
+def alibi_slopes(num_heads: int, device: Optional[torch.device] = None) -> torch.Tensor:
+    """float32 [num_heads] ALiBi slopes, as the paper's code (and HF Bloom) computes them.
+
+    For a power of two ``n`` heads: ``2 ** (-8 i / n)`` for i = 1..n, so 8 heads get 1/2 .. 1/256.
+    Otherwise the ``m`` slopes of the largest power of two below, then every other slope (the
+    odd i) of the sequence for ``2m`` heads, up to ``num_heads``: interpolated slopes that stay
+    in the same range.
+    """
+    if num_heads <= 0:
+        raise ValueError(f"ALiBi needs a positive number of heads, got {num_heads}")
+    closest = 2 ** math.floor(math.log2(num_heads))
+    slopes = _geometric_slopes(closest, device)
+    if closest == num_heads:
+        return slopes
+    return torch.cat([slopes, _geometric_slopes(2 * closest, device)[0::2][: num_heads - closest]])
+
+
+def _geometric_slopes(num_heads: int, device: Optional[torch.device]) -> torch.Tensor:
+    """float32 [num_heads] ``r ** i`` for i = 1..num_heads with ``r = 2 ** (-8 / num_heads)``."""
+    ratio = torch.tensor(2 ** (-8 / num_heads), dtype=torch.float32, device=device)
+    return ratio ** torch.arange(1, num_heads + 1, dtype=torch.int32, device=device)

@@ -1,9 +1,9 @@
-"""Pre-norm transformer layer and the decoder stack built from it."""
+"""Transformer layer (attention then feed-forward, each on the residual stream) and the decoder stack."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from omegaconf import MISSING
@@ -14,18 +14,24 @@ from axtorch.layers.attention import AttentionConfig, AttentionInput
 from axtorch.layers.feed_forward import FeedForwardConfig, FeedForwardInput
 from axtorch.layers.kv_cache import KVCache
 from axtorch.layers.norm import NormConfig
+from axtorch.layers.residual import ResidualConfig, build_residual
+from axtorch.layers.remat import RematConfig
 
 
 @dataclass
 class TransformerLayerConfig:
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     feed_forward: FeedForwardConfig = MISSING
-    #: Norm applied before attention and before the feed-forward block.
+    #: The norm of each sublayer (attention, feed-forward); ``residual`` decides where it applies.
     norm: NormConfig = MISSING
+    #: Norm placement and residual dropout; None means pre-norm without dropout.
+    residual: Optional[ResidualConfig] = None
 
     def validate(self, dim: int, key: str) -> None:
         self.attention.validate(dim, f"{key}.attention")
         self.feed_forward.validate(f"{key}.feed_forward")
+        if self.residual is not None:
+            self.residual.validate(f"{key}.residual")
 
     def build(self, dim: int) -> TransformerLayer:
         return TransformerLayer(self, dim)
@@ -46,26 +52,33 @@ class TransformerLayerOutput:
 
 
 class TransformerLayer(nn.Module):
-    """``h = x + attention(norm(x)); out = h + feed_forward(norm(h))``."""
+    """Attention then feed-forward, each joined to the residual stream by the norm placement.
+
+    Pre-norm (the default): ``h = x + attention(norm(x)); out = h + feed_forward(norm(h))``.
+    Each sublayer's norm is this layer's own child (``attention_norm``, ``feed_forward_norm``)
+    whatever the placement, so parameter names do not change with it; the placement's module
+    (``attention_residual``, ``feed_forward_residual``) applies the norm where it belongs.
+    """
 
     def __init__(self, config: TransformerLayerConfig, dim: int):
         super().__init__()
         self.attention_norm = config.norm.build(dim)
         self.attention = config.attention.build(dim)
+        self.attention_residual = build_residual(config.residual, config.norm, dim)
         self.feed_forward_norm = config.norm.build(dim)
         self.feed_forward = config.feed_forward.build(dim)
+        self.feed_forward_residual = build_residual(config.residual, config.norm, dim)
 
     def forward(self, inputs: TransformerLayerInput) -> TransformerLayerOutput:
-        attention = self.attention(
-            AttentionInput(self.attention_norm(inputs.hidden_states), inputs.positions, inputs.kv_cache)
+        h, attention = self.attention_residual(
+            inputs.hidden_states,
+            self.attention_norm,
+            lambda x: self.attention(AttentionInput(x, inputs.positions, inputs.kv_cache)),
         )
-        h = inputs.hidden_states + attention.hidden_states
-        feed_forward = self.feed_forward(FeedForwardInput(self.feed_forward_norm(h)))
-        return TransformerLayerOutput(
-            hidden_states=h + feed_forward.hidden_states,
-            kv_cache=attention.kv_cache,
-            aux_loss=feed_forward.aux_loss,
+        out, feed_forward = self.feed_forward_residual(
+            h, self.feed_forward_norm, lambda x: self.feed_forward(FeedForwardInput(x))
         )
+        return TransformerLayerOutput(hidden_states=out, kv_cache=attention.kv_cache, aux_loss=feed_forward.aux_loss)
 
 
 @dataclass
@@ -74,11 +87,18 @@ class DecoderConfig:
     layer: TransformerLayerConfig = field(default_factory=TransformerLayerConfig)
     #: Norm after the last layer; None means the same kind as ``layer.norm``.
     final_norm: Optional[NormConfig] = None
+    #: Activation checkpointing of each layer (``model/remat``); None keeps every activation.
+    remat: Optional[RematConfig] = None
+    #: Run the layers as one compiled loop over stacked weights (``torch_xla``'s ``scan_layers``),
+    #: so that compile time does not grow with depth. Only ``backend=xla`` can; the math is unchanged.
+    scan_layers: bool = False
 
     def validate(self, dim: int, key: str) -> None:
         if self.num_layers <= 0:
             raise ConfigError(f"{key}.num_layers", self.num_layers, "a positive integer")
         self.layer.validate(dim, f"{key}.layer")
+        if self.remat is not None:
+            self.remat.validate(f"{key}.remat")
 
     def build(self, dim: int) -> Decoder:
         return Decoder(self, dim)
@@ -99,22 +119,52 @@ class DecoderOutput:
     aux_loss: Optional[torch.Tensor] = None
 
 
+#: Runs a decoder's layers on ``(hidden_states, positions)`` without KV caches and returns the
+#: last hidden states and the summed auxiliary loss (None when no layer reports one). A backend
+#: may install one (``Decoder.layer_runner``), e.g. a scan over stacked weights.
+LayerRunner = Callable[["Decoder", torch.Tensor, torch.Tensor], tuple[torch.Tensor, Optional[torch.Tensor]]]
+
+
 class Decoder(nn.Module):
     """A stack of ``num_layers`` identical-config layers followed by a final norm."""
 
     def __init__(self, config: DecoderConfig, dim: int):
         super().__init__()
+        self.config = config
         self.layers = nn.ModuleList(config.layer.build(dim) for _ in range(config.num_layers))
         self.final_norm = (config.final_norm or config.layer.norm).build(dim)
+        self.remat = None if config.remat is None else config.remat.build()
+        self.layer_runner: LayerRunner = run_layers_unrolled
+
+    def run_layer(self, layer: nn.Module, inputs: TransformerLayerInput) -> TransformerLayerOutput:
+        """One layer under the remat policy."""
+        return layer(inputs) if self.remat is None else self.remat(layer, inputs)
 
     def forward(self, inputs: DecoderInput) -> DecoderOutput:
-        caches = inputs.kv_caches if inputs.kv_caches is not None else [None] * len(self.layers)
-        if len(caches) != len(self.layers):
-            raise ValueError(f"got {len(caches)} KV caches for {len(self.layers)} layers")
+        if inputs.kv_caches is None:
+            h, aux_loss = self.layer_runner(self, inputs.hidden_states, inputs.positions)
+            return DecoderOutput(hidden_states=self.final_norm(h), aux_loss=aux_loss)
+        if len(inputs.kv_caches) != len(self.layers):
+            raise ValueError(f"got {len(inputs.kv_caches)} KV caches for {len(self.layers)} layers")
         h, aux_loss = inputs.hidden_states, None
-        for layer, cache in zip(self.layers, caches):
+        for layer, cache in zip(self.layers, inputs.kv_caches):
             out = layer(TransformerLayerInput(h, inputs.positions, cache))
-            h = out.hidden_states
-            if out.aux_loss is not None:
-                aux_loss = out.aux_loss if aux_loss is None else aux_loss + out.aux_loss
+            h, aux_loss = out.hidden_states, add_aux_loss(aux_loss, out.aux_loss)
         return DecoderOutput(hidden_states=self.final_norm(h), kv_caches=inputs.kv_caches, aux_loss=aux_loss)
+
+
+def add_aux_loss(total: Optional[torch.Tensor], layer_loss: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    if layer_loss is None:
+        return total
+    return layer_loss if total is None else total + layer_loss
+
+
+def run_layers_unrolled(
+    decoder: Decoder, hidden_states: torch.Tensor, positions: torch.Tensor
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The default ``LayerRunner``: one layer after another, each under the remat policy."""
+    aux_loss = None
+    for layer in decoder.layers:
+        out = decoder.run_layer(layer, TransformerLayerInput(hidden_states, positions))
+        hidden_states, aux_loss = out.hidden_states, add_aux_loss(aux_loss, out.aux_loss)
+    return hidden_states, aux_loss

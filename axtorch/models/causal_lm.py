@@ -6,13 +6,16 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from omegaconf import MISSING
 from torch import nn
 
 from axtorch.config.errors import ConfigError
 from axtorch.layers.embedding import EmbeddingConfig
+from axtorch.layers.init import initial_parameter_values
 from axtorch.layers.kv_cache import KVCache
 from axtorch.layers.linear import LinearConfig
+from axtorch.layers.position_embedding import PositionEmbeddingConfig
 from axtorch.layers.transformer import DecoderConfig, DecoderInput
 
 
@@ -23,6 +26,11 @@ class CausalLMConfig:
     #: Longest sequence the model is configured for (training length and KV-cache size bound).
     max_seq_len: int = 2048
     embedding: EmbeddingConfig = field(default_factory=EmbeddingConfig)
+    #: Absolute positions added to the token embeddings (GPT-2's learned table, ``max_seq_len``
+    #: rows); None means positions enter only inside attention (``decoder.layer.attention.position``).
+    position_embedding: Optional[PositionEmbeddingConfig] = None
+    #: Dropout on the summed input embeddings (GPT-2's ``embd_pdrop``).
+    embedding_dropout: float = 0.0
     decoder: DecoderConfig = field(default_factory=DecoderConfig)
     #: Reuse the embedding table as the output head.
     tie_embeddings: bool = False
@@ -33,6 +41,9 @@ class CausalLMConfig:
             value = getattr(self, name)
             if value <= 0:
                 raise ConfigError(f"{key}.{name}", value, "a positive integer")
+        self.embedding.validate(f"{key}.embedding")
+        if not 0.0 <= self.embedding_dropout < 1.0:
+            raise ConfigError(f"{key}.embedding_dropout", self.embedding_dropout, "a probability in [0, 1)")
         self.decoder.validate(self.dim, f"{key}.decoder")
 
     def build(self) -> CausalLM:
@@ -61,16 +72,21 @@ class CausalLM(nn.Module):
         config.validate()
         self.config = config
         self.embedding = config.embedding.build(config.vocab_size, config.dim)
+        self.position_embedding = (
+            None if config.position_embedding is None else config.position_embedding.build(config.max_seq_len, config.dim)
+        )
         self.decoder = config.decoder.build(config.dim)
         self.lm_head = None if config.tie_embeddings else config.lm_head.build(config.dim, config.vocab_size)
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """Initialise every parameter from its layer's config, in module order (seeded => deterministic)."""
-        for module in self.modules():
-            reset = getattr(module, "reset_parameters", None)
-            if module is not self and callable(reset):
-                reset()
+        """Initialise every parameter from its layer's config, in module order (seeded => deterministic).
+
+        Values are drawn on the host whatever the device, so a seed gives the same weights on
+        every device and backend.
+        """
+        for name, value in initial_parameter_values(self):
+            self.get_parameter(name).copy_(value)
 
     def allocate_kv_caches(
         self, batch_size: int, max_len: int, *, dtype: torch.dtype, device: torch.device
@@ -86,6 +102,9 @@ class CausalLM(nn.Module):
         if positions is None:
             positions = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
         hidden = self.embedding(ids)
+        if self.position_embedding is not None:
+            hidden = hidden + self.position_embedding(positions)
+        hidden = F.dropout(hidden, self.config.embedding_dropout, self.training)
         decoded = self.decoder(DecoderInput(hidden, positions, inputs.kv_caches))
         if self.lm_head is None:
             logits = self.embedding.attend(decoded.hidden_states)

@@ -122,6 +122,16 @@ class NativeBackend(HostFedBackend):
         # which gloo lacks); the trainer cancels the average by scaling the loss.
         self.gradient_divisor = self.data_parallel_size
 
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Under tensor parallelism without FSDP, step each parameter on its own.
+
+        Norms then stay plain tensors beside DTensor weights, which the optimizers' multi-tensor
+        (foreach) kernels cannot mix.
+        """
+        if self.sizes["model"] > 1 and self.data_parallel_size == 1:
+            for group in optimizer.param_groups:
+                group["foreach"] = False
+
     # ------------------------------------------------------------------------------ reductions
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:

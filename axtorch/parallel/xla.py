@@ -13,14 +13,19 @@ the installed torch (2.9.0 for torch_xla 2.9.0: the ``xla`` extra).
 
 from __future__ import annotations
 
+import importlib
 import math
 from typing import Any, Optional
 
 import numpy as np
 import torch
+import torch.distributed as dist
+from functorch.compile import default_partition, min_cut_rematerialization_partition
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from axtorch.config.errors import ConfigError
+from axtorch.layers.transformer import Decoder, TransformerLayerInput, add_aux_loss
 from axtorch.parallel.mesh import MeshConfig
 from axtorch.parallel.rules import PartitionSpec, ShardingConfig, resolve_activation_specs, resolve_parameter_specs
 from axtorch.train.tensor_shards import Piece
@@ -30,6 +35,7 @@ try:
     import torch_xla.core.xla_model as xm
     import torch_xla.distributed.spmd as xs
     import torch_xla.runtime as xr
+    from torch_xla.experimental.scan_layers import scan_layers
 except ImportError as error:  # pragma: no cover - exercised only without torch_xla
     raise ImportError(
         "backend=xla needs torch_xla matching torch (pip install 'axtorch[xla]': torch==2.9.0, torch_xla==2.9.0)"
@@ -60,6 +66,11 @@ class XlaBackend:
             self.mesh = xs.Mesh(np.arange(num_devices), tuple(self.sizes.values()), axis_names)
         self.rank = xr.process_index()
         self.world_size = xr.process_count()
+        if self.world_size > 1 and not dist.is_initialized():  # pragma: no cover - multi-host only
+            # Host-side coordination (barriers, checkpoint piece lists) over gloo; torch_xla's
+            # ``xla://`` rendezvous finds the hosts of a TPU pod (elsewhere set MASTER_ADDR).
+            importlib.import_module("torch_xla.distributed.xla_backend")  # registers xla://
+            dist.init_process_group("gloo", init_method="xla://")
         # Each host feeds its own rows of the global batch; within a host, sharding splits them.
         self.data_parallel_rank = self.rank
         self.data_parallel_size = self.world_size
@@ -75,6 +86,9 @@ class XlaBackend:
         activation_specs = resolve_activation_specs(modules, self.sharding, self.sizes)
         for (module_name, io, field), spec in activation_specs.items():
             self._hook_activation(modules[module_name], io, field, _xla_spec(spec))
+        for module in modules.values():
+            if isinstance(module, Decoder) and module.config.scan_layers:
+                module.layer_runner = scan_decoder_layers
         return model
 
     def fill_parameter(self, model: nn.Module, name: str, value: torch.Tensor) -> None:
@@ -96,6 +110,10 @@ class XlaBackend:
             if tensor is None:
                 raise ConfigError("sharding.activations", field, f"a tensor field of {type(value).__name__}",
                                   reason=f"{type(module).__name__}'s {io} has no tensor field {field!r}")
+            if is_fake(tensor):
+                # Tracing a scanned layer: the compiler propagates shardings from the stacked
+                # weights and the carry there, and an annotation cannot be placed on a fake tensor.
+                return
             xs.mark_sharding(tensor, self.mesh, spec)
 
         if io == "input":
@@ -137,13 +155,15 @@ class XlaBackend:
         torch_xla.sync()  # cut the lazy graph: one compiled program per training step
 
     def barrier(self) -> None:
-        if self.world_size > 1:
-            xr.rendezvous("axtorch-barrier")  # pragma: no cover - multi-host only
+        if self.world_size > 1:  # pragma: no cover - multi-host only
+            dist.barrier()
 
     def all_gather_object(self, obj: Any) -> list[Any]:
-        if self.world_size > 1:  # pragma: no cover - multi-host only
-            raise NotImplementedError("multi-host XLA checkpoints (gathering the hosts' piece lists) are not implemented yet")
-        return [obj]
+        if self.world_size == 1:
+            return [obj]
+        gathered: list[Any] = [None] * self.world_size  # pragma: no cover - multi-host only
+        dist.all_gather_object(gathered, obj)
+        return gathered
 
     def owned_pieces(self, tensor: torch.Tensor) -> list[Piece]:
         """One piece per distinct block held by this host's devices: no host gathers a whole tensor."""
@@ -160,7 +180,41 @@ class XlaBackend:
         return pieces
 
     def close(self) -> None:
-        pass
+        if self.world_size > 1 and dist.is_initialized():  # pragma: no cover - multi-host only
+            dist.destroy_process_group()
+
+
+class _ScanStep(nn.Module):
+    """One decoder layer as a function of the scan carry ``(hidden_states, positions, aux_loss)``.
+
+    Positions travel as float32 (exact below 2**24), since scan's carry must be differentiable.
+    """
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    def forward(
+        self, hidden_states: torch.Tensor, positions: torch.Tensor, aux_loss: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        out = self.layer(TransformerLayerInput(hidden_states, positions.long()))
+        return out.hidden_states, positions.clone(), add_aux_loss(aux_loss, out.aux_loss)
+
+
+def scan_decoder_layers(
+    decoder: Decoder, hidden_states: torch.Tensor, positions: torch.Tensor
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """A ``LayerRunner`` that compiles one layer and loops it over the stacked weights of all.
+
+    The decoder's remat policy becomes AOTAutograd's min-cut rematerialisation of the scanned
+    layer (``torch.utils.checkpoint`` does not apply inside a traced scan body).
+    """
+    partition = default_partition if decoder.remat is None else min_cut_rematerialization_partition
+    aux_loss = torch.zeros((), dtype=torch.float32, device=hidden_states.device)
+    steps = [_ScanStep(layer) for layer in decoder.layers]
+    carry = (hidden_states, positions.float(), aux_loss)
+    hidden_states, _, aux_loss = scan_layers(steps, carry, partition_fn=partition)
+    return hidden_states, aux_loss
 
 
 def local_shard_shapes(tensor: torch.Tensor) -> list[tuple[int, ...]]:

@@ -6,6 +6,35 @@ import math
 import time
 
 import torch
+from torch import nn
+
+
+def active_parameters(module: nn.Module) -> int:
+    """Parameters that one token's forward pass multiplies with, in ``module`` and its children.
+
+    All of a module's parameters are active unless it says otherwise through an
+    ``active_parameter_count()`` method, which counts its whole subtree: a mixture of experts
+    counts only the ``top_k`` of its ``num_experts`` routed experts that each token uses. The
+    method is looked up by name so that FLOPs counting names no layer.
+    """
+    count = getattr(module, "active_parameter_count", None)
+    if callable(count):
+        return count()
+    own = sum(p.numel() for p in module.parameters(recurse=False))
+    return own + sum(active_parameters(child) for child in module.children())
+
+
+#: A causal LM's tables that are looked up, not multiplied: the token and absolute-position embeddings.
+LOOKUP_TABLES = ("embedding.weight", "position_embedding.weight")
+
+
+def active_non_embedding_parameters(model: nn.Module) -> int:
+    """``active_parameters`` of a causal LM less its ``LOOKUP_TABLES``.
+
+    This is what ``transformer_flops_per_token`` takes as ``num_params_non_embedding``.
+    """
+    tables = sum(p.numel() for name, p in model.named_parameters() if name in LOOKUP_TABLES)
+    return active_parameters(model) - tables
 
 
 def transformer_flops_per_token(
@@ -23,10 +52,12 @@ def transformer_flops_per_token(
     attention scores and weighted values over the full ``seq_len`` (causal masking is not
     discounted, so numbers compare with published MFU figures).
 
-    ``num_params_non_embedding`` is every parameter except the input token-embedding table. A tied
-    output head shares that table, so its ``vocab_size * dim`` weights are added here; an untied
-    head is already in the count. Norm gains and biases are counted as if they were matmul weights,
-    an overcount well under 0.1% for models of interest.
+    ``num_params_non_embedding`` is every parameter a token uses except the input token-embedding
+    table and a learned position table (``active_non_embedding_parameters``: a mixture of experts
+    counts only the experts each token is routed to, so ``N`` is the active, not the total,
+    parameter count). A tied output head shares the token table, so its ``vocab_size * dim``
+    weights are added here; an untied head is already in the count. Norm gains and biases are
+    counted as if they were matmul weights, an overcount well under 0.1% for models of interest.
     """
     for name, value in (
         ("num_params_non_embedding", num_params_non_embedding),

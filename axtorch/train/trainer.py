@@ -229,7 +229,10 @@ class Trainer:
                 loss = self.loss_fn(LossInput(output.logits, mb["labels"], num_target_tokens=num_targets))
                 objective = loss.loss
                 if output.aux_loss is not None:
-                    objective = objective + output.aux_loss / len(micro_batches)
+                    # A mean over this replica's tokens, unlike the loss (its share of a global sum):
+                    # divided by the replicas that the gradient averaging below sums over, the
+                    # replicas' aux losses enter as their mean.
+                    objective = objective + output.aux_loss / (len(micro_batches) * self.backend.gradient_divisor)
             (objective * self.backend.gradient_divisor).backward()
             total_loss += loss.cross_entropy.detach()
         grad_norm = self.backend.clip_grad_norm(list(self.model.parameters()), self.config.optim.grad_clip_norm)

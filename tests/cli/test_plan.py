@@ -90,3 +90,25 @@ def test_command_prints_the_plan_and_exits_2_on_a_bad_mesh(capsys):
     assert "(256 devices)" in out and "decoder.layers.{0..79}.attention.q_proj.weight" in out
     assert main(["sharding=fsdp", "mesh.fsdp=5"]) == 2
     assert "not divisible by fsdp=5" in capsys.readouterr().err
+
+
+def test_mixtral_expert_parallel_plan_holds_one_expert_per_device_and_counts_active_flops(capsys):
+    overrides = ["model=mixtral_8x7b", "mesh.expert=8", "mesh.fsdp=32", "sharding=fsdp_ep"]
+    config, mesh_sizes = load_plan_inputs(overrides)
+    result = plan(config, mesh_sizes, seq_len=4096)
+    rows = {group.name: group for group in result.parameters}
+    experts = rows["decoder.layers.{0..31}.feed_forward.experts.gate_proj"]
+    assert (experts.shape, experts.shard_shape) == ((8, 14336, 4096), (1, 448, 4096))
+    assert rows["decoder.layers.{0..31}.feed_forward.experts.down_proj"].shard_shape == (1, 128, 14336)
+    # Experts split 256 ways, everything else 32 ways (replicated over `expert`), norms whole.
+    model = config.model
+    expert_elements = 32 * 3 * 8 * 14336 * 4096
+    norms = (2 * 32 + 1) * 4096
+    per_device = expert_elements // 256 + (result.total_parameters - expert_elements - norms) // 32 + norms
+    assert result.parameter_bytes == 4 * per_device
+    # FLOPs count the 2 of 8 experts each token uses: Mixtral's published 12.9B active parameters.
+    assert result.active_parameters == pytest.approx(12.9e9, rel=0.01)
+    non_embedding = result.active_parameters - model.vocab_size * model.dim
+    assert result.flops_per_token == transformer_flops_per_token(non_embedding, 32, 4096, 4096, 32000, tied=False)
+    assert main([*overrides, "seq_len=4096"]) == 0
+    assert "active parameters per token: 12,879,925,248 (12.88B)" in capsys.readouterr().out

@@ -89,3 +89,9 @@ def test_swapping_a_child_is_a_config_change():
     model = config.model.build()
     assert type(model.decoder.layers[0].feed_forward).__name__ == "FeedForward"
     assert type(model.decoder.final_norm).__name__ == "LayerNorm"
+
+
+def test_scanning_layers_needs_the_xla_backend():
+    error = _error("model.decoder.scan_layers=true")
+    assert error.key == "model.decoder.scan_layers"
+    assert "backend=xla" in error.allowed and "backend=single" in str(error)

@@ -173,7 +173,7 @@ def test_from_hf_maps_each_feature_to_its_config(case):
 @pytest.mark.parametrize(
     ("family", "fields", "message"),
     [
-        ("gpt2", {}, "model_type='gpt2'"),
+        ("gemma", {}, "model_type='gemma'"),
         ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "lacks ['low_freq_factor', 'high_freq_factor']"),
         ("llama", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "rope_parameters.rope_type='dynamic'"),
         ("llama", {"rope_scaling": {"type": "longrope", "factor": 2.0}}, "rope_type='longrope'"),

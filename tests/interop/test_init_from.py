@@ -23,13 +23,18 @@ def hf_dir(tmp_path):
     torch.manual_seed(0)
     directory = tmp_path / "hf"
     transformers.LlamaForCausalLM(config).save_pretrained(directory)
+    _save_tokenizer(directory)
+    return directory
+
+
+def _save_tokenizer(directory):
+    """A byte-level BPE tokenizer.json, as HF model directories carry."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator(["def main():\n    return 0\n"] * 50, trainer)
     tokenizer.save(str(directory / "tokenizer.json"))
-    return directory
 
 
 def _config(tmp_path, hf_dir, data_cache, *extra):
@@ -55,3 +60,20 @@ def test_training_starts_from_the_imported_weights_and_tokenizer(tmp_path, hf_di
 def test_a_model_config_that_differs_from_the_weights_is_refused(tmp_path, hf_dir, data_cache):
     with pytest.raises(ConfigError, match="model.dim=128 vs 64"):
         Trainer(_config(tmp_path, hf_dir, data_cache, "model.dim=128"))
+
+
+def test_gpt2_training_starts_from_the_imported_weights(tmp_path, data_cache):
+    """A GPT-2 directory shaped like the gpt2_tiny preset: Conv1D, fused q/k/v and position table included."""
+    config = transformers.GPT2Config(vocab_size=4096, n_embd=192, n_layer=4, n_head=6, n_positions=1024,
+                                     embd_pdrop=0.0, attn_pdrop=0.0, resid_pdrop=0.0)
+    torch.manual_seed(0)
+    directory = tmp_path / "gpt2"
+    transformers.GPT2LMHeadModel(config).save_pretrained(directory)
+    _save_tokenizer(directory)
+
+    trainer = Trainer(_config(tmp_path, directory, data_cache, "model=gpt2_tiny"))
+
+    expected = from_hf(directory)[0].state_dict()
+    for name, value in trainer.model.state_dict().items():
+        assert torch.equal(value, expected[name]), name
+    assert trainer.fit(until_step=2).step == 2

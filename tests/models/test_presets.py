@@ -24,6 +24,12 @@ PUBLISHED_PARAMETERS = {
     "qwen3_0_6b": (151936, 0.596e9),
     "qwen3_8b": (151936, 8.19e9),
     "smollm2_135m": (49152, 134.5e6),
+    "mixtral_8x7b": (32000, 46.7e9),
+    "qwen3_30b_a3b": (151936, 30.5e9),
+    "gpt2_124m": (50257, 124_439_808),
+    "gpt2_355m": (50257, 354_823_168),
+    "gpt2_774m": (50257, 774_030_080),
+    "gpt2_1_5b": (50257, 1_557_611_200),
 }
 
 
@@ -100,6 +106,12 @@ RELEASED_HF_CONFIGS = {
     "qwen3_8b": dict(zip(_SHAPE_KEYS, (151936, 4096, 12288, 36, 32, 8, 1e-6, 1000000.0, False)), model_type="qwen3",
                      head_dim=128, use_sliding_window=False, sliding_window=None, max_window_layers=36),
     "smollm2_135m": dict(zip(_SHAPE_KEYS, (49152, 576, 1536, 30, 9, 3, 1e-5, 100000.0, True)), model_type="llama"),
+    "mixtral_8x7b": dict(zip(_SHAPE_KEYS, (32000, 4096, 14336, 32, 32, 8, 1e-5, 1000000.0, False)), model_type="mixtral",
+                         sliding_window=None, num_local_experts=8, num_experts_per_tok=2, router_aux_loss_coef=0.02),
+    "qwen3_30b_a3b": dict(zip(_SHAPE_KEYS, (151936, 2048, 6144, 48, 32, 4, 1e-6, 1000000.0, False)),
+                          model_type="qwen3_moe", head_dim=128, use_sliding_window=False, sliding_window=None,
+                          num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+                          decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001),
 }
 
 

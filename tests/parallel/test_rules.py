@@ -161,6 +161,8 @@ MODEL_VARIANTS = {
         "model.decoder.layer.feed_forward.projection.bias=true",
         "model.decoder.layer.feed_forward.output_projection.bias=true",
     ],
+    # Sandwich norms add a post-norm to each sublayer's residual module.
+    "sandwich_norms": ["model=llama_debug", "model/norm=layernorm", "model/norm_placement=sandwich"],
 }
 
 

@@ -49,12 +49,16 @@ def runs(tmp_path_factory):
                           debug_overrides(root / "xla_fsdp4", cache, "mesh.fsdp=4", "sharding=fsdp")),
         "xla_fsdp2_tp2": _xla(4, root / "xla_fsdp2_tp2.json", STEPS, debug_overrides(
             root / "xla_fsdp2_tp2", cache, "mesh.fsdp=2", "mesh.model=2", "sharding=fsdp_tp")),
+        # Layers scanned over stacked weights, with min-cut remat inside the scanned layer.
+        "xla_fsdp4_scan_remat": _xla(4, root / "xla_fsdp4_scan_remat.json", STEPS, debug_overrides(
+            root / "xla_fsdp4_scan_remat", cache, "mesh.fsdp=4", "sharding=fsdp", "model.decoder.scan_layers=true",
+            "model/remat=full")),
     }
     return root, reports
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["xla1", "xla_fsdp4", "xla_fsdp2_tp2"])
+@pytest.mark.parametrize("name", ["xla1", "xla_fsdp4", "xla_fsdp2_tp2", "xla_fsdp4_scan_remat"])
 def test_losses_match_a_single_device(runs, name):
     root, reports = runs
     assert reports[name]["step"] == STEPS

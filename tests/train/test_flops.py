@@ -7,7 +7,25 @@ import math
 import pytest
 import torch
 
-from axtorch.train.flops import measure_matmul_peak_flops, mfu, transformer_flops_per_token
+from axtorch.layers import (
+    AttentionConfig,
+    CausalMaskConfig,
+    DecoderConfig,
+    GatedFeedForwardConfig,
+    MixtureOfExpertsConfig,
+    RMSNormConfig,
+    RotaryEmbeddingConfig,
+    RouterConfig,
+    TransformerLayerConfig,
+)
+from axtorch.models.causal_lm import CausalLMConfig
+from axtorch.train.flops import (
+    active_non_embedding_parameters,
+    active_parameters,
+    measure_matmul_peak_flops,
+    mfu,
+    transformer_flops_per_token,
+)
 
 
 def test_flops_per_token_matches_hand_computation() -> None:
@@ -39,3 +57,21 @@ def test_mfu_arithmetic() -> None:
     assert mfu(tokens_per_s=1000.0, flops_per_token=6e9, peak_flops=1.2e13) == pytest.approx(0.5)
     with pytest.raises(ValueError, match="peak_flops must be positive"):
         mfu(1000.0, 6e9, 0.0)
+
+
+def test_a_mixture_of_experts_counts_only_the_experts_each_token_uses() -> None:
+    moe = MixtureOfExpertsConfig(hidden_dim=96, num_experts=8, router=RouterConfig(top_k=2))
+    attention = AttentionConfig(num_heads=4, position=RotaryEmbeddingConfig(), mask=CausalMaskConfig())
+    config = CausalLMConfig(vocab_size=100, dim=32, decoder=DecoderConfig(
+        num_layers=2, layer=TransformerLayerConfig(attention=attention, feed_forward=moe, norm=RMSNormConfig())))
+    with torch.device("meta"):
+        model = config.build()
+    total = sum(p.numel() for p in model.parameters())
+    unused_experts = 2 * 6 * 3 * 96 * 32  # per layer, 6 of the 8 experts' three [96, 32] matrices
+    assert active_parameters(model) == total - unused_experts
+    assert active_non_embedding_parameters(model) == total - unused_experts - 100 * 32
+    # A dense model's parameters are all active.
+    config.decoder.layer.feed_forward = GatedFeedForwardConfig(hidden_dim=96)
+    with torch.device("meta"):
+        dense = config.build()
+    assert active_parameters(dense) == sum(p.numel() for p in dense.parameters())

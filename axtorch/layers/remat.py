@@ -1,0 +1,110 @@
+"""Activation checkpointing (remat): trade recomputation in backward for activation memory.
+
+``RematConfig`` is the slot type of the decoder's per-layer policy (``model/remat``); with none
+chosen, every activation a layer's backward needs is kept (fastest, most memory). Otherwise:
+
+* ``full`` keeps only each layer's input and recomputes the layer in backward;
+* ``selective`` keeps the activations that layers compute inside ``activation_name`` scopes
+  named in ``save`` and recomputes the rest (AXLearn's ``save_only_these_names``): the ops of a
+  kept scope are not rerun in backward.
+
+Layers name activations and never see the policy: the same model runs under any policy, and
+gradients are identical under all of them. Remat applies only where gradients are being
+recorded; evaluation and decoding run layers directly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from axtorch.config.errors import ConfigError
+
+#: Names that layers give activations (``activation_name``), for ``SelectiveRematConfig.save``.
+ACTIVATION_NAMES = (
+    "attention_query", "attention_key", "attention_value", "attention_context", "attention_output",
+    "feed_forward_hidden", "feed_forward_output",
+)
+
+_current_name: Optional[str] = None  # read by the selective policy as each op dispatches
+
+
+@contextlib.contextmanager
+def activation_name(name: str) -> Iterator[None]:
+    """Name the activations computed inside: ``with activation_name("attention_context"): ...``.
+
+    Costs nothing; a selective remat policy that lists ``name`` keeps these ops' outputs.
+    """
+    global _current_name
+    previous, _current_name = _current_name, name
+    try:
+        yield
+    finally:
+        _current_name = previous
+
+
+@dataclass
+class RematConfig:
+    """Slot type for the per-layer remat policy; build with ``build()``."""
+
+    def validate(self, key: str) -> None:
+        pass
+
+    def build(self) -> nn.Module:
+        raise NotImplementedError(f"{type(self).__name__} is a slot type: choose a concrete remat config")
+
+
+@dataclass
+class FullRematConfig(RematConfig):
+    def build(self) -> FullRemat:
+        return FullRemat()
+
+
+@dataclass
+class SelectiveRematConfig(RematConfig):
+    #: Named activations to keep (``ACTIVATION_NAMES``); everything else is recomputed.
+    save: list[str] = field(default_factory=lambda: ["attention_context", "feed_forward_hidden"])
+
+    def validate(self, key: str) -> None:
+        unknown = sorted(set(self.save) - set(ACTIVATION_NAMES))
+        if unknown:
+            raise ConfigError(f"{key}.save", unknown, f"names that layers give activations: {list(ACTIVATION_NAMES)}")
+
+    def build(self) -> SelectiveRemat:
+        return SelectiveRemat(self)
+
+
+class FullRemat(nn.Module):
+    """Keep the layer's input only; recompute the layer in backward."""
+
+    def forward(self, layer: Callable[[Any], Any], inputs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return layer(inputs)
+        return checkpoint(layer, inputs, use_reentrant=False)
+
+
+class SelectiveRemat(nn.Module):
+    """Keep the activations named in the config; recompute the rest in backward."""
+
+    def __init__(self, config: SelectiveRematConfig):
+        super().__init__()
+        config.validate("remat")
+        self.save = frozenset(config.save)
+        self._context = functools.partial(create_selective_checkpoint_contexts, self._policy)
+
+    def _policy(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if _current_name in self.save else CheckpointPolicy.PREFER_RECOMPUTE
+
+    def forward(self, layer: Callable[[Any], Any], inputs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return layer(inputs)
+        return checkpoint(layer, inputs, use_reentrant=False, context_fn=self._context)
+
+    def extra_repr(self) -> str:
+        return f"save={sorted(self.save)}"

@@ -1,0 +1,46 @@
+"""A mixture-of-experts model under the native backend (torchrun, gloo on CPU) trains as on one device.
+
+The router z-loss is on: it is a mean over each replica's tokens, and the trainer must weigh the
+replicas' aux losses as their mean. The load-balancing loss is off: its statistics (fractions of
+tokens per expert, times mean probabilities) are per forward call, so replicas computing it on
+their own rows legitimately differ from one device computing it on the whole batch.
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from axtorch.config.compose import load_train_config
+from axtorch.train.trainer import Trainer
+from debug_runs import STEPS, debug_overrides, train_losses
+
+WORKER = Path(__file__).with_name("native_worker.py")
+MOE = [
+    "model=mixtral_tiny", "model.vocab_size=512", "model.dim=64", "model.decoder.num_layers=2",
+    "model.decoder.layer.attention.num_heads=4", "model.tie_embeddings=false",
+    "model.decoder.layer.feed_forward.hidden_dim=64", "model.decoder.layer.feed_forward.num_experts=4",
+    "model.decoder.layer.feed_forward.router.load_balancing_loss_weight=0.0",
+    "model.decoder.layer.feed_forward.router.z_loss_weight=0.01",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("processes", "mesh"),
+    [(2, ["mesh.fsdp=2", "sharding=fsdp"]), (4, ["mesh.fsdp=2", "mesh.model=2", "sharding=fsdp_tp"])],
+    ids=["fsdp2", "fsdp2_tp2"],
+)
+def test_mixture_of_experts_losses_match_a_single_device(processes, mesh, tmp_path):
+    cache = tmp_path / "cache"
+    Trainer(load_train_config(debug_overrides(tmp_path / "single", cache, *MOE))).fit(until_step=STEPS)
+    out = tmp_path / "distributed"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes), "--standalone",
+               str(WORKER), str(out), str(STEPS), *debug_overrides(out, cache, "backend=native", *mesh, *MOE)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    single, distributed = train_losses(tmp_path / "single"), train_losses(out)
+    assert len(single) == len(distributed) == STEPS
+    torch.testing.assert_close(torch.tensor(distributed), torch.tensor(single), rtol=1e-5, atol=1e-5)
