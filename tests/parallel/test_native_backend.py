@@ -39,12 +39,15 @@ def runs(tmp_path_factory):
                                                                "mesh.fsdp=2", "sharding=fsdp")),
         "fsdp2_tp2": _torchrun(4, root / "fsdp2_tp2", STEPS, debug_overrides(
             root / "fsdp2_tp2", cache, "backend=native", "mesh.fsdp=2", "mesh.model=2", "sharding=fsdp_tp")),
+        # Tensor parallelism alone: DTensor weights beside plain-tensor norms in one optimizer.
+        "tp2": _torchrun(2, root / "tp2", STEPS, debug_overrides(
+            root / "tp2", cache, "backend=native", "mesh.model=2", "sharding=fsdp_tp")),
     }
     return root, reports
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["fsdp2", "fsdp2_tp2"])
+@pytest.mark.parametrize("name", ["fsdp2", "fsdp2_tp2", "tp2"])
 def test_losses_match_a_single_device(runs, name):
     root, _ = runs
     single, distributed = train_losses(root / "single"), train_losses(root / name)

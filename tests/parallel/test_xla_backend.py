@@ -111,3 +111,25 @@ def test_xla_checkpoint_resumes_under_native_and_on_one_device(runs, tmp_path):
     assert all(math.isfinite(x) for x in reference)
     torch.testing.assert_close(torch.tensor(train_losses(to_native)), torch.tensor(reference), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(torch.tensor(train_losses(to_single)), torch.tensor(reference), rtol=1e-5, atol=1e-5)
+
+
+#: A small mixtral_tiny with a capacity factor: static shapes, as GSPMD needs to move tokens to experts.
+_SMALL_MOE = [
+    "model=mixtral_tiny", "model.decoder.num_layers=2", "model.dim=64", "model.decoder.layer.attention.num_heads=4",
+    "model.decoder.layer.feed_forward.hidden_dim=64", "model.decoder.layer.feed_forward.capacity_factor=2.0",
+]
+
+
+@pytest.mark.slow
+def test_expert_parallel_moe_matches_one_device_with_experts_split_over_the_expert_axis(tmp_path):
+    cache = tmp_path / "cache"
+    Trainer(load_train_config(debug_overrides(tmp_path / "single", cache, *_SMALL_MOE))).fit(until_step=STEPS)
+    report = _xla(4, tmp_path / "ep.json", STEPS, debug_overrides(
+        tmp_path / "ep", cache, *_SMALL_MOE, "mesh.fsdp=2", "mesh.expert=2", "sharding=fsdp_ep"))
+    single, expert_parallel = train_losses(tmp_path / "single"), train_losses(tmp_path / "ep")
+    assert len(expert_parallel) == STEPS
+    torch.testing.assert_close(torch.tensor(expert_parallel), torch.tensor(single), rtol=1e-5, atol=1e-5)
+    experts = {name: entry for name, entry in report["parameters"].items() if ".experts." in name}
+    assert len(experts) == 6  # gate, up and down of 2 layers
+    for name, entry in experts.items():  # [8 experts, 64, 64]: 4 whole experts and half the rows per device
+        assert entry["shards"] == [[4, 32, 64]] * 4, name
