@@ -5,17 +5,17 @@ the meta device, resolves the sharding rules against the mesh and prints the per
 placement and the per-device memory and FLOPs, in seconds even for 405B::
 
     axtorch-plan model=llama3_70b mesh.fsdp=32 mesh.model=8 sharding=fsdp_tp
-    axtorch-plan model=llama3_8b mesh.fsdp=-1 devices=64 sharding=fsdp batch=2 seq_len=8192 remat=full
+    axtorch-plan model=llama3_8b mesh.fsdp=-1 devices=64 sharding=fsdp batch=2 seq_len=8192 model/remat=full
     axtorch-plan model=mixtral_8x7b mesh.expert=8 mesh.fsdp=32 sharding=fsdp_ep
 
 Plan-only options: ``batch=`` (sequences per device, default 1), ``seq_len=`` (default
-``data.seq_len``), ``remat=none|full`` (default none) and ``devices=`` (the device count, needed
-only when a mesh axis is -1; otherwise the product of the mesh axes).
+``data.seq_len``) and ``devices=`` (the device count, needed only when a mesh axis is -1;
+otherwise the product of the mesh axes). The activation estimate follows the model's own remat
+policy (``model/remat=full|selective``), as training does.
 """
 
 from __future__ import annotations
 
-import enum
 import math
 import re
 import sys
@@ -29,6 +29,7 @@ from omegaconf import OmegaConf
 from axtorch.config.compose import compose_train_config, to_train_config
 from axtorch.config.errors import ConfigError
 from axtorch.config.schema import TrainConfig
+from axtorch.layers.remat import RematConfig
 from axtorch.models.causal_lm import CausalLMConfig
 from axtorch.parallel.mesh import MESH_AXES, MeshConfig
 from axtorch.parallel.rules import PartitionSpec, resolve_parameter_specs, shard_shape
@@ -37,13 +38,6 @@ from axtorch.train.flops import active_non_embedding_parameters, active_paramete
 FP32_BYTES = 4
 ACTIVATION_BYTES = 2  # the activation formula counts 16-bit (bf16) values
 GIB = 1024**3
-
-
-class Remat(enum.Enum):
-    #: Keep every activation the backward pass needs.
-    none = "none"
-    #: Keep only each layer's input; recompute the layer during its backward.
-    full = "full"
 
 
 @dataclass(frozen=True)
@@ -72,7 +66,8 @@ class Plan:
     activation_bytes: int
     batch_size: int
     seq_len: int
-    remat: Remat
+    #: The remat policy the activation estimate assumes: none, full or selective.
+    remat: str
     flops_per_token: float
 
     @property
@@ -89,7 +84,6 @@ def plan(
     mesh_sizes: Mapping[str, int],
     batch_size: int = 1,
     seq_len: Optional[int] = None,
-    remat: Remat = Remat.none,
 ) -> Plan:
     """Resolve ``config.sharding`` for ``config.model`` on ``mesh_sizes`` and size what each device holds.
 
@@ -118,10 +112,10 @@ def plan(
         parameter_bytes=FP32_BYTES * shard_elements,
         gradient_bytes=FP32_BYTES * shard_elements,
         optimizer_bytes=2 * FP32_BYTES * shard_elements,
-        activation_bytes=_activation_bytes(model, batch_size, seq_len, mesh_sizes.get("model", 1), remat),
+        activation_bytes=_activation_bytes(model, batch_size, seq_len, mesh_sizes.get("model", 1)),
         batch_size=batch_size,
         seq_len=seq_len,
-        remat=remat,
+        remat=_remat_name(model.decoder.remat),
         flops_per_token=transformer_flops_per_token(
             active_non_embedding_parameters(network), model.decoder.num_layers, model.dim, seq_len,
             model.vocab_size, model.tie_embeddings,
@@ -129,7 +123,7 @@ def plan(
     )
 
 
-def _activation_bytes(model: CausalLMConfig, batch: int, seq: int, tensor_parallel: int, remat: Remat) -> int:
+def _activation_bytes(model: CausalLMConfig, batch: int, seq: int, tensor_parallel: int) -> int:
     """Activations the decoder keeps for the backward pass on one device, in bf16 bytes.
 
     Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models"),
@@ -138,8 +132,9 @@ def _activation_bytes(model: CausalLMConfig, batch: int, seq: int, tensor_parall
     per-device batch ``b`` and width ``h``. The paper's ``5*a*s/(h*t)`` term (the stored ``s x s``
     attention scores, softmax and dropout mask per head) is left out: attention here is
     ``scaled_dot_product_attention``, whose fused kernels (flash / memory-efficient, chosen for
-    the causal mask on accelerators) keep O(s) state, not O(s^2). With ``remat=full`` only each
-    layer's input (``2*s*b*h`` bytes) is kept, plus one layer's full set while it is recomputed.
+    the causal mask on accelerators) keep O(s) state, not O(s^2). Under ``model/remat=full`` only
+    each layer's input (``2*s*b*h`` bytes) is kept, plus one layer's full set while it is
+    recomputed; ``selective`` adds the named activations it keeps (``_named_widths``).
 
     An estimate: the constants are for a GPT layer (4h MLP, dropout); embedding, logits and loss
     buffers and the ``seq`` mesh axis (context parallelism) are not counted.
@@ -147,9 +142,29 @@ def _activation_bytes(model: CausalLMConfig, batch: int, seq: int, tensor_parall
     s, b, h, t = seq, batch, model.dim, tensor_parallel
     per_layer = s * b * h * (10 + 24 / t)
     layers = model.decoder.num_layers
-    if remat is Remat.full:
-        return round(layers * ACTIVATION_BYTES * s * b * h + per_layer)
-    return round(layers * per_layer)
+    remat = model.decoder.remat
+    if remat is None:
+        return round(layers * per_layer)
+    kept_width = h + sum(_named_widths(model, t)[name] for name in getattr(remat, "save", ()))
+    return round(layers * ACTIVATION_BYTES * s * b * kept_width + per_layer)
+
+
+def _named_widths(model: CausalLMConfig, tensor_parallel: int) -> dict[str, float]:
+    """Features per token of each activation a selective policy can keep, on one device."""
+    attention = model.decoder.layer.attention
+    head_dim = attention.resolved_head_dim(model.dim)
+    query = attention.num_heads * head_dim / tensor_parallel
+    key_value = attention.resolved_kv_heads() * head_dim / tensor_parallel
+    return {
+        "attention_query": query, "attention_key": key_value, "attention_value": key_value,
+        "attention_context": query, "attention_output": model.dim,
+        "feed_forward_hidden": model.decoder.layer.feed_forward.hidden_dim / tensor_parallel,
+        "feed_forward_output": model.dim,
+    }
+
+
+def _remat_name(remat: Optional[RematConfig]) -> str:
+    return "none" if remat is None else type(remat).__name__.removesuffix("RematConfig").lower()
 
 
 _INDEXED = re.compile(r"^(.*?\.)(\d+)(\..*)$")
@@ -202,7 +217,7 @@ def format_plan(result: Plan) -> str:
         ("parameters (fp32)", result.parameter_bytes),
         ("gradients (fp32)", result.gradient_bytes),
         ("AdamW state (2x fp32)", result.optimizer_bytes),
-        (f"activations (bf16, batch {result.batch_size} x seq {result.seq_len}, remat={result.remat.value})",
+        (f"activations (bf16, batch {result.batch_size} x seq {result.seq_len}, remat={result.remat})",
          result.activation_bytes),
         ("total", result.total_bytes),
     ]
@@ -234,7 +249,6 @@ class PlanOptions:
 
     batch: int = 1
     seq_len: Optional[int] = None
-    remat: Remat = Remat.none
     devices: Optional[int] = None
 
 
@@ -246,17 +260,9 @@ def _positive_int(key: str) -> Callable[[str], int]:
     return parse
 
 
-def _remat(value: str) -> Remat:
-    try:
-        return Remat(value)
-    except ValueError:
-        raise ConfigError("remat", value, f"one of {[r.value for r in Remat]}") from None
-
-
 _OPTION_PARSERS: dict[str, Callable[[str], Any]] = {
     "batch": _positive_int("batch"),
     "seq_len": _positive_int("seq_len"),
-    "remat": _remat,
     "devices": _positive_int("devices"),
 }
 
@@ -301,7 +307,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         overrides, options = split_plan_options(argv)
         config, mesh_sizes = load_plan_inputs(overrides, options.devices)
-        result = plan(config, mesh_sizes, options.batch, options.seq_len, options.remat)
+        result = plan(config, mesh_sizes, options.batch, options.seq_len)
     except ConfigError as error:
         print(f"axtorch-plan: {error}", file=sys.stderr)
         return 2

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from axtorch.cli.plan import Remat, load_plan_inputs, main, plan, split_plan_options
+from axtorch.cli.plan import load_plan_inputs, main, plan, split_plan_options
 from axtorch.config.errors import ConfigError
 from axtorch.train.flops import transformer_flops_per_token
 
@@ -55,9 +55,17 @@ def test_70b_flops_and_activations(llama3_70b):
     # Korthikanti et al. with t=8 and fused attention (no stored scores): s*b*h*(10 + 24/8) bytes per layer.
     per_layer = 8192 * 8192 * (10 + 3)
     assert result.activation_bytes == round(80 * per_layer)
-    remat = plan(config, result.mesh_sizes, batch_size=1, seq_len=8192, remat=Remat.full)
+    assert result.remat == "none"
+    remat_config, remat_mesh = load_plan_inputs([*LLAMA3_70B_ON_256, "model/remat=full"])
+    remat = plan(remat_config, remat_mesh, batch_size=1, seq_len=8192)
+    assert remat.remat == "full"
     assert remat.activation_bytes == round(80 * 2 * 8192 * 8192 + per_layer)
     assert remat.parameter_bytes == result.parameter_bytes
+    # Selective keeps each layer's input plus the named activations: the attention context is
+    # 8192/8 features per token per device and the SwiGLU hidden 28672/8.
+    selective_config, _ = load_plan_inputs([*LLAMA3_70B_ON_256, "model/remat=selective"])
+    selective = plan(selective_config, remat_mesh, batch_size=1, seq_len=8192)
+    assert selective.activation_bytes == round(80 * 2 * 8192 * (8192 + 1024 + 3584) + per_layer)
 
 
 def test_mesh_that_does_not_divide_a_dimension_is_a_config_error():
@@ -77,11 +85,11 @@ def test_inferred_axis_needs_the_device_count():
 
 
 def test_plan_options_are_split_from_the_overrides():
-    overrides, options = split_plan_options(["model=llama3_8b", "batch=4", "seq_len=2048", "remat=full", "devices=8"])
-    assert overrides == ["model=llama3_8b"]
-    assert (options.batch, options.seq_len, options.remat, options.devices) == (4, 2048, Remat.full, 8)
-    with pytest.raises(ConfigError, match="remat"):
-        split_plan_options(["remat=some"])
+    overrides, options = split_plan_options(["model=llama3_8b", "batch=4", "seq_len=2048", "model/remat=full", "devices=8"])
+    assert overrides == ["model=llama3_8b", "model/remat=full"]
+    assert (options.batch, options.seq_len, options.devices) == (4, 2048, 8)
+    with pytest.raises(ConfigError, match="batch"):
+        split_plan_options(["batch=some"])
 
 
 def test_command_prints_the_plan_and_exits_2_on_a_bad_mesh(capsys):
