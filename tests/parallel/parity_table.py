@@ -1,0 +1,51 @@
+"""Print the loss-parity table of the backend tests: every backend and mesh, same seed and batch.
+
+    cd tests/parallel && ../../.venv/bin/python parity_table.py [WORK_DIR]
+
+Runs the runs that ``test_native_backend.py`` and ``test_xla_backend.py`` assert on (a few
+minutes on 2 cores) and prints their per-step training losses as a Markdown table.
+"""
+
+import sys
+import tempfile
+from pathlib import Path
+
+from axtorch.config.compose import load_train_config
+from axtorch.train.trainer import Trainer
+from debug_runs import STEPS, debug_overrides, train_losses
+from test_native_backend import _torchrun
+from test_xla_backend import _xla
+
+
+def main() -> None:
+    root = Path(sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp(prefix="axtorch-parity-"))
+    cache = root / "cache"
+    Trainer(load_train_config(debug_overrides(root / "single", cache))).fit(until_step=STEPS)
+    xla_runs = {
+        "xla, 1 device": (1, []),
+        "xla, fsdp=4": (4, ["mesh.fsdp=4", "sharding=fsdp"]),
+        "xla, fsdp=2 x model=2": (4, ["mesh.fsdp=2", "mesh.model=2", "sharding=fsdp_tp"]),
+        "xla, fsdp=4, scan_layers + remat=full": (
+            4, ["mesh.fsdp=4", "sharding=fsdp", "model.decoder.scan_layers=true", "model/remat=full"]),
+    }
+    native_runs = {
+        "native torchrun 2 procs, fsdp=2": (2, ["mesh.fsdp=2", "sharding=fsdp"]),
+        "native torchrun 2 procs, model=2": (2, ["mesh.model=2", "sharding=fsdp_tp"]),
+        "native torchrun 4 procs, fsdp=2 x model=2": (4, ["mesh.fsdp=2", "mesh.model=2", "sharding=fsdp_tp"]),
+    }
+    run_dirs = {"single": root / "single"}
+    for index, (label, (devices, overrides)) in enumerate(xla_runs.items()):
+        run_dirs[label] = root / f"xla{index}"
+        _xla(devices, root / f"xla{index}.json", STEPS, debug_overrides(run_dirs[label], cache, *overrides))
+    for index, (label, (processes, overrides)) in enumerate(native_runs.items()):
+        run_dirs[label] = root / f"native{index}"
+        _torchrun(processes, root / f"native{index}", STEPS,
+                  debug_overrides(run_dirs[label], cache, "backend=native", *overrides))
+    print("| backend / mesh | " + " | ".join(f"step {i + 1}" for i in range(STEPS)) + " |")
+    print("|---|" + "---|" * STEPS)
+    for label, run_dir in run_dirs.items():
+        print(f"| {label} | " + " | ".join(f"{loss:.6f}" for loss in train_losses(run_dir)) + " |")
+
+
+if __name__ == "__main__":
+    main()
