@@ -58,7 +58,7 @@ def initial_parameter_values(model: nn.Module) -> Iterator[tuple[str, torch.Tens
     for module_name, module in model.named_modules():
         reset = getattr(type(module), "reset_parameters", None)
         own = list(module.named_parameters(recurse=False))
-        if module is model or reset is None or not own:
+        if reset is None or not own:
             continue
         twin = copy.copy(module)
         object.__setattr__(twin, "_parameters", {})
@@ -68,3 +68,10 @@ def initial_parameter_values(model: nn.Module) -> Iterator[tuple[str, torch.Tens
         prefix = f"{module_name}." if module_name else ""
         for name, value in twin.named_parameters(recurse=False):
             yield prefix + name, value.detach()
+
+
+@torch.no_grad()
+def initialize_parameters(model: nn.Module) -> None:
+    """Initialise every parameter of ``model`` in place, with the values of ``initial_parameter_values``."""
+    for name, value in initial_parameter_values(model):
+        model.get_parameter(name).copy_(value)

@@ -12,7 +12,7 @@ from torch import nn
 
 from axtorch.config.errors import ConfigError
 from axtorch.layers.embedding import EmbeddingConfig
-from axtorch.layers.init import initial_parameter_values
+from axtorch.layers.init import initialize_parameters
 from axtorch.layers.kv_cache import KVCache
 from axtorch.layers.linear import LinearConfig
 from axtorch.layers.position_embedding import PositionEmbeddingConfig
@@ -85,8 +85,7 @@ class CausalLM(nn.Module):
         Values are drawn on the host whatever the device, so a seed gives the same weights on
         every device and backend.
         """
-        for name, value in initial_parameter_values(self):
-            self.get_parameter(name).copy_(value)
+        initialize_parameters(self)
 
     def allocate_kv_caches(
         self, batch_size: int, max_len: int, *, dtype: torch.dtype, device: torch.device

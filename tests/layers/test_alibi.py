@@ -8,6 +8,7 @@ import torch
 from axtorch.config.compose import load_train_config
 from axtorch.config.errors import ConfigError
 from axtorch.layers import AlibiConfig, AttentionConfig, AttentionInput, CausalMaskConfig, KVCache
+from axtorch.layers.init import initialize_parameters
 from axtorch.layers.position import alibi_slopes
 
 
@@ -18,9 +19,7 @@ def _attention(num_heads=4, num_kv_heads=None, dim=32, logit_softcap=None):
     )
     torch.manual_seed(0)
     module = config.build(dim)
-    for m in module.modules():
-        if hasattr(m, "reset_parameters"):
-            m.reset_parameters()
+    initialize_parameters(module)
     return module.double()
 
 

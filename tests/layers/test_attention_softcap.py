@@ -11,6 +11,7 @@ from axtorch.config.errors import ConfigError
 from axtorch.layers import AttentionConfig, AttentionInput, CausalMaskConfig, KVCache, RotaryEmbeddingConfig
 from axtorch.layers.attention import soft_capped_attention
 from axtorch.layers.attention_mask import SlidingWindowMaskConfig
+from axtorch.layers.init import initialize_parameters
 
 
 def _attention(num_heads=4, num_kv_heads=2, dim=32, mask=None, **fields):
@@ -20,9 +21,7 @@ def _attention(num_heads=4, num_kv_heads=2, dim=32, mask=None, **fields):
     )
     torch.manual_seed(0)
     module = config.build(dim)
-    for m in module.modules():
-        if hasattr(m, "reset_parameters"):
-            m.reset_parameters()
+    initialize_parameters(module)
     return module
 
 

@@ -24,6 +24,7 @@ from axtorch.layers import (
     TransformerLayerInput,
 )
 from axtorch.layers.attention_mask import SlidingWindowMaskConfig
+from axtorch.layers.init import initialize_parameters
 from axtorch.layers.position import (
     LinearScaledRotaryEmbeddingConfig,
     Llama3RotaryEmbeddingConfig,
@@ -38,9 +39,7 @@ def _attention(num_heads=4, num_kv_heads=None, dim=32, position=None, mask=None,
     )
     torch.manual_seed(0)
     module = config.build(dim)
-    for m in module.modules():
-        if hasattr(m, "reset_parameters"):
-            m.reset_parameters()
+    initialize_parameters(module)
     return module
 
 
@@ -197,9 +196,7 @@ def test_swiglu_and_gelu_feed_forward():
     swiglu = GatedFeedForwardConfig(hidden_dim=16, activation=Activation.silu).build(8)
     gelu = MLPFeedForwardConfig(hidden_dim=16).build(8)
     for module in (swiglu, gelu):
-        for m in module.modules():
-            if hasattr(m, "reset_parameters"):
-                m.reset_parameters()
+        initialize_parameters(module)
     x = torch.randn(2, 3, 8)
     expected = swiglu.down_proj(F.silu(swiglu.gate_proj(x)) * swiglu.up_proj(x))
     torch.testing.assert_close(swiglu(FeedForwardInput(x)).hidden_states, expected)
@@ -228,9 +225,7 @@ def test_transformer_layer_is_pre_norm_residual():
         norm=RMSNormConfig(),
     )
     layer = config.build(32)
-    for m in layer.modules():
-        if hasattr(m, "reset_parameters"):
-            m.reset_parameters()
+    initialize_parameters(layer)
     with torch.no_grad():  # zero both residual branches: the layer must reduce to the identity
         layer.attention.o_proj.weight.zero_()
         layer.feed_forward.down_proj.weight.zero_()

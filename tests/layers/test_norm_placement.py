@@ -22,6 +22,7 @@ from axtorch.layers import (
     TransformerLayerConfig,
     TransformerLayerInput,
 )
+from axtorch.layers.init import initialize_parameters
 
 PRE_NORM_NAMES = [
     "attention_norm.weight",
@@ -49,9 +50,7 @@ def _layer(residual, dim=16):
     )
     torch.manual_seed(0)
     layer = config.build(dim).double()
-    for m in layer.modules():
-        if hasattr(m, "reset_parameters"):
-            m.reset_parameters()
+    initialize_parameters(layer)
     with torch.no_grad():  # norms that are not the identity at initialisation, each different
         for name, p in layer.named_parameters():
             if "norm" in name:

@@ -3,7 +3,6 @@
 import math
 
 import pytest
-import torch
 
 from axtorch.cli.plan import load_plan_inputs, main, plan
 from axtorch.config.compose import load_train_config
@@ -14,6 +13,7 @@ from axtorch.parallel.mesh import MeshConfig
 from axtorch.parallel.rules import resolve_parameter_specs
 from axtorch.train.flops import transformer_flops_per_token
 from axtorch.train.trainer import Trainer
+from meta_presets import build_on_meta
 
 #: preset -> (n_embd, n_layer, n_head) of the released config.json, and HF's exact parameter count.
 RELEASED = {
@@ -32,15 +32,9 @@ def _released_hf_config(preset):
             "n_embd": n_embd, "n_layer": n_layer, "n_head": n_head, "vocab_size": 50257}
 
 
-def _meta_model(*overrides):
-    config = load_train_config(list(overrides))
-    with torch.device("meta"):
-        return config, config.model.build()
-
-
 @pytest.mark.parametrize("preset", sorted(RELEASED))
 def test_preset_is_the_released_network_with_hf_s_exact_parameter_count(preset):
-    config, model = _meta_model(f"model={preset}")
+    config, model = build_on_meta(f"model={preset}")
     check_same_architecture(config.model, gpt2_config_from_hf(_released_hf_config(preset)), f"hf:{preset}")
     assert sum(p.numel() for p in model.parameters()) == RELEASED[preset][1]
 
@@ -54,7 +48,7 @@ def test_init_from_refuses_a_preset_whose_position_table_has_another_length():
 @pytest.mark.parametrize("sharding", ["replicated", "fsdp", "fsdp_tp"])
 def test_sharding_presets_cover_the_position_table_and_every_bias(sharding):
     # 50257 splits over no even axis; padded as nanoGPT pads it, the vocabulary splits over fsdp x model.
-    config, model = _meta_model("model=gpt2_124m", "model.vocab_size=50304", f"sharding={sharding}")
+    config, model = build_on_meta("model=gpt2_124m", "model.vocab_size=50304", f"sharding={sharding}")
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     specs = resolve_parameter_specs(shapes, config.sharding, MeshConfig(fsdp=2, model=2).resolve(4))
     assert set(specs) == set(shapes)

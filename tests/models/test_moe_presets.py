@@ -3,7 +3,6 @@
 import copy
 
 import pytest
-import torch
 
 from axtorch.config.compose import load_train_config
 from axtorch.config.errors import ConfigError
@@ -12,20 +11,15 @@ from axtorch.parallel.mesh import MeshConfig
 from axtorch.parallel.rules import resolve_parameter_specs
 from axtorch.train.flops import active_parameters
 from axtorch.train.trainer import Trainer
+from meta_presets import build_on_meta
 
 #: preset -> parameters each token uses, as published (Mixtral's paper; Qwen3's model card).
 PUBLISHED_ACTIVE_PARAMETERS = {"mixtral_8x7b": 12.9e9, "qwen3_30b_a3b": 3.3e9}
 
 
-def _build(*overrides):
-    config = load_train_config(list(overrides))
-    with torch.device("meta"):
-        return config, config.model.build()
-
-
 @pytest.mark.parametrize("preset", sorted(PUBLISHED_ACTIVE_PARAMETERS))
 def test_active_parameter_count_matches_the_published_figure(preset):
-    _, model = _build(f"model={preset}")
+    _, model = build_on_meta(f"model={preset}")
     assert active_parameters(model) == pytest.approx(PUBLISHED_ACTIVE_PARAMETERS[preset], rel=0.02)
 
 
@@ -40,7 +34,7 @@ SHARED_EXPERTS = ["model/shared_experts=swiglu", "model.decoder.layer.feed_forwa
     ids=["mixtral_tiny", "qwen3_moe_tiny", "shared_experts", "dense"],
 )
 def test_every_sharding_preset_covers_mixture_of_experts_parameters(model, sharding):
-    config, network = _build(*model, f"sharding={sharding}")
+    config, network = build_on_meta(*model, f"sharding={sharding}")
     shapes = {name: tuple(p.shape) for name, p in network.named_parameters()}
     mesh = MeshConfig(fsdp=2, expert=2, model=2).resolve(8)
     specs = resolve_parameter_specs(shapes, config.sharding, mesh)

@@ -1,7 +1,6 @@
 """The model presets have the published shapes: their parameter counts match the released models'."""
 
 import pytest
-import torch
 
 from axtorch.config.compose import load_train_config
 from axtorch.interop.hf_llama import llama_config_from_hf
@@ -11,6 +10,7 @@ from axtorch.layers.norm import RMSNormConfig
 from axtorch.layers.position import Llama3RotaryEmbeddingConfig
 from axtorch.parallel.mesh import MeshConfig
 from axtorch.parallel.rules import resolve_parameter_specs
+from meta_presets import build_on_meta
 
 #: preset -> (vocabulary size, parameter count published on the model card or as the HF
 #: safetensors total).
@@ -33,15 +33,9 @@ PUBLISHED_PARAMETERS = {
 }
 
 
-def _build(preset, *overrides):
-    config = load_train_config([f"model={preset}", *overrides])
-    with torch.device("meta"):  # shapes only: no memory, seconds even for 405B
-        return config, config.model.build()
-
-
 @pytest.mark.parametrize("preset", sorted(PUBLISHED_PARAMETERS))
 def test_preset_parameter_count_matches_the_published_figure(preset):
-    config, model = _build(preset)
+    config, model = build_on_meta(f"model={preset}")
     vocab_size, published = PUBLISHED_PARAMETERS[preset]
     count = sum(p.numel() for p in model.parameters())
     assert count == pytest.approx(published, rel=0.01)
@@ -49,7 +43,7 @@ def test_preset_parameter_count_matches_the_published_figure(preset):
 
 
 def test_qwen3_0_6b_has_0_44b_parameters_besides_the_embedding():
-    _, model = _build("qwen3_0_6b")
+    _, model = build_on_meta("model=qwen3_0_6b")
     count = sum(p.numel() for name, p in model.named_parameters() if name != "embedding.weight")
     assert count == pytest.approx(0.44e9, rel=0.01)
 
@@ -77,7 +71,7 @@ def test_mistral_and_qwen3_presets_select_their_features_by_config():
 @pytest.mark.parametrize("sharding", ["replicated", "fsdp", "fsdp_tp"])
 @pytest.mark.parametrize("preset", ["mistral_7b", "qwen3_0_6b"])
 def test_sharding_presets_cover_every_parameter_including_qk_norms(preset, sharding):
-    config, model = _build(preset, f"sharding={sharding}")
+    config, model = build_on_meta(f"model={preset}", f"sharding={sharding}")
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     specs = resolve_parameter_specs(shapes, config.sharding, MeshConfig(fsdp=2, model=2).resolve(4))
     assert set(specs) == set(shapes)
