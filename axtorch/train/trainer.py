@@ -35,6 +35,7 @@ from axtorch.layers.init import initial_parameter_values
 from axtorch.models.causal_lm import CausalLM, CausalLMInput
 from axtorch.parallel.backend import Backend, materialize
 from axtorch.parallel.factory import build_backend
+from axtorch.parallel.single import SingleDeviceBackend
 from axtorch.train.checkpoint import Checkpointer, list_checkpoints, read_trainer_state
 from axtorch.train.config import Precision
 from axtorch.train.flops import (
@@ -69,22 +70,19 @@ def config_digest(text: str) -> str:
 
 def build_model(config: TrainConfig, device: torch.device) -> CausalLM:
     """One unsharded, initialised model on ``device``: the trainer's weights for the same seed."""
-    with torch.device("meta"):
-        model = config.model.build()
-    model.to_empty(device=device)
-    torch.manual_seed(config.trainer.seed)
-    model.init_weights()
-    return model
+    return build_parallel_model(config, SingleDeviceBackend(device))
 
 
 def build_parallel_model(config: TrainConfig, backend: Backend, pretrained: Optional[Pretrained] = None) -> CausalLM:
     """Build on the meta device, shard with ``backend``, then fill the shards one parameter at a time.
 
-    The values are the seeded initialisation (the same as ``build_model``'s) or ``pretrained``'s
-    weights; no process ever holds the whole model.
+    The values are the seeded initialisation or ``pretrained``'s weights. A seeded start never
+    holds the whole model in one process (only one module's parameters at a time); an import
+    still does, in ``pretrained``.
     """
     with torch.device("meta"):
-        model = backend.parallelize(config.model.build())
+        model = config.model.build()
+    model = backend.parallelize(model)
     if pretrained is not None:
         values = pretrained.model.state_dict().items()
     else:

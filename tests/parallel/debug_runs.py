@@ -2,7 +2,9 @@
 
 from pathlib import Path
 
+from axtorch.config.compose import load_train_config
 from axtorch.train.metrics import read_metrics
+from axtorch.train.trainer import Trainer
 
 #: Steps before the checkpoint that the cross-mesh tests resume from (3 more follow).
 STEPS = 5
@@ -14,6 +16,11 @@ def debug_overrides(run_dir: Path, cache: Path, *extra: str) -> list[str]:
         "trainer.peak_flops=1e11", "trainer.log_every=1", f"trainer.max_steps={STEPS + 3}",
         "trainer.eval_every=100", f"trainer.checkpoint_every={STEPS}", *extra,
     ]
+
+
+def train_on_one_device(run_dir: Path, cache: Path, *extra: str) -> None:
+    """The single-device baseline that every backend's losses are compared with."""
+    Trainer(load_train_config(debug_overrides(run_dir, cache, *extra))).fit(until_step=STEPS)
 
 
 def train_losses(run_dir: Path) -> list[float]:

@@ -10,9 +10,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from axtorch.config.compose import load_train_config
-from axtorch.train.trainer import Trainer
-from debug_runs import STEPS, debug_overrides, train_losses
+from debug_runs import STEPS, debug_overrides, train_losses, train_on_one_device
 from test_native_backend import _torchrun
 from test_xla_backend import _xla
 
@@ -20,7 +18,7 @@ from test_xla_backend import _xla
 def main() -> None:
     root = Path(sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp(prefix="axtorch-parity-"))
     cache = root / "cache"
-    Trainer(load_train_config(debug_overrides(root / "single", cache))).fit(until_step=STEPS)
+    train_on_one_device(root / "single", cache)
     xla_runs = {
         "xla, 1 device": (1, []),
         "xla, fsdp=4": (4, ["mesh.fsdp=4", "sharding=fsdp"]),

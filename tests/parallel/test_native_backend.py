@@ -15,7 +15,7 @@ from axtorch.config.compose import load_train_config
 from axtorch.train.checkpoint import read_model_tensors
 from axtorch.train.metrics import read_metrics
 from axtorch.train.trainer import Trainer
-from debug_runs import STEPS, debug_overrides, train_losses
+from debug_runs import STEPS, debug_overrides, train_losses, train_on_one_device
 
 WORKER = Path(__file__).with_name("native_worker.py")
 
@@ -33,7 +33,7 @@ def runs(tmp_path_factory):
     """One single-device run and the distributed runs of the same experiment, STEPS steps each."""
     root = tmp_path_factory.mktemp("native")
     cache = root / "cache"
-    Trainer(load_train_config(debug_overrides(root / "single", cache))).fit(until_step=STEPS)
+    train_on_one_device(root / "single", cache)
     reports = {
         "fsdp2": _torchrun(2, root / "fsdp2", STEPS, debug_overrides(root / "fsdp2", cache, "backend=native",
                                                                "mesh.fsdp=2", "sharding=fsdp")),

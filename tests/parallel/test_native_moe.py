@@ -13,9 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from axtorch.config.compose import load_train_config
-from axtorch.train.trainer import Trainer
-from debug_runs import STEPS, debug_overrides, train_losses
+from debug_runs import STEPS, debug_overrides, train_losses, train_on_one_device
 
 WORKER = Path(__file__).with_name("native_worker.py")
 MOE = [
@@ -35,7 +33,7 @@ MOE = [
 )
 def test_mixture_of_experts_losses_match_a_single_device(processes, mesh, tmp_path):
     cache = tmp_path / "cache"
-    Trainer(load_train_config(debug_overrides(tmp_path / "single", cache, *MOE))).fit(until_step=STEPS)
+    train_on_one_device(tmp_path / "single", cache, *MOE)
     out = tmp_path / "distributed"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes), "--standalone",
                str(WORKER), str(out), str(STEPS), *debug_overrides(out, cache, "backend=native", *mesh, *MOE)]

@@ -18,7 +18,7 @@ import torch
 from axtorch.config.compose import load_train_config
 from axtorch.train.checkpoint import read_index, read_model_tensors
 from axtorch.train.trainer import Trainer
-from debug_runs import STEPS, debug_overrides, train_losses
+from debug_runs import STEPS, debug_overrides, train_losses, train_on_one_device
 
 ROOT = Path(__file__).resolve().parents[2]
 XLA_PYTHON = Path(os.environ.get("AXTORCH_XLA_PYTHON", ROOT / ".venv-xla" / "bin" / "python"))
@@ -42,7 +42,7 @@ def _xla(devices: int, out: Path, until: int, overrides: list[str]) -> dict:
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("xla")
     cache = root / "cache"
-    Trainer(load_train_config(debug_overrides(root / "single", cache))).fit(until_step=STEPS)
+    train_on_one_device(root / "single", cache)
     reports = {
         "xla1": _xla(1, root / "xla1.json", STEPS, debug_overrides(root / "xla1", cache)),
         "xla_fsdp4": _xla(4, root / "xla_fsdp4.json", STEPS,
@@ -123,7 +123,7 @@ _SMALL_MOE = [
 @pytest.mark.slow
 def test_expert_parallel_moe_matches_one_device_with_experts_split_over_the_expert_axis(tmp_path):
     cache = tmp_path / "cache"
-    Trainer(load_train_config(debug_overrides(tmp_path / "single", cache, *_SMALL_MOE))).fit(until_step=STEPS)
+    train_on_one_device(tmp_path / "single", cache, *_SMALL_MOE)
     report = _xla(4, tmp_path / "ep.json", STEPS, debug_overrides(
         tmp_path / "ep", cache, *_SMALL_MOE, "mesh.fsdp=2", "mesh.expert=2", "sharding=fsdp_ep"))
     single, expert_parallel = train_losses(tmp_path / "single"), train_losses(tmp_path / "ep")
