@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/feature_locality.py
 
-The features are the options registered in ``axtorch.config.store.CHOICES``: each option's config
+The features are the options registered in ``axtorch.compose.registry.CHOICES``: each option's config
 class and the module class its ``build`` returns (read from ``build``'s return annotation). For
 each, every ``.py`` file under ``axtorch/`` is parsed with ``ast`` and searched for references by
 name: imports, names, attribute access (``layers.RMSNorm``), calls and ``isinstance`` /
@@ -11,7 +11,7 @@ name: imports, names, attribute access (``layers.RMSNorm``), calls and ``isinsta
 
 A feature is *local* when the only files outside its defining file that name it are
 
-* ``axtorch/config/store.py``, the registry of choices, and
+* ``axtorch/compose/registry.py``, the registry of choices, and
 * the ``__init__.py`` of the defining package, provided it only re-exports (imports) the name.
 
 Interop converters (``axtorch/interop/*``) are reported in their own column and do not count
@@ -36,7 +36,7 @@ from typing import Iterator, Optional
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "axtorch"
-REGISTRY_FILE = "axtorch/config/store.py"
+REGISTRY_FILE = "axtorch/compose/registry.py"
 CONVERTER_DIR = "axtorch/interop/"
 BACKEND_FREE_DIRS = ("axtorch/layers/", "axtorch/models/")
 FORBIDDEN_IMPORTS = ("torch.distributed", "torch_xla", "axtorch.parallel")
@@ -97,7 +97,7 @@ class FeatureReport:
 
 def registered_features() -> tuple[dict[type, list[str]], list[str]]:
     """{config class: ["group=option", ...]} and the options that register no class (e.g. qk_norm=none)."""
-    from axtorch.config.store import CHOICES
+    from axtorch.compose.registry import CHOICES
 
     features: dict[type, list[str]] = {}
     empty: list[str] = []

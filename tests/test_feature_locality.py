@@ -41,7 +41,7 @@ def test_every_registered_feature_is_local(tool, files):
         if not r.is_local
     }
     assert not offenders, (
-        "features named outside their defining file, the registry (axtorch/config/store.py), their "
+        "features named outside their defining file, the registry (axtorch/compose/registry.py), their "
         f"package's re-exports and the interop converters: {offenders}"
     )
 

@@ -17,9 +17,9 @@ import torch
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from axtorch.config.compose import check_keys_exist
+from axtorch.compose.experiment import check_keys_exist
 from axtorch.config.errors import ConfigError
-from axtorch.config.schema import TrainConfig
+from axtorch.train.experiment import ExperimentConfig
 from axtorch.config.serialize import config_from_yaml
 from axtorch.data.tokenizer import Tokenizer
 from axtorch.infer.generate import generate
@@ -52,7 +52,7 @@ def resolve_checkpoint(path: Path) -> tuple[Path, Path]:
 def load_model(checkpoint: Path, device: torch.device):
     """The trained model and its tokenizer, rebuilt from the run directory's config.yaml."""
     checkpoint, run_dir = resolve_checkpoint(checkpoint)
-    config = config_from_yaml((run_dir / CONFIG_FILE).read_text(), TrainConfig)
+    config = config_from_yaml((run_dir / CONFIG_FILE).read_text(), ExperimentConfig)
     with torch.device("meta"):
         model = config.model.build()
     model.load_state_dict(read_model_tensors(checkpoint), strict=True, assign=True)

@@ -26,9 +26,9 @@ from typing import Any, Optional
 import torch
 from omegaconf import OmegaConf
 
-from axtorch.config.compose import compose_train_config, to_train_config
+from axtorch.compose.experiment import compose_experiment_config, to_experiment_config
 from axtorch.config.errors import ConfigError
-from axtorch.config.schema import TrainConfig
+from axtorch.train.experiment import ExperimentConfig
 from axtorch.layers.remat import RematConfig
 from axtorch.models.causal_lm import CausalLMConfig
 from axtorch.parallel.mesh import MESH_AXES, MeshConfig
@@ -80,7 +80,7 @@ class Plan:
 
 
 def plan(
-    config: TrainConfig,
+    config: ExperimentConfig,
     mesh_sizes: Mapping[str, int],
     batch_size: int = 1,
     seq_len: Optional[int] = None,
@@ -279,16 +279,16 @@ def split_plan_options(argv: Sequence[str]) -> tuple[list[str], PlanOptions]:
     return overrides, options
 
 
-def load_plan_inputs(overrides: Sequence[str], devices: Optional[int] = None) -> tuple[TrainConfig, dict[str, int]]:
+def load_plan_inputs(overrides: Sequence[str], devices: Optional[int] = None) -> tuple[ExperimentConfig, dict[str, int]]:
     """Compose and validate the config as ``axtorch-train`` would, and resolve its mesh.
 
     The train-time checks assume the single backend's one-device mesh, so the mesh is set aside
     while they run and resolved here against ``devices`` (default: the product of its axes).
     """
-    cfg = compose_train_config(overrides)
+    cfg = compose_experiment_config(overrides)
     mesh: MeshConfig = OmegaConf.to_object(cfg.mesh)
     cfg.mesh = MeshConfig()
-    config = to_train_config(cfg)
+    config = to_experiment_config(cfg)
     config.mesh = mesh
     if devices is None:
         inferred = [axis for axis in MESH_AXES if getattr(mesh, axis) == -1]

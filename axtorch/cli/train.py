@@ -15,9 +15,9 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from axtorch.config.compose import PRIMARY_CONFIG, check_overrides, conf_dir, to_train_config
+from axtorch.compose.experiment import PRIMARY_CONFIG, check_overrides, conf_dir, to_experiment_config
 from axtorch.config.errors import ConfigError
-from axtorch.config.store import register_configs
+from axtorch.compose.registry import register_configs
 from axtorch.train.trainer import Trainer
 
 
@@ -28,7 +28,7 @@ def _fail(error: ConfigError) -> None:
 
 def _train(cfg: DictConfig) -> None:
     try:
-        trainer = Trainer(to_train_config(cfg))
+        trainer = Trainer(to_experiment_config(cfg))
         try:
             result = trainer.fit()
         finally:

@@ -11,7 +11,7 @@ from typing import Any, Iterable, Optional, Protocol
 import torch
 from torch import nn
 
-from axtorch.train.tensor_shards import Piece, copy_into_local_block, owned_pieces
+from axtorch.parallel.tensor_shards import Piece, copy_into_local_block, owned_pieces
 
 
 class Backend(Protocol):

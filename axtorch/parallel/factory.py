@@ -1,13 +1,24 @@
-"""Choosing the backend named by ``TrainConfig.backend``."""
+"""Choosing a backend by kind: the one switch between one device, torch.distributed and torch_xla."""
 
 from __future__ import annotations
 
+import enum
+
 import torch
 
-from axtorch.config.schema import Backend as BackendName
-from axtorch.config.schema import TrainConfig
 from axtorch.parallel.backend import Backend
+from axtorch.parallel.mesh import MeshConfig
+from axtorch.parallel.rules import ShardingConfig
 from axtorch.parallel.single import SingleDeviceBackend, resolve_device
+
+
+class BackendKind(enum.Enum):
+    #: One device (CPU or one CUDA GPU), no sharding.
+    single = "single"
+    #: torch.distributed under torchrun: FSDP2 and DTensor tensor parallelism over the mesh.
+    native = "native"
+    #: torch_xla SPMD: TPU, torch-neuronx, or CPU virtual devices.
+    xla = "xla"
 
 
 def native_device_type(device: str) -> str:
@@ -17,13 +28,14 @@ def native_device_type(device: str) -> str:
     return device.split(":")[0]
 
 
-def build_backend(config: TrainConfig) -> Backend:
-    if config.backend is BackendName.native:
+def build_backend(kind: BackendKind, mesh: MeshConfig, sharding: ShardingConfig, device: str = "auto") -> Backend:
+    """The backend of ``kind``; ``device`` is the trainer's device setting (``auto``, ``cpu``, ``cuda:1``, ...)."""
+    if kind is BackendKind.native:
         from axtorch.parallel.native import NativeBackend  # torch.distributed only when asked for
 
-        return NativeBackend(config.mesh, config.sharding, native_device_type(config.trainer.device))
-    if config.backend is BackendName.xla:
+        return NativeBackend(mesh, sharding, native_device_type(device))
+    if kind is BackendKind.xla:
         from axtorch.parallel.xla import XlaBackend  # torch_xla only when asked for
 
-        return XlaBackend(config.mesh, config.sharding)
-    return SingleDeviceBackend(resolve_device(config.trainer.device))
+        return XlaBackend(mesh, sharding)
+    return SingleDeviceBackend(resolve_device(device))

@@ -28,7 +28,7 @@ from axtorch.config.errors import ConfigError
 from axtorch.layers.transformer import Decoder, TransformerLayerInput, add_aux_loss
 from axtorch.parallel.mesh import MeshConfig
 from axtorch.parallel.rules import PartitionSpec, ShardingConfig, resolve_activation_specs, resolve_parameter_specs
-from axtorch.train.tensor_shards import Piece
+from axtorch.parallel.tensor_shards import Piece
 
 try:
     import torch_xla

@@ -26,7 +26,7 @@ from typing import Any, Optional, Protocol
 import torch
 from safetensors.torch import save_file
 
-from axtorch.train.tensor_shards import Piece, load_into, owned_pieces, read_block
+from axtorch.parallel.tensor_shards import Piece, load_into, owned_pieces, read_block
 
 MODEL = "model"
 OPTIMIZER = "optimizer"

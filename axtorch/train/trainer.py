@@ -1,6 +1,6 @@
 """The training loop, written once for every backend: data, model, optimizer, evaluation, checkpoints, metrics.
 
-Everything the loop touches comes from ``TrainConfig``; the loop itself knows nothing about which
+Everything the loop touches comes from ``ExperimentConfig``; the loop itself knows nothing about which
 layers the model is made of.
 """
 
@@ -20,9 +20,9 @@ from typing import Any, Optional
 import torch
 from tqdm.auto import tqdm
 
-from axtorch.cli.plot import plot_runs
+from axtorch.train.plot import plot_runs
 from axtorch.config.errors import ConfigError
-from axtorch.config.schema import TrainConfig
+from axtorch.train.experiment import ExperimentConfig
 from axtorch.config.serialize import config_to_yaml
 from axtorch.data.loader import Batch, build_data
 from axtorch.interop.pretrained import (
@@ -68,12 +68,12 @@ def config_digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def build_model(config: TrainConfig, device: torch.device) -> CausalLM:
+def build_model(config: ExperimentConfig, device: torch.device) -> CausalLM:
     """One unsharded, initialised model on ``device``: the trainer's weights for the same seed."""
     return build_parallel_model(config, SingleDeviceBackend(device))
 
 
-def build_parallel_model(config: TrainConfig, backend: Backend, pretrained: Optional[Pretrained] = None) -> CausalLM:
+def build_parallel_model(config: ExperimentConfig, backend: Backend, pretrained: Optional[Pretrained] = None) -> CausalLM:
     """Build on the meta device, shard with ``backend``, then fill the shards one parameter at a time.
 
     The values are the seeded initialisation or ``pretrained``'s weights. A seeded start never
@@ -93,10 +93,10 @@ def build_parallel_model(config: TrainConfig, backend: Backend, pretrained: Opti
 
 
 class Trainer:
-    def __init__(self, config: TrainConfig, backend: Optional[Backend] = None):
+    def __init__(self, config: ExperimentConfig, backend: Optional[Backend] = None):
         self.config = config
         self.run_dir = Path(config.run_dir)
-        self.backend = backend or build_backend(config)
+        self.backend = backend or build_backend(config.backend, config.mesh, config.sharding, config.trainer.device)
         self.device = self.backend.device
         replicas = self.backend.data_parallel_size
         if config.trainer.batch_size % (replicas * config.trainer.grad_accum_steps):

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from axtorch.cli.plot import main, plot_runs
+from axtorch.cli.plot import main
+from axtorch.train.plot import plot_runs
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -2,13 +2,13 @@
 
 import pytest
 
-from axtorch.config.compose import load_train_config
+from axtorch.compose.experiment import load_experiment_config
 from axtorch.config.errors import ConfigError
 
 
 def _error(*overrides) -> ConfigError:
     with pytest.raises(ConfigError) as info:
-        load_train_config(list(overrides))
+        load_experiment_config(list(overrides))
     return info.value
 
 
@@ -39,7 +39,7 @@ def test_invalid_enum_lists_choices():
 
 def test_unknown_group_option_lists_available_options():
     with pytest.raises(ConfigError) as info:
-        load_train_config(["model/ffn=relu2"])
+        load_experiment_config(["model/ffn=relu2"])
     assert "swiglu" in str(info.value) and "gelu" in str(info.value)
 
 
@@ -83,7 +83,7 @@ def test_swapping_a_child_is_a_config_change():
     from axtorch.layers.feed_forward import MLPFeedForwardConfig
     from axtorch.layers.norm import LayerNormConfig
 
-    config = load_train_config(["model/ffn=gelu", "model/norm=layernorm"])
+    config = load_experiment_config(["model/ffn=gelu", "model/norm=layernorm"])
     assert isinstance(config.model.decoder.layer.feed_forward, MLPFeedForwardConfig)
     assert isinstance(config.model.decoder.layer.norm, LayerNormConfig)
     model = config.model.build()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from axtorch.config.compose import conf_dir, load_train_config
+from axtorch.compose.experiment import conf_dir, load_experiment_config
 from axtorch.config.serialize import config_to_yaml
 
 GOLDEN_DIR = Path(__file__).resolve().parents[1] / "golden"
@@ -26,12 +26,12 @@ def _check_golden(text: str, golden: Path) -> None:
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
 def test_experiment_config_matches_golden(experiment):
-    _check_golden(config_to_yaml(load_train_config([f"experiment={experiment}"])), GOLDEN_DIR / f"{experiment}.yaml")
+    _check_golden(config_to_yaml(load_experiment_config([f"experiment={experiment}"])), GOLDEN_DIR / f"{experiment}.yaml")
 
 
 @pytest.mark.parametrize("preset", MODEL_PRESETS)
 def test_model_preset_matches_golden(preset):
-    model = load_train_config([f"model={preset}"]).model
+    model = load_experiment_config([f"model={preset}"]).model
     _check_golden(config_to_yaml(model), GOLDEN_DIR / "model" / f"{preset}.yaml")
 
 

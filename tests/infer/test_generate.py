@@ -4,7 +4,7 @@ import sys
 import pytest
 import torch
 
-from axtorch.config.compose import load_train_config
+from axtorch.compose.experiment import load_experiment_config
 from axtorch.infer.generate import generate
 from axtorch.infer.sampling import SamplingConfig, sample_next_token
 from axtorch.models import CausalLMInput
@@ -12,7 +12,7 @@ from axtorch.train.trainer import Trainer, build_model
 
 
 def test_greedy_generation_with_cache_equals_repeated_full_forward():
-    config = load_train_config(["experiment=debug"])
+    config = load_experiment_config(["experiment=debug"])
     model = build_model(config, torch.device("cpu")).eval()
     prompt = [5, 17, 3, 99]
     generated = generate(model, prompt, 12, SamplingConfig())
@@ -38,13 +38,13 @@ def test_top_p_keeps_the_token_that_crosses_p():
 
 
 def test_generation_refuses_to_run_past_the_model_length():
-    model = build_model(load_train_config(["experiment=debug"]), torch.device("cpu"))
+    model = build_model(load_experiment_config(["experiment=debug"]), torch.device("cpu"))
     with pytest.raises(ValueError, match="max_seq_len=256"):
         generate(model, [1] * 250, 10, SamplingConfig())
 
 
 def test_generate_command_continues_a_prompt_from_a_trained_run(tmp_path, data_cache):
-    config = load_train_config([
+    config = load_experiment_config([
         "experiment=debug", f"run_dir={tmp_path / 'run'}", f"data.cache_dir={data_cache}",
         "trainer.max_steps=4", "trainer.progress_bar=false", "trainer.peak_flops=1e11",
     ])

@@ -13,7 +13,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from axtorch.config.compose import load_train_config  # noqa: E402
+from axtorch.compose.experiment import load_experiment_config  # noqa: E402
 from axtorch.interop import from_hf, to_hf  # noqa: E402
 from axtorch.interop.hf_llama import llama_config_from_hf  # noqa: E402
 from axtorch.layers.attention_mask import CausalMaskConfig, SlidingWindowMaskConfig  # noqa: E402
@@ -229,7 +229,7 @@ def test_to_hf_refuses_what_mixtral_and_qwen3_moe_cannot_express(model_type, cha
 @pytest.mark.parametrize(("preset", "architecture"), [("mixtral_tiny", "MixtralForCausalLM"),
                                                       ("qwen3_moe_tiny", "Qwen3MoeForCausalLM")])
 def test_tiny_presets_export_to_their_hf_family(preset, architecture, tmp_path, float64_hf_moe):
-    config = load_train_config([
+    config = load_experiment_config([
         f"model={preset}", "model.vocab_size=97", "model.dim=32", "model.decoder.num_layers=2",
         "model.decoder.layer.attention.num_heads=4", "model.decoder.layer.feed_forward.hidden_dim=24",
     ])

@@ -7,7 +7,7 @@ transformers = pytest.importorskip("transformers")
 
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-from axtorch.config.compose import load_train_config
+from axtorch.compose.experiment import load_experiment_config
 from axtorch.config.errors import ConfigError
 from axtorch.interop import from_hf
 from axtorch.train.trainer import Trainer
@@ -38,7 +38,7 @@ def _save_tokenizer(directory):
 
 
 def _config(tmp_path, hf_dir, data_cache, *extra):
-    return load_train_config([
+    return load_experiment_config([
         "experiment=debug", f"run_dir={tmp_path / 'run'}", f"data.cache_dir={data_cache}",
         "trainer.progress_bar=false", "trainer.peak_flops=1e11", f"init_from=hf:{hf_dir}", *extra,
     ])

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from axtorch.config.compose import load_train_config
+from axtorch.compose.experiment import load_experiment_config
 from axtorch.config.errors import ConfigError
 from axtorch.layers import AlibiConfig, AttentionConfig, AttentionInput, CausalMaskConfig, KVCache
 from axtorch.layers.init import initialize_parameters
@@ -113,7 +113,7 @@ def test_attention_on_a_subset_of_heads_fails_loudly():
 
 def test_validation_refuses_native_tensor_parallelism_and_names_the_key():
     with pytest.raises(ConfigError, match="AlibiConfig") as info:
-        load_train_config(["model/position=alibi", "backend=native", "mesh.model=2"])
+        load_experiment_config(["model/position=alibi", "backend=native", "mesh.model=2"])
     assert info.value.key == "mesh.model" and info.value.value == 2
-    config = load_train_config(["model/position=alibi"])
+    config = load_experiment_config(["model/position=alibi"])
     assert type(config.model.decoder.layer.attention.position) is AlibiConfig

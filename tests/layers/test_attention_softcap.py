@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from axtorch.config.compose import load_train_config
+from axtorch.compose.experiment import load_experiment_config
 from axtorch.config.errors import ConfigError
 from axtorch.layers import AttentionConfig, AttentionInput, CausalMaskConfig, KVCache, RotaryEmbeddingConfig
 from axtorch.layers.attention import soft_capped_attention
@@ -147,6 +147,6 @@ def test_attention_dropout_applies_on_the_soft_capped_path_in_training_only():
 )
 def test_non_positive_cap_or_scale_is_a_config_error_naming_the_key(override):
     with pytest.raises(ConfigError) as info:
-        load_train_config([f"model.decoder.layer.attention.{override}"])
+        load_experiment_config([f"model.decoder.layer.attention.{override}"])
     assert info.value.key == f"model.decoder.layer.attention.{override.split('=')[0]}"
     assert "positive" in info.value.allowed

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from axtorch.config.compose import load_train_config
+from axtorch.compose.experiment import load_experiment_config
 from axtorch.config.errors import ConfigError
 from axtorch.layers.embedding import EmbeddingConfig
 from axtorch.layers.position_embedding import LearnedPositionEmbeddingConfig
@@ -20,7 +20,7 @@ def _table(config, vocab_size=11, dim=48, dtype=torch.float64):
 
 
 def _debug_model(*overrides):
-    config = load_train_config(["model=llama_debug", *overrides]).model
+    config = load_experiment_config(["model=llama_debug", *overrides]).model
     torch.manual_seed(0)
     model = config.build().double()
     model.init_weights()
@@ -94,5 +94,5 @@ def test_embedding_dropout_acts_in_training_only():
 )
 def test_bad_embedding_settings_are_config_errors_naming_the_key(override, key):
     with pytest.raises(ConfigError) as info:
-        load_train_config(["model=llama_debug", override])
+        load_experiment_config(["model=llama_debug", override])
     assert info.value.key == key

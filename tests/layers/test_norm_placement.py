@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from axtorch.config.compose import load_train_config
+from axtorch.compose.experiment import load_experiment_config
 from axtorch.config.errors import ConfigError
-from axtorch.config.schema import TrainConfig
+from axtorch.train.experiment import ExperimentConfig
 from axtorch.config.serialize import config_from_dict, config_to_dict
 from axtorch.interop.hf_llama import llama_config_to_hf
 from axtorch.layers import (
@@ -147,15 +147,15 @@ def test_residual_dropout_leaves_the_residual_stream_itself_alone():
 
 @pytest.mark.parametrize("placement", ["pre", "post", "sandwich"])
 def test_placements_compose_from_hydra_and_round_trip_through_yaml(placement):
-    config = load_train_config([f"model/norm_placement={placement}", "model.decoder.layer.residual.dropout=0.1"])
+    config = load_experiment_config([f"model/norm_placement={placement}", "model.decoder.layer.residual.dropout=0.1"])
     residual = config.model.decoder.layer.residual
     assert residual.dropout == 0.1
-    assert config_from_dict(config_to_dict(config), TrainConfig).model.decoder.layer.residual == residual
+    assert config_from_dict(config_to_dict(config), ExperimentConfig).model.decoder.layer.residual == residual
 
 
 def test_residual_dropout_out_of_range_is_a_config_error_naming_the_key():
     with pytest.raises(ConfigError) as info:
-        load_train_config(["model.decoder.layer.residual.dropout=1.0"])
+        load_experiment_config(["model.decoder.layer.residual.dropout=1.0"])
     assert info.value.key == "model.decoder.layer.residual.dropout"
 
 
@@ -166,6 +166,6 @@ def test_residual_dropout_out_of_range_is_a_config_error_naming_the_key():
     ["model.decoder.layer.attention.logit_softcap=50.0"],
 ], ids=lambda o: o[0])
 def test_hf_llama_export_refuses_what_llama_cannot_express(overrides):
-    llama_config_to_hf(load_train_config([]).model)  # the default, pre-norm, exports
+    llama_config_to_hf(load_experiment_config([]).model)  # the default, pre-norm, exports
     with pytest.raises(ValueError, match="can express this model"):
-        llama_config_to_hf(load_train_config(overrides).model)
+        llama_config_to_hf(load_experiment_config(overrides).model)

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from axtorch.config.compose import load_train_config
+from axtorch.compose.experiment import load_experiment_config
 from axtorch.config.errors import ConfigError
 from axtorch.models.causal_lm import CausalLMInput
 from axtorch.train.trainer import build_model
@@ -22,7 +22,7 @@ class _OpCounter(TorchDispatchMode):
 
 
 def _gradients_and_backward_ops(*overrides):
-    config = load_train_config(["experiment=debug", *overrides])
+    config = load_experiment_config(["experiment=debug", *overrides])
     model = build_model(config, torch.device("cpu"))
     ids = torch.randint(0, config.model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     loss = model(CausalLMInput(ids)).logits.pow(2).mean()
@@ -57,7 +57,7 @@ def test_full_remat_reruns_each_layer_and_selective_keeps_the_named_activations(
 
 
 def test_remat_is_skipped_when_no_gradient_is_recorded():
-    config = load_train_config(["experiment=debug", "model/remat=full"])
+    config = load_experiment_config(["experiment=debug", "model/remat=full"])
     model = build_model(config, torch.device("cpu"))
     with torch.no_grad(), _OpCounter() as counter:
         model(CausalLMInput(torch.zeros(1, 8, dtype=torch.long)))
@@ -66,7 +66,7 @@ def test_remat_is_skipped_when_no_gradient_is_recorded():
 
 def test_selective_remat_rejects_names_no_layer_gives():
     with pytest.raises(ConfigError, match=r"model.decoder.remat.save.*attention_scores"):
-        load_train_config(["experiment=debug", "model/remat=selective", "model.decoder.remat.save=[attention_scores]"])
+        load_experiment_config(["experiment=debug", "model/remat=selective", "model.decoder.remat.save=[attention_scores]"])
 
 
 def test_selective_remat_can_keep_the_attention_context_so_attention_is_not_rerun():

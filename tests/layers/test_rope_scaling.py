@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from axtorch.config.compose import load_train_config
+from axtorch.compose.experiment import load_experiment_config
 from axtorch.layers.position import (
     LinearScaledRotaryEmbeddingConfig,
     Llama3RotaryEmbeddingConfig,
@@ -84,7 +84,7 @@ def test_yarn_keeps_fast_pairs_interpolates_slow_ones_and_scales_attention():
     ],
 )
 def test_each_schedule_is_one_config_choice(option, expected):
-    config = load_train_config(["model=llama_debug", f"model/position={option}"])
+    config = load_experiment_config(["model=llama_debug", f"model/position={option}"])
     position = config.model.decoder.layer.attention.position
     assert type(position) is expected
     with torch.device("meta"):

@@ -2,12 +2,12 @@
 
 import torch
 
-from axtorch.config.compose import load_train_config
-from axtorch.config.schema import TrainConfig
+from axtorch.compose.experiment import load_experiment_config
+from axtorch.train.experiment import ExperimentConfig
 from axtorch.models.causal_lm import CausalLM
 
 
-def build_on_meta(*overrides: str) -> tuple[TrainConfig, CausalLM]:
-    config = load_train_config(list(overrides))
+def build_on_meta(*overrides: str) -> tuple[ExperimentConfig, CausalLM]:
+    config = load_experiment_config(list(overrides))
     with torch.device("meta"):
         return config, config.model.build()

@@ -5,7 +5,7 @@ import math
 import pytest
 
 from axtorch.cli.plan import load_plan_inputs, main, plan
-from axtorch.config.compose import load_train_config
+from axtorch.compose.experiment import load_experiment_config
 from axtorch.config.errors import ConfigError
 from axtorch.interop.hf_gpt2 import gpt2_config_from_hf
 from axtorch.interop.pretrained import check_same_architecture
@@ -40,7 +40,7 @@ def test_preset_is_the_released_network_with_hf_s_exact_parameter_count(preset):
 
 
 def test_init_from_refuses_a_preset_whose_position_table_has_another_length():
-    ours = load_train_config(["model=gpt2_124m", "model.max_seq_len=2048"]).model
+    ours = load_experiment_config(["model=gpt2_124m", "model.max_seq_len=2048"]).model
     with pytest.raises(ConfigError, match=r"model\.max_seq_len=2048 vs 1024"):
         check_same_architecture(ours, gpt2_config_from_hf(_released_hf_config("gpt2_124m")), "hf:gpt2")
 
@@ -81,7 +81,7 @@ def test_plan_command_sizes_gpt2_and_counts_no_flops_for_the_position_table(caps
 
 
 def test_gpt2_tiny_learns_on_the_cpu(tmp_path, data_cache):
-    config = load_train_config([
+    config = load_experiment_config([
         "experiment=debug", "model=gpt2_tiny", f"run_dir={tmp_path / 'run'}", f"data.cache_dir={data_cache}",
         "trainer.progress_bar=false", "trainer.peak_flops=1e11", "trainer.max_steps=20",
     ])

@@ -4,7 +4,7 @@ import copy
 
 import pytest
 
-from axtorch.config.compose import load_train_config
+from axtorch.compose.experiment import load_experiment_config
 from axtorch.config.errors import ConfigError
 from axtorch.interop.pretrained import check_same_architecture
 from axtorch.parallel.mesh import MeshConfig
@@ -47,7 +47,7 @@ def test_every_sharding_preset_covers_mixture_of_experts_parameters(model, shard
 
 
 def test_a_tiny_mixture_of_experts_run_learns(tmp_path, data_cache):
-    config = load_train_config([
+    config = load_experiment_config([
         "experiment=debug", "model=mixtral_tiny", f"run_dir={tmp_path / 'run'}", f"data.cache_dir={data_cache}",
         "trainer.progress_bar=false", "trainer.peak_flops=1e11", "trainer.max_steps=20",
         "model.vocab_size=512", "model.dim=64", "model.decoder.num_layers=2",
@@ -64,7 +64,7 @@ def test_a_tiny_mixture_of_experts_run_learns(tmp_path, data_cache):
 
 
 def test_init_from_ignores_router_loss_weights_but_not_the_experts():
-    ours = load_train_config(["model=mixtral_tiny"]).model
+    ours = load_experiment_config(["model=mixtral_tiny"]).model
     theirs = copy.deepcopy(ours)
     theirs.decoder.layer.feed_forward.router.load_balancing_loss_weight = 0.02 / 4
     theirs.decoder.layer.feed_forward.router.z_loss_weight = 0.0

@@ -2,7 +2,7 @@
 
 import pytest
 
-from axtorch.config.compose import load_train_config
+from axtorch.compose.experiment import load_experiment_config
 from axtorch.interop.hf_llama import llama_config_from_hf
 from axtorch.interop.pretrained import check_same_architecture
 from axtorch.layers.attention_mask import SlidingWindowMaskConfig
@@ -51,20 +51,20 @@ def test_qwen3_0_6b_has_0_44b_parameters_besides_the_embedding():
 @pytest.mark.parametrize(("preset", "factor"), [("llama3_1b", 32.0), ("llama3_3b", 32.0), ("llama3_8b", 8.0),
                                                 ("llama3_70b", 8.0), ("llama3_405b", 8.0)])
 def test_llama3_presets_use_the_released_rope_scaling(preset, factor):
-    position = load_train_config([f"model={preset}"]).model.decoder.layer.attention.position
+    position = load_experiment_config([f"model={preset}"]).model.decoder.layer.attention.position
     assert position == Llama3RotaryEmbeddingConfig(
         theta=500000.0, factor=factor, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
     )
 
 
 def test_mistral_and_qwen3_presets_select_their_features_by_config():
-    mistral = load_train_config(["model=mistral_7b"]).model.decoder.layer.attention
+    mistral = load_experiment_config(["model=mistral_7b"]).model.decoder.layer.attention
     assert mistral.mask == SlidingWindowMaskConfig(window=4096) and mistral.query_norm is None
-    qwen3 = load_train_config(["model=qwen3_0_6b"]).model.decoder.layer.attention
+    qwen3 = load_experiment_config(["model=qwen3_0_6b"]).model.decoder.layer.attention
     assert qwen3.query_norm == qwen3.key_norm == RMSNormConfig(eps=1e-6)
     assert qwen3.head_dim == 128 != 1024 // qwen3.num_heads
     # QK-norm is one group choice on any preset.
-    llama = load_train_config(["model=llama_debug", "model/qk_norm=rmsnorm"]).model.decoder.layer.attention
+    llama = load_experiment_config(["model=llama_debug", "model/qk_norm=rmsnorm"]).model.decoder.layer.attention
     assert llama.query_norm == llama.key_norm == RMSNormConfig()
 
 
@@ -111,5 +111,5 @@ RELEASED_HF_CONFIGS = {
 
 @pytest.mark.parametrize("preset", sorted(RELEASED_HF_CONFIGS))
 def test_preset_is_the_network_that_the_released_hf_config_imports_as(preset):
-    ours = load_train_config([f"model={preset}"]).model
+    ours = load_experiment_config([f"model={preset}"]).model
     check_same_architecture(ours, llama_config_from_hf(RELEASED_HF_CONFIGS[preset]), f"hf:{preset}")

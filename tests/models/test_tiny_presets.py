@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from axtorch.config.compose import conf_dir, load_train_config
+from axtorch.compose.experiment import conf_dir, load_experiment_config
 from axtorch.models.causal_lm import CausalLMInput
 from axtorch.train.trainer import build_model
 
@@ -24,7 +24,7 @@ def test_every_tiny_preset_is_listed_under_its_family():
 
 @pytest.mark.parametrize("preset", sorted(TINY_VARIANTS.values()))
 def test_tiny_preset_is_small_and_fits_a_fixed_batch(preset):
-    config = load_train_config([f"model={preset}"])
+    config = load_experiment_config([f"model={preset}"])
     model = build_model(config, torch.device("cpu"))
     assert sum(p.numel() for p in model.parameters()) < 10_000_000
     ids = torch.randint(0, config.model.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))

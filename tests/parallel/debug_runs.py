@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from axtorch.config.compose import load_train_config
+from axtorch.compose.experiment import load_experiment_config
 from axtorch.train.metrics import read_metrics
 from axtorch.train.trainer import Trainer
 
@@ -20,7 +20,7 @@ def debug_overrides(run_dir: Path, cache: Path, *extra: str) -> list[str]:
 
 def train_on_one_device(run_dir: Path, cache: Path, *extra: str) -> None:
     """The single-device baseline that every backend's losses are compared with."""
-    Trainer(load_train_config(debug_overrides(run_dir, cache, *extra))).fit(until_step=STEPS)
+    Trainer(load_experiment_config(debug_overrides(run_dir, cache, *extra))).fit(until_step=STEPS)
 
 
 def train_losses(run_dir: Path) -> list[float]:

@@ -9,9 +9,9 @@ of the optimizer state, and the trainer's final step.
 import json
 import sys
 
-from axtorch.config.compose import load_train_config
+from axtorch.compose.experiment import load_experiment_config
 from axtorch.train.checkpoint import optimizer_tensors
-from axtorch.train.tensor_shards import local_region
+from axtorch.parallel.tensor_shards import local_region
 from axtorch.train.trainer import Trainer
 
 
@@ -26,7 +26,7 @@ def _count(tensors) -> tuple[int, int]:
 
 def main() -> None:
     out_prefix, until_step, *overrides = sys.argv[1:]
-    trainer = Trainer(load_train_config(overrides))
+    trainer = Trainer(load_experiment_config(overrides))
     result = trainer.fit(until_step=int(until_step))
     params_local, params_total = _count(trainer.model.parameters())
     optim_local, optim_total = _count(t for t in optimizer_tensors(trainer.optimizer).values() if t.dim() > 0)

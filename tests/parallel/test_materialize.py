@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from axtorch.config.compose import load_train_config
+from axtorch.compose.experiment import load_experiment_config
 from axtorch.layers.init import initial_parameter_values
 from axtorch.parallel.backend import materialize
 from axtorch.parallel.single import SingleDeviceBackend
@@ -11,7 +11,7 @@ from axtorch.train.trainer import build_model, build_parallel_model
 
 
 def _config():
-    return load_train_config(["experiment=debug"])
+    return load_experiment_config(["experiment=debug"])
 
 
 def test_streamed_initial_values_of_a_meta_model_equal_a_whole_model_initialised_in_place():

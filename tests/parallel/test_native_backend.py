@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from axtorch.config.compose import load_train_config
+from axtorch.compose.experiment import load_experiment_config
 from axtorch.train.checkpoint import read_model_tensors
 from axtorch.train.metrics import read_metrics
 from axtorch.train.trainer import Trainer
@@ -90,8 +90,8 @@ def test_checkpoint_moves_between_meshes_and_training_continues_alike(runs, tmp_
         shutil.copytree(root / "fsdp2_tp2" / "checkpoints", target / "checkpoints")
     _torchrun(2, tmp_path / "resumed", STEPS + 3, debug_overrides(to_native, cache, "backend=native", "mesh.fsdp=2",
                                                               "sharding=fsdp"))
-    Trainer(load_train_config(debug_overrides(to_single, cache))).fit()
-    Trainer(load_train_config(debug_overrides(root / "single", cache))).fit()  # the uninterrupted reference
+    Trainer(load_experiment_config(debug_overrides(to_single, cache))).fit()
+    Trainer(load_experiment_config(debug_overrides(root / "single", cache))).fit()  # the uninterrupted reference
     reference = train_losses(root / "single")[-3:]
     torch.testing.assert_close(torch.tensor(train_losses(to_native)), torch.tensor(reference), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(torch.tensor(train_losses(to_single)), torch.tensor(reference), rtol=1e-5, atol=1e-5)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from axtorch.config.compose import load_train_config
+from axtorch.compose.experiment import load_experiment_config
 from axtorch.config.errors import ConfigError
 from axtorch.parallel.mesh import MeshConfig
 from axtorch.parallel.rules import (
@@ -169,7 +169,7 @@ MODEL_VARIANTS = {
 @pytest.mark.parametrize("preset", ["replicated", "fsdp", "fsdp_tp"])
 @pytest.mark.parametrize("variant", sorted(MODEL_VARIANTS))
 def test_presets_cover_every_parameter_of_every_model_variant(preset, variant):
-    config = load_train_config([f"sharding={preset}", *MODEL_VARIANTS[variant]])
+    config = load_experiment_config([f"sharding={preset}", *MODEL_VARIANTS[variant]])
     with torch.device("meta"):
         model = config.model.build()
     mesh = MeshConfig(data=2, fsdp=2, model=2).resolve(8)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from axtorch.config.compose import load_train_config
+from axtorch.compose.experiment import load_experiment_config
 from axtorch.train.checkpoint import read_index, read_model_tensors
 from axtorch.train.trainer import Trainer
 from debug_runs import STEPS, debug_overrides, train_losses, train_on_one_device
@@ -105,8 +105,8 @@ def test_xla_checkpoint_resumes_under_native_and_on_one_device(runs, tmp_path):
                *debug_overrides(to_native, cache, "backend=native", "mesh.fsdp=2", "sharding=fsdp")]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    Trainer(load_train_config(debug_overrides(to_single, cache))).fit()
-    Trainer(load_train_config(debug_overrides(root / "single", cache))).fit()
+    Trainer(load_experiment_config(debug_overrides(to_single, cache))).fit()
+    Trainer(load_experiment_config(debug_overrides(root / "single", cache))).fit()
     reference = train_losses(root / "single")[-3:]
     assert all(math.isfinite(x) for x in reference)
     torch.testing.assert_close(torch.tensor(train_losses(to_native)), torch.tensor(reference), rtol=1e-5, atol=1e-5)

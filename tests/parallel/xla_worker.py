@@ -6,14 +6,14 @@
 import json
 import sys
 
-from axtorch.config.compose import load_train_config
+from axtorch.compose.experiment import load_experiment_config
 from axtorch.parallel.xla import local_shard_shapes
 from axtorch.train.trainer import Trainer
 
 
 def main() -> None:
     out, until_step, *overrides = sys.argv[1:]
-    trainer = Trainer(load_train_config(overrides))
+    trainer = Trainer(load_experiment_config(overrides))
     result = trainer.fit(until_step=int(until_step))
     report = {"step": result.step, "parameters": {}, "optimizer": {}}
     for group in trainer.optimizer.param_groups:

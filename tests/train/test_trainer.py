@@ -6,13 +6,13 @@ import math
 import pytest
 import torch
 
-from axtorch.config.compose import load_train_config
+from axtorch.compose.experiment import load_experiment_config
 from axtorch.train.checkpoint import read_model_tensors
 from axtorch.train.trainer import Trainer
 
 
 def _config(run_dir, data_cache, *overrides):
-    return load_train_config([
+    return load_experiment_config([
         "experiment=debug", f"run_dir={run_dir}", f"data.cache_dir={data_cache}",
         "trainer.progress_bar=false", "trainer.peak_flops=1e11", *overrides,
     ])

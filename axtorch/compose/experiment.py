@@ -1,7 +1,7 @@
-"""Composing ``conf/`` into a validated ``TrainConfig``, with errors that name the bad key.
+"""Composing ``conf/`` into a validated ``ExperimentConfig``, with errors that name the bad key.
 
-Entry points and tests call ``load_train_config(overrides)``; ``axtorch-train`` also runs under
-``@hydra.main`` (for multirun and launchers) and uses ``check_overrides`` and ``to_train_config``.
+Entry points and tests call ``load_experiment_config(overrides)``; ``axtorch-train`` also runs under
+``@hydra.main`` (for multirun and launchers) and uses ``check_overrides`` and ``to_experiment_config``.
 """
 
 from __future__ import annotations
@@ -19,9 +19,8 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from axtorch.config.errors import ConfigError
-from axtorch.config.schema import TrainConfig
-from axtorch.config.store import register_configs
-from axtorch.config.validation import validate_train_config
+from axtorch.train.experiment import ExperimentConfig
+from axtorch.compose.registry import register_configs
 
 PRIMARY_CONFIG = "train"
 
@@ -76,18 +75,18 @@ def check_keys_exist(base: DictConfig, overrides: Sequence[str]) -> None:
             node = node._get_node(part)
 
 
-def to_train_config(cfg: DictConfig) -> TrainConfig:
+def to_experiment_config(cfg: DictConfig) -> ExperimentConfig:
     """Convert a composed config into typed dataclasses and run the cross-field checks."""
     try:
         config = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as error:
         key = getattr(error, "full_key", None) or "<config>"
         raise ConfigError(key, "???", "every required value set", reason=str(error).splitlines()[0]) from error
-    validate_train_config(config)
+    config.validate()
     return config
 
 
-def compose_train_config(overrides: Sequence[str] = ()) -> DictConfig:
+def compose_experiment_config(overrides: Sequence[str] = ()) -> DictConfig:
     """The composed (unvalidated) DictConfig for ``overrides``, as ``axtorch-train`` would see it."""
     check_overrides(overrides)
     try:
@@ -100,9 +99,9 @@ def compose_train_config(overrides: Sequence[str] = ()) -> DictConfig:
                           reason=_first_line(_root_cause(error))) from error
 
 
-def load_train_config(overrides: Sequence[str] = ()) -> TrainConfig:
+def load_experiment_config(overrides: Sequence[str] = ()) -> ExperimentConfig:
     """Compose, type-check and validate the experiment config for ``overrides``."""
-    return to_train_config(compose_train_config(overrides))
+    return to_experiment_config(compose_experiment_config(overrides))
 
 
 def _root_cause(error: BaseException) -> BaseException:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from hydra.core.config_store import ConfigStore
 
-from axtorch.config.schema import TrainConfig
+from axtorch.train.experiment import ExperimentConfig
 from axtorch.data.sources import (
     HFDatasetSourceConfig,
     JsonlSourceConfig,
@@ -114,7 +114,7 @@ CHOICES = {
 def register_configs() -> None:
     """Idempotent: safe to call from every entry point and test."""
     store = ConfigStore.instance()
-    store.store(name=SCHEMA_NAME, node=TrainConfig)
+    store.store(name=SCHEMA_NAME, node=ExperimentConfig)
     for group, (package, options) in CHOICES.items():
         for name, node in options.items():
             store.store(group=group, name=name, node=node, package=package)

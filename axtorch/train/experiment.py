@@ -1,0 +1,79 @@
+"""The experiment: everything one training run is made of, and the checks that span its parts.
+
+``ExperimentConfig`` is the trainer's whole input (as AXLearn's trainer config is): the model,
+data, optimizer and trainer settings, and the backend and mesh that run them. Hydra composes
+``conf/`` into it (``axtorch.compose``); code can also build it directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from axtorch.config.errors import ConfigError
+from axtorch.data.config import DataConfig
+from axtorch.models.causal_lm import CausalLMConfig
+from axtorch.parallel.factory import BackendKind
+from axtorch.parallel.mesh import MeshConfig
+from axtorch.parallel.rules import ShardingConfig
+from axtorch.train.config import TrainerConfig
+from axtorch.train.loss import CrossEntropyLossConfig
+from axtorch.train.optimizer import OptimConfig
+
+
+@dataclass
+class ExperimentConfig:
+    #: Experiment name; the default run directory is derived from it.
+    name: str = "default"
+    #: Where the run writes config, metrics, checkpoints and plots; resumes from what it finds there.
+    run_dir: str = "runs/${name}"
+    backend: BackendKind = BackendKind.single
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    #: How parameters and activations are split over the mesh (a ``conf/sharding/`` preset).
+    sharding: ShardingConfig = field(default_factory=ShardingConfig)
+    model: CausalLMConfig = field(default_factory=CausalLMConfig)
+    loss: CrossEntropyLossConfig = field(default_factory=CrossEntropyLossConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    #: Start from imported weights: ``hf:<directory>`` or ``gguf:<file>`` (ignored when resuming).
+    init_from: Optional[str] = None
+
+    def validate(self) -> None:
+        """Raise ``ConfigError`` for the first impossible setting, naming its key."""
+        self.model.validate("model")
+        self.loss.validate("loss")
+        self.optim.validate("optim")
+        self.trainer.validate("trainer")
+        if self.data.seq_len > self.model.max_seq_len:
+            raise ConfigError(
+                "data.seq_len", self.data.seq_len, f"at most model.max_seq_len={self.model.max_seq_len}",
+                reason="sequences longer than the model's positions allow",
+            )
+        self._validate_parallelism()
+
+    def _validate_parallelism(self) -> None:
+        tensor_parallel = self.mesh.model
+        attention = self.model.decoder.layer.attention
+        kv_heads = attention.resolved_kv_heads()
+        if tensor_parallel > 1 and kv_heads % tensor_parallel:
+            raise ConfigError(
+                "mesh.model", tensor_parallel, f"a divisor of the {kv_heads} key/value heads",
+                reason="tensor parallelism splits attention by whole key/value heads",
+            )
+        position = attention.position
+        if tensor_parallel > 1 and self.backend is BackendKind.native and position.varies_across_heads():
+            # Native tensor parallelism runs attention on each rank's local heads without telling it
+            # which; XLA's SPMD keeps global shapes in the model code, so it has no such limit.
+            raise ConfigError(
+                "mesh.model", tensor_parallel, f"1 with {type(position).__name__} on the native backend (or backend=xla)",
+                reason=f"{type(position).__name__} treats each attention head differently, and native tensor "
+                "parallelism gives each rank a subset of heads it cannot identify",
+            )
+        if self.model.decoder.scan_layers and self.backend is not BackendKind.xla:
+            raise ConfigError(
+                "model.decoder.scan_layers", True, "false unless backend=xla",
+                reason=f"backend={self.backend.value} has no compiled loop over layers (torch_xla's scan_layers)",
+            )
+        if self.backend is BackendKind.single:
+            self.mesh.resolve(1, "mesh")  # distributed backends check the mesh against their world size

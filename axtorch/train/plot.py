@@ -1,0 +1,99 @@
+"""Metric curves of one or more runs, drawn from their ``metrics.jsonl`` files (used by the trainer and ``axtorch-plot``)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+from matplotlib.figure import Figure
+from matplotlib.ticker import LogFormatter
+
+from axtorch.train.metrics import METRICS_FILENAME, read_metrics
+
+DEFAULT_METRICS = ("train/loss", "eval/loss")
+DEFAULT_FILENAME = "loss.png"
+_MAX_COLUMNS = 2
+_MARKER_MAX_POINTS = 50
+
+
+def plot_runs(
+    run_dirs: Sequence[Path],
+    out: Path,
+    metrics: Sequence[str] = DEFAULT_METRICS,
+    title: str | None = None,
+    log_y: bool = False,
+) -> Path:
+    """Draws one subplot per metric with one line per run (labelled by the run dir's name) and saves it to ``out``.
+
+    A metric that no run has logged yet (no eval so far) gets an empty subplot saying so; if none
+    of ``metrics`` has any value, that is almost surely a misspelt name, so it raises instead.
+    Uses a bare ``Figure`` (rendered by Agg), so it needs no display and leaves pyplot's global
+    state alone in the trainer's process.
+    """
+    if not run_dirs:
+        raise ValueError("plot_runs needs at least one run dir")
+    if not metrics:
+        raise ValueError("plot_runs needs at least one metric name")
+    run_dirs = [Path(run_dir) for run_dir in run_dirs]
+    runs = {label: read_metrics(_metrics_file(run_dir)) for label, run_dir in zip(_labels(run_dirs), run_dirs)}
+    curves = {metric: _curves(runs, metric) for metric in metrics}
+    if not any(curves.values()):
+        logged = sorted({name for records in runs.values() for record in records for name in record} - {"step"})
+        raise ValueError(f"none of the metrics {list(metrics)} has a value in these runs; logged metrics: {logged}")
+
+    columns = min(len(metrics), _MAX_COLUMNS)
+    rows = math.ceil(len(metrics) / columns)
+    figure = Figure(figsize=(6 * columns, 4 * rows), layout="constrained")
+    axes = figure.subplots(rows, columns, squeeze=False).flatten()
+    for ax in axes[1 : len(metrics)]:
+        ax.sharex(axes[0])  # the same step range everywhere, so train and eval curves line up
+    for ax, metric in zip(axes, metrics):
+        ax.set_title(metric)
+        ax.set_xlabel("step")
+        ax.set_ylabel(metric)
+        ax.grid(True, alpha=0.3)
+        if not curves[metric]:
+            ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
+            continue
+        for label, (steps, values) in curves[metric].items():
+            marker = "o" if len(steps) <= _MARKER_MAX_POINTS else None
+            ax.plot(steps, values, label=label, marker=marker, markersize=3)
+        if log_y:
+            ax.set_yscale("log")
+            # Plain numbers ("3") read better than "3x10^0" for losses spanning a decade or two.
+            ax.yaxis.set_major_formatter(LogFormatter())
+            ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False))
+        ax.legend()
+    for ax in axes[len(metrics) :]:
+        ax.set_visible(False)
+    if title:
+        figure.suptitle(title)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(out, dpi=100)
+    return out
+
+
+def _metrics_file(run_dir: Path) -> Path:
+    path = run_dir / METRICS_FILENAME
+    if not path.is_file():
+        raise FileNotFoundError(f"{run_dir} has no {METRICS_FILENAME}; is it a run directory?")
+    return path
+
+
+def _labels(run_dirs: list[Path]) -> list[str]:
+    """Legend labels: the run dirs' names, or their paths as given when two runs share a name."""
+    names = [run_dir.resolve().name for run_dir in run_dirs]
+    return names if len(set(names)) == len(names) else [str(run_dir) for run_dir in run_dirs]
+
+
+def _curves(runs: dict[str, list[dict]], metric: str) -> dict[str, tuple[list[int], list[float]]]:
+    """Per run label, the steps and values at which ``metric`` was logged (``null`` spikes skipped)."""
+    curves = {}
+    for label, records in runs.items():
+        points = [(record["step"], record[metric]) for record in records if record.get(metric) is not None]
+        if points:
+            steps, values = zip(*points)
+            curves[label] = (list(steps), list(values))
+    return curves
