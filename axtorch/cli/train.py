@@ -5,6 +5,7 @@ Examples::
     axtorch-train                                   # the quickstart experiment on the stdlib corpus
     axtorch-train experiment=debug trainer.max_steps=50
     axtorch-train model/ffn=gelu optim.lr=1e-3 run_dir=runs/gelu
+    axtorch-train --config-dir ~/my_conf experiment=mine   # a user's own experiments and presets
     torchrun --standalone --nproc-per-node 4 -m axtorch.train backend=native mesh.fsdp=4 sharding=fsdp
 """
 
@@ -15,10 +16,19 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from axtorch.compose.experiment import PRIMARY_CONFIG, check_overrides, conf_dir, to_experiment_config
-from axtorch.config.errors import ConfigError
+from axtorch.compose.experiment import (
+    CONFIG_MODULE,
+    PRIMARY_CONFIG,
+    compose_experiment_config,
+    to_experiment_config,
+)
 from axtorch.compose.registry import register_configs
+from axtorch.config.errors import ConfigError
 from axtorch.train.trainer import Trainer
+
+#: Hydra's own flags that take a value as the next argument.
+_FLAGS_WITH_VALUE = ("--config-dir", "-cd", "--config-path", "-cp", "--config-name", "-cn", "--info", "-i",
+                     "--experimental-rerun")
 
 
 def _fail(error: ConfigError) -> None:
@@ -38,17 +48,33 @@ def _train(cfg: DictConfig) -> None:
     if not trainer.backend.is_main_process:
         return
     start = f"{result.initial_eval_loss:.4f} -> " if result.initial_eval_loss is not None else ""
-    print(f"done: step {result.step}, held-out loss {start}{result.final_eval_loss or float('nan'):.4f}")
+    final = f"{result.final_eval_loss:.4f}" if result.final_eval_loss is not None else "n/a (no held-out data)"
+    print(f"done: step {result.step}, held-out loss {start}{final}")
     print(f"run directory: {result.run_dir} (config.yaml, metrics.jsonl, tensorboard/, checkpoints/, loss.png)")
+
+
+def split_arguments(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(overrides, users' config directories) of an ``axtorch-train`` command line."""
+    overrides, config_dirs = [], []
+    args = iter(argv)
+    for arg in args:
+        flag, has_value, value = arg.partition("=")
+        if flag in ("--config-dir", "-cd"):
+            config_dirs.append(value if has_value else next(args, ""))
+        elif arg in _FLAGS_WITH_VALUE:
+            next(args, None)
+        elif not arg.startswith("-"):
+            overrides.append(arg)
+    return overrides, config_dirs
 
 
 def main() -> None:
     register_configs()
-    overrides = [arg for arg in sys.argv[1:] if not arg.startswith("-")]
+    overrides, config_dirs = split_arguments(sys.argv[1:])
     try:
         if "-m" not in sys.argv and "--multirun" not in sys.argv:
-            check_overrides(overrides)
-        hydra.main(version_base=None, config_path=str(conf_dir()), config_name=PRIMARY_CONFIG)(_train)()
+            compose_experiment_config(overrides, config_dirs)  # strict keys and clear errors before Hydra runs
+        hydra.main(version_base=None, config_path=f"pkg://{CONFIG_MODULE}", config_name=PRIMARY_CONFIG)(_train)()
     except ConfigError as error:
         _fail(error)
 

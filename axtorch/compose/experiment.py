@@ -1,19 +1,21 @@
 """Composing ``conf/`` into a validated ``ExperimentConfig``, with errors that name the bad key.
 
-Entry points and tests call ``load_experiment_config(overrides)``; ``axtorch-train`` also runs under
-``@hydra.main`` (for multirun and launchers) and uses ``check_overrides`` and ``to_experiment_config``.
+The YAML groups are the installed package ``axtorch.conf``; users' own directories join the search
+path after it. Entry points and tests call ``load_experiment_config(overrides)``; ``axtorch-train``
+also runs under ``@hydra.main`` (for multirun and launchers) and uses ``check_overrides`` and
+``to_experiment_config``.
 """
 
 from __future__ import annotations
 
 import difflib
-import os
 import re
 from pathlib import Path
 from typing import Sequence
 
-from hydra import compose, initialize_config_dir
+from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException, MissingConfigException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -22,41 +24,84 @@ from axtorch.config.errors import ConfigError
 from axtorch.train.experiment import ExperimentConfig
 from axtorch.compose.registry import register_configs
 
+#: The installed package that holds ``conf/`` (setuptools maps the repository's ``conf/`` to it).
+CONFIG_MODULE = "axtorch.conf"
 PRIMARY_CONFIG = "train"
+_CHOICE_PREFIXES = ("++", "+", "~")
 
 
-def conf_dir() -> Path:
-    """The Hydra config root: ``$AXTORCH_CONF_DIR`` or the repository's ``conf/``."""
-    path = Path(os.environ.get("AXTORCH_CONF_DIR", Path(__file__).resolve().parents[2] / "conf"))
-    if not (path / f"{PRIMARY_CONFIG}.yaml").is_file():
-        raise FileNotFoundError(
-            f"no {PRIMARY_CONFIG}.yaml under {path}: install axtorch from its repository (pip install -e .) "
-            "or point AXTORCH_CONF_DIR at a copy of its conf/ directory"
-        )
-    return path
+def search_path_override(config_dirs: Sequence[str | Path]) -> list[str]:
+    """The ``hydra.searchpath`` override that adds users' own config directories after axtorch's."""
+    if not config_dirs:
+        return []
+    paths = []
+    for directory in config_dirs:
+        path = Path(directory).expanduser().resolve()
+        if not path.is_dir():
+            raise ConfigError("--config-dir", str(directory), "an existing directory of Hydra config groups",
+                              reason=f"{path} is not a directory")
+        paths.append(f"file://{path}")
+    return [f"hydra.searchpath=[{','.join(paths)}]"]
 
 
-def _is_value_override(override: str) -> bool:
+def _key(override: str) -> str:
     key = override.split("=", 1)[0]
-    return "=" in override and "." in key and not key.startswith(("+", "~", "hydra.")) and "/" not in key
+    for prefix in _CHOICE_PREFIXES:
+        if key.startswith(prefix):
+            return key[len(prefix):]
+    return key
 
 
 def _compose(overrides: Sequence[str]) -> DictConfig:
     register_configs()
     GlobalHydra.instance().clear()
-    with initialize_config_dir(str(conf_dir()), version_base=None):
+    with initialize_config_module(CONFIG_MODULE, version_base=None):
         return compose(PRIMARY_CONFIG, overrides=list(overrides))
 
 
-def check_overrides(overrides: Sequence[str]) -> None:
-    """Fail on an override whose key does not exist, listing the keys that do and close matches.
+def _config_groups(overrides: Sequence[str]) -> set[str]:
+    """Every config group: axtorch's (``model``, ``model/ffn``, ...) and those of users' own directories."""
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_module(CONFIG_MODULE, version_base=None):
+        loader = GlobalHydra.instance().config_loader()
+        groups: set[str] = set()
+        pending = [""]
+        while pending:
+            parent = pending.pop()
+            for name in loader.list_groups(parent):
+                groups.add(f"{parent}/{name}" if parent else name)
+                pending.append(f"{parent}/{name}" if parent else name)
+    for directory in _user_config_dirs(overrides):
+        groups |= {str(d.relative_to(directory)) for d in directory.rglob("*") if d.is_dir() and any(d.glob("*.yaml"))}
+    return groups
 
-    Group choices (``model=...``, ``model/ffn=...``) are applied first so that keys introduced by
-    a chosen child (``data.source.paths`` for ``data/source=text_files``) are known.
+
+def _user_config_dirs(overrides: Sequence[str]) -> list[Path]:
+    """The ``file://`` entries of a ``hydra.searchpath`` override."""
+    dirs: list[Path] = []
+    for override in overrides:
+        if _key(override) == "hydra.searchpath":
+            parsed = OverridesParser.create().parse_overrides([override])[0].value()
+            dirs += [Path(entry[len("file://"):]) for entry in parsed if str(entry).startswith("file://")]
+    return dirs
+
+
+def check_overrides(overrides: Sequence[str]) -> None:
+    """Fail on an override whose key does not exist, naming it and the closest valid keys.
+
+    Strict with or without Hydra's ``+``/``++``/``~`` prefixes: an experiment's keys are exactly
+    its dataclass fields, so ``+trainer.no_such_key=3`` is a typo, not a new setting. Group
+    choices (``model=...``, ``model/ffn=...``) are applied first so that keys introduced by a
+    chosen child (``data.source.paths`` for ``data=text_files``) are known; Hydra itself rejects
+    an unknown option of a group.
     """
-    value_overrides = [o for o in overrides if _is_value_override(o)]
-    if value_overrides:
-        check_keys_exist(_compose([o for o in overrides if not _is_value_override(o)]), value_overrides)
+    groups = _config_groups(overrides)
+    is_setting = [not (_key(o) in groups or "/" in _key(o) or _key(o).startswith("hydra.")) for o in overrides]
+    settings = [o for o, setting in zip(overrides, is_setting) if setting]
+    if settings:
+        base = _compose([o for o, setting in zip(overrides, is_setting) if not setting])
+        check_keys_exist(base, [f"{_key(o)}={o.partition('=')[2]}" for o in settings])
 
 
 def check_keys_exist(base: DictConfig, overrides: Sequence[str]) -> None:
@@ -86,10 +131,15 @@ def to_experiment_config(cfg: DictConfig) -> ExperimentConfig:
     return config
 
 
-def compose_experiment_config(overrides: Sequence[str] = ()) -> DictConfig:
-    """The composed (unvalidated) DictConfig for ``overrides``, as ``axtorch-train`` would see it."""
-    check_overrides(overrides)
+def compose_experiment_config(overrides: Sequence[str] = (), config_dirs: Sequence[str | Path] = ()) -> DictConfig:
+    """The composed (unvalidated) DictConfig for ``overrides``, as ``axtorch-train`` would see it.
+
+    ``config_dirs`` are users' own config directories (``axtorch-train --config-dir``), searched
+    after axtorch's: their experiments and presets are chosen like the built-in ones.
+    """
+    overrides = [*overrides, *search_path_override(config_dirs)]
     try:
+        check_overrides(overrides)
         return _compose(overrides)
     except MissingConfigException as error:
         group, _, option = (error.missing_cfg_file or "?/?").rpartition("/")
@@ -99,9 +149,9 @@ def compose_experiment_config(overrides: Sequence[str] = ()) -> DictConfig:
                           reason=_first_line(_root_cause(error))) from error
 
 
-def load_experiment_config(overrides: Sequence[str] = ()) -> ExperimentConfig:
+def load_experiment_config(overrides: Sequence[str] = (), config_dirs: Sequence[str | Path] = ()) -> ExperimentConfig:
     """Compose, type-check and validate the experiment config for ``overrides``."""
-    return to_experiment_config(compose_experiment_config(overrides))
+    return to_experiment_config(compose_experiment_config(overrides, config_dirs))
 
 
 def _root_cause(error: BaseException) -> BaseException:

@@ -1,4 +1,8 @@
-"""Tokenize a corpus once, split it by document, and cache the token streams as ``.npy`` files.
+"""Tokenize a corpus once, split it into training and held-out tokens, and cache both as ``.npy`` files.
+
+The split is by document, so that no held-out text is trained on. A corpus of too few documents
+for that (one book, a handful of files) is split by tokens instead: its last ``val_fraction`` of
+tokens are held out.
 
 A cache entry is ``<cache_dir>/<key>/`` with ``tokenizer.json``, ``train_tokens.npy``,
 ``val_tokens.npy`` and ``meta.json``. The key covers everything the arrays depend on (corpus
@@ -34,7 +38,7 @@ TRAIN_TOKENS_FILE = "train_tokens.npy"
 VAL_TOKENS_FILE = "val_tokens.npy"
 META_FILE = "meta.json"
 # Bump when the layout or meaning of cached arrays changes, so old entries are not reused.
-_CACHE_FORMAT = 1
+_CACHE_FORMAT = 2
 _ENCODE_BATCH_DOCUMENTS = 64
 
 
@@ -105,6 +109,28 @@ def tokenize_documents(source: DocumentSource, tokenizer: Tokenizer) -> tuple[np
     return np.concatenate(chunks), np.array(lengths, dtype=np.int64)
 
 
+def split_by_tokens(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """(train, validation): the stream's last ``val_fraction`` of tokens held out, the rest trained on."""
+    held_out = int(round(tokens.size * val_fraction))
+    return tokens[: tokens.size - held_out], tokens[tokens.size - held_out :]
+
+
+def split_corpus(
+    tokens: np.ndarray, document_lengths: np.ndarray, val_fraction: float, seed: int
+) -> tuple[np.ndarray, np.ndarray, str]:
+    """(train, validation, how): by document, unless that holds out under a quarter of ``val_fraction``.
+
+    Whole documents keep held-out text unseen, but with few documents the draw can hold out
+    nothing (one document) or far too little (a short one); then the tokens are split instead.
+    """
+    is_validation = assign_validation(len(document_lengths), val_fraction, seed)
+    train, val = split_by_document(tokens, document_lengths, is_validation)
+    if val.size < 0.25 * val_fraction * tokens.size:
+        train, val = split_by_tokens(tokens, val_fraction)
+        return train, val, "tokens"
+    return train, val, "documents"
+
+
 def split_by_document(
     tokens: np.ndarray, document_lengths: np.ndarray, is_validation: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -132,8 +158,7 @@ def _pack(
 ) -> None:
     """Tokenize and split the corpus into ``directory``; meta.json also records ``identity``."""
     tokens, lengths = tokenize_documents(source, tokenizer)
-    is_validation = assign_validation(len(lengths), cfg.val_fraction, cfg.seed)
-    train, val = split_by_document(tokens, lengths, is_validation)
+    train, val, split = split_corpus(tokens, lengths, cfg.val_fraction, cfg.seed)
     write_file_atomically(directory / TRAIN_TOKENS_FILE, lambda file: np.save(file, train))
     write_file_atomically(directory / VAL_TOKENS_FILE, lambda file: np.save(file, val))
     meta = {
@@ -141,8 +166,8 @@ def _pack(
         "vocab_size": tokenizer.vocab_size,
         "eos_id": tokenizer.eos_id,
         "dtype": str(tokens.dtype),
-        "train_documents": int((~is_validation).sum()),
-        "val_documents": int(is_validation.sum()),
+        "documents": len(lengths),
+        "split_by": split,
         "train_tokens": int(train.size),
         "val_tokens": int(val.size),
     }

@@ -6,6 +6,7 @@ distributed backends implement it over a device mesh. Layers never see a backend
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Iterable, Optional, Protocol
 
 import torch
@@ -28,6 +29,11 @@ class Backend(Protocol):
     gradient_divisor: int
     #: Whether this process writes the run directory's shared files (config, metrics, plots).
     is_main_process: bool
+    #: The chip as its runtime names it ("cpu", "NVIDIA H100 80GB HBM3", "TPU v5 lite"): picks the MFU peak.
+    device_name: str
+    #: Devices that run one step together, and how many of them each process drives.
+    num_devices: int
+    devices_per_process: int
 
     def parallelize(self, model: nn.Module) -> nn.Module:
         """Shard a model built on the meta device; returns the module to train.
@@ -82,11 +88,35 @@ def materialize(backend: Backend, model: nn.Module, values: Iterable[tuple[str, 
         raise RuntimeError(f"no value for parameters {sorted(pending)[:5]} ({len(pending)} in all)")
 
 
+def host_device_name(device: torch.device) -> str:
+    """The name of an eagerly fed device: the CUDA/ROCm product name, else the device type.
+
+    On Trainium (a ``neuron`` device) the chip is known from the EC2 instance type, which Nitro
+    instances report as their DMI product name (untested here: no Trainium machine).
+    """
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    if device.type == "neuron":
+        product = Path("/sys/devices/virtual/dmi/id/product_name")
+        return product.read_text().strip() if product.is_file() else "neuron"
+    return device.type
+
+
 class HostFedBackend:
     """Shared behaviour of backends whose processes each feed their own device eagerly."""
 
     device: torch.device
     rank: int
+    world_size: int
+    devices_per_process = 1
+
+    @property
+    def device_name(self) -> str:
+        return host_device_name(self.device)
+
+    @property
+    def num_devices(self) -> int:
+        return self.world_size
 
     def fill_parameter(self, model: nn.Module, name: str, value: torch.Tensor) -> None:
         copy_into_local_block(model.get_parameter(name), value)

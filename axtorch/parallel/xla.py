@@ -66,6 +66,10 @@ class XlaBackend:
             self.mesh = xs.Mesh(np.arange(num_devices), tuple(self.sizes.values()), axis_names)
         self.rank = xr.process_index()
         self.world_size = xr.process_count()
+        self.num_devices = num_devices
+        self.devices_per_process = num_devices // self.world_size
+        # The SPMD virtual device has no kind of its own; the first physical one names the chip.
+        self.device_name = xm.xla_device_kind("xla:0")
         if self.world_size > 1 and not dist.is_initialized():  # pragma: no cover - multi-host only
             # Host-side coordination (barriers, checkpoint piece lists) over gloo; torch_xla's
             # ``xla://`` rendezvous finds the hosts of a TPU pod (elsewhere set MASTER_ADDR).

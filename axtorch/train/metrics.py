@@ -6,6 +6,7 @@ import json
 import math
 import re
 import time
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
@@ -57,17 +58,25 @@ class MetricsLogger:
         self._file.write(json.dumps(record, allow_nan=False) + "\n")
         self._file.flush()
         if self._enable_tensorboard:
-            if self._tensorboard is None:
-                # Imported here so that readers of the file (axtorch-plot) do not pay for importing torch.
-                from torch.utils.tensorboard import SummaryWriter
+            try:
+                self._mirror_to_tensorboard(step, values)
+            except Exception as error:  # noqa: BLE001 - TensorBoard is a view; the JSONL file is the record
+                self._enable_tensorboard = False
+                warnings.warn(f"TensorBoard logging failed and is off for this run ({type(error).__name__}: {error}); "
+                              f"{self.path.name} still has every metric", RuntimeWarning, stacklevel=2)
 
-                _wait_for_a_later_event_file_second(self.run_dir / TENSORBOARD_DIRNAME)
-                self._tensorboard = SummaryWriter(
-                    str(self.run_dir / TENSORBOARD_DIRNAME),
-                    purge_step=step if self._resumed else None,
-                )
-            for name, value in values.items():
-                self._tensorboard.add_scalar(name, value, step)
+    def _mirror_to_tensorboard(self, step: int, values: Mapping[str, float]) -> None:
+        if self._tensorboard is None:
+            # Imported here so that readers of the file (axtorch-plot) do not pay for importing torch.
+            from torch.utils.tensorboard import SummaryWriter
+
+            _wait_for_a_later_event_file_second(self.run_dir / TENSORBOARD_DIRNAME)
+            self._tensorboard = SummaryWriter(
+                str(self.run_dir / TENSORBOARD_DIRNAME),
+                purge_step=step if self._resumed else None,
+            )
+        for name, value in values.items():
+            self._tensorboard.add_scalar(name, value, step)
 
     def close(self) -> None:
         """Flushes and closes both writers; calling it again does nothing."""

@@ -13,9 +13,10 @@ import random
 import resource
 import shutil
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 import torch
 from tqdm.auto import tqdm
@@ -44,6 +45,7 @@ from axtorch.train.flops import (
     mfu,
     transformer_flops_per_token,
 )
+from axtorch.train.peak_flops import datasheet_peak_flops
 from axtorch.train.loss import LossInput
 from axtorch.train.metrics import MetricsLogger
 from axtorch.train.optimizer import build_optimizer
@@ -51,6 +53,7 @@ from axtorch.train.rng import capture_rng_state, restore_rng_state
 from axtorch.train.schedule import learning_rate
 
 CONFIG_FILE = "config.yaml"
+T = TypeVar("T")
 TOKENIZER_FILE = "tokenizer.json"
 
 
@@ -135,7 +138,9 @@ class Trainer:
         self.step = 0
         self.tokens_per_step = trainer.batch_size * config.data.seq_len
         self.flops_per_token = self._flops_per_token()
-        self._peak_flops: Optional[float] = trainer.peak_flops
+        self._peak_flops: Optional[float] = None
+        self._peak_flops_known = False
+        self._said_no_held_out_data = False
         self.config_text = config_to_yaml(config)
         self.model_digest = config_digest(config_to_yaml(config.model))
 
@@ -157,10 +162,29 @@ class Trainer:
             self.config.data.seq_len, model_cfg.vocab_size, model_cfg.tie_embeddings,
         )
 
-    def peak_flops(self) -> float:
-        if self._peak_flops is None:
+    def peak_flops(self) -> Optional[float]:
+        """Summed peak FLOP/s of the devices that run a step; None where no peak is known (no MFU).
+
+        ``trainer.peak_flops`` (per device) wins; a CPU's peak is measured, once, and shared by the
+        devices its process drives (XLA's virtual CPU devices); any other chip's comes from the
+        datasheet table. An unknown chip warns once.
+        """
+        if not self._peak_flops_known:
+            self._peak_flops_known = True
+            backend = self.backend
             dtype = torch.bfloat16 if self.config.trainer.precision is Precision.bf16 else torch.float32
-            self._peak_flops = measure_matmul_peak_flops(self.device, dtype)
+            per_device = self.config.trainer.peak_flops
+            if per_device is None and backend.device_name == "cpu":
+                per_device = measure_matmul_peak_flops(torch.device("cpu"), dtype) / backend.devices_per_process
+            elif per_device is None:
+                per_device = datasheet_peak_flops(backend.device_name, dtype)
+                if per_device is None:
+                    warnings.warn(
+                        f"no datasheet peak FLOP/s for device {backend.device_name!r} in {dtype}, so train/mfu is "
+                        "not logged; set trainer.peak_flops=<FLOP/s per device> to log it",
+                        RuntimeWarning, stacklevel=2,
+                    )
+            self._peak_flops = None if per_device is None else per_device * backend.num_devices
         return self._peak_flops
 
     def _autocast(self) -> contextlib.AbstractContextManager:
@@ -246,7 +270,7 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Token-weighted cross-entropy over the held-out split."""
+        """Token-weighted cross-entropy over the held-out split; empty when there is no held-out data."""
         self.model.eval()
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # (loss sum, tokens)
         for batch in self.data.val_batches(self.config.trainer.batch_size, self.config.trainer.eval_batches):
@@ -257,7 +281,9 @@ class Trainer:
                 sums += torch.stack([loss.cross_entropy.double() * loss.num_tokens, loss.num_tokens.double()])
         self.model.train()
         total, tokens = self.backend.all_reduce_sum(sums).tolist()
-        mean = total / max(tokens, 1)
+        if tokens == 0:
+            return {}  # a loss over no tokens is not a score: report nothing rather than 0
+        mean = total / tokens
         return {"eval/loss": mean, "eval/perplexity": math.exp(min(mean, 50.0))}
 
     # ------------------------------------------------------------------------------ the loop
@@ -282,9 +308,7 @@ class Trainer:
         metrics_logger = MetricsLogger(self.run_dir, enable_tensorboard=trainer.tensorboard) if main else None
         with metrics_logger or contextlib.nullcontext() as metrics:
             if self.step == 0:
-                initial_eval = self.evaluate()["eval/loss"]
-                if main:
-                    metrics.log(0, {"eval/loss": initial_eval, "eval/perplexity": math.exp(min(initial_eval, 50.0))})
+                initial_eval = self._evaluate_and_log(metrics, print)
             progress = tqdm(
                 total=stop, initial=self.step, disable=not (trainer.progress_bar and main), desc="train", unit="step",
                 dynamic_ncols=True,
@@ -298,27 +322,39 @@ class Trainer:
                 window.append(self.train_step(batch))
                 window_time += time.perf_counter() - started
                 if main and (self.step % trainer.log_every == 0 or self.step == stop):
-                    logged = self._window_metrics(window, window_time)
-                    metrics.log(self.step, logged)
-                    progress.set_postfix(loss=f"{logged['train/loss']:.3f}", tok_s=f"{logged['train/tokens_per_s']:.0f}")
+                    logged = _best_effort("computing train metrics", self._window_metrics, window, window_time)
+                    if logged:
+                        _best_effort("logging metrics", metrics.log, self.step, logged)
+                        progress.set_postfix(loss=f"{logged['train/loss']:.3f}", tok_s=f"{logged['train/tokens_per_s']:.0f}")
                 if self.step % trainer.log_every == 0:
                     window, window_time = [], 0.0
                 progress.update(1)
                 if self.step % trainer.eval_every == 0 or self.step == trainer.max_steps:
-                    evaluated = self.evaluate()
-                    final_eval = evaluated["eval/loss"]
-                    if main:
-                        metrics.log(self.step, evaluated)
-                        progress.write(f"step {self.step}: eval loss {final_eval:.4f} (ppl {evaluated['eval/perplexity']:.1f})")
+                    final_eval = self._evaluate_and_log(metrics, progress.write)
                 if self.step % trainer.checkpoint_every == 0 or self.step == stop:
                     last_checkpoint = self.save_checkpoint()
             progress.close()
         if final_eval is None:  # resumed at (or past) the last step: still report where the run stands
-            final_eval = self.evaluate()["eval/loss"]
+            final_eval = self.evaluate().get("eval/loss")
         self.checkpointer.wait()
         if trainer.plot and main:
-            plot_runs([self.run_dir], self.run_dir / "loss.png")
+            _best_effort("plotting loss.png", plot_runs, [self.run_dir], self.run_dir / "loss.png")
         return TrainResult(self.run_dir, self.step, initial_eval, final_eval, last_checkpoint)
+
+    def _evaluate_and_log(self, metrics: Optional[MetricsLogger], say: Callable[[str], Any]) -> Optional[float]:
+        """Evaluate, log and announce the held-out loss; None (said once) when there is no held-out data."""
+        evaluated = self.evaluate()
+        if metrics is None:
+            return evaluated.get("eval/loss")
+        if not evaluated:
+            if not self._said_no_held_out_data:
+                say(f"no held-out data (data.val_fraction={self.config.data.val_fraction}): eval/loss is not reported")
+                self._said_no_held_out_data = True
+            return None
+        _best_effort("logging metrics", metrics.log, self.step, evaluated)
+        if self.step > 0:
+            say(f"step {self.step}: eval loss {evaluated['eval/loss']:.4f} (ppl {evaluated['eval/perplexity']:.1f})")
+        return evaluated["eval/loss"]
 
     def _window_metrics(self, window: list[dict[str, float]], seconds: float) -> dict[str, float]:
         tokens_per_s = self.tokens_per_step * len(window) / max(seconds, 1e-9)
@@ -327,10 +363,21 @@ class Trainer:
             "train/grad_norm": sum(m["train/grad_norm"] for m in window) / len(window),
             "train/lr": window[-1]["train/lr"],
             "train/tokens_per_s": tokens_per_s,
-            "train/mfu": mfu(tokens_per_s, self.flops_per_token, self.peak_flops() * self.backend.world_size),
             "train/memory_gb": _peak_memory_gb(self.device),
         }
+        peak = _best_effort("finding the devices' peak FLOP/s", self.peak_flops)
+        if peak is not None:
+            logged["train/mfu"] = mfu(tokens_per_s, self.flops_per_token, peak)
         return logged
+
+
+def _best_effort(what: str, function: Callable[..., T], *args: Any) -> Optional[T]:
+    """Run a metrics, logging or plotting step; a failure there warns and never ends training."""
+    try:
+        return function(*args)
+    except Exception as error:  # noqa: BLE001 - by design: no observer may stop the run
+        warnings.warn(f"{what} failed, training goes on: {type(error).__name__}: {error}", RuntimeWarning, stacklevel=2)
+        return None
 
 
 def _peak_memory_gb(device: torch.device) -> float:
