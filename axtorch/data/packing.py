@@ -118,14 +118,15 @@ def split_by_tokens(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray
 def split_corpus(
     tokens: np.ndarray, document_lengths: np.ndarray, val_fraction: float, seed: int
 ) -> tuple[np.ndarray, np.ndarray, str]:
-    """(train, validation, how): by document, unless that holds out under a quarter of ``val_fraction``.
+    """(train, validation, how): by document, unless that holds out under a quarter or over twice ``val_fraction``.
 
     Whole documents keep held-out text unseen, but with few documents the draw can hold out
-    nothing (one document) or far too little (a short one); then the tokens are split instead.
+    nothing (one document), far too little (a short one) or most of the corpus (a long one);
+    then the tokens are split instead.
     """
     is_validation = assign_validation(len(document_lengths), val_fraction, seed)
     train, val = split_by_document(tokens, document_lengths, is_validation)
-    if val.size < 0.25 * val_fraction * tokens.size:
+    if not 0.25 * val_fraction * tokens.size <= val.size <= 2 * val_fraction * tokens.size:
         train, val = split_by_tokens(tokens, val_fraction)
         return train, val, "tokens"
     return train, val, "documents"

@@ -9,6 +9,7 @@ comes with the weights: a GGUF's own, or the HF directory's ``tokenizer.json``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,8 @@ from axtorch.models.causal_lm import CausalLM, CausalLMConfig
 #: Settings that do not change the network a checkpoint holds: initialisation, the maximum length,
 #: and the weights of a router's training losses (HF's are one coefficient, axtorch's per layer).
 _IGNORED_KEYS = ("init", "max_seq_len", "load_balancing_loss_weight", "z_loss_weight")
+#: float32's unit roundoff (2**-24) with headroom: a value read back from float32 is this close.
+_FLOAT32_RELATIVE_PRECISION = 1e-6
 
 
 @dataclass
@@ -81,9 +84,16 @@ def _architecture(config: CausalLMConfig) -> dict[str, object]:
     return flat
 
 
+def _same_setting(mine: object, imported: object) -> bool:
+    """Equal, with floats equal to float32 precision: GGUF files store eps and theta as float32."""
+    if isinstance(mine, float) and isinstance(imported, float):
+        return math.isclose(mine, imported, rel_tol=_FLOAT32_RELATIVE_PRECISION)
+    return mine == imported
+
+
 def check_same_architecture(ours: CausalLMConfig, theirs: CausalLMConfig, source: str) -> None:
     mine, imported = _architecture(ours), _architecture(theirs)
-    differing = sorted(k for k in mine.keys() | imported.keys() if mine.get(k) != imported.get(k))
+    differing = sorted(k for k in mine.keys() | imported.keys() if not _same_setting(mine.get(k), imported.get(k)))
     if differing:
         details = ", ".join(f"model.{k}={mine.get(k)!r} vs {imported.get(k)!r}" for k in differing[:6])
         raise ConfigError("init_from", source, "a model config describing the same network as the imported weights",

@@ -1,5 +1,6 @@
 """Packing: documents are split whole and deterministically, and the cache is reused, never stale."""
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -8,7 +9,7 @@ from omegaconf import MISSING
 
 from axtorch.config.errors import ConfigError
 from axtorch.data import DataConfig, PackedSequences, TextFilesSourceConfig, TokenizerConfig, build_data
-from axtorch.data.packing import assign_validation
+from axtorch.data.packing import assign_validation, split_corpus
 
 WORDS = "alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega".split()
 DOCUMENTS = [
@@ -130,3 +131,36 @@ def test_bad_data_config(tmp_path, overrides, key):
         build_data(corpus_config(tmp_path, **overrides))
     assert error.value.key == key
     assert not (tmp_path / "cache").exists()
+
+
+def test_a_one_document_corpus_holds_out_its_last_tokens(tmp_path):
+    book = tmp_path / "book"
+    book.mkdir()
+    (book / "book.txt").write_text(" ".join(DOCUMENTS))
+    config = corpus_config(tmp_path, source=TextFilesSourceConfig(paths=[str(book / "*.txt")]), val_fraction=0.1)
+    data = build_data(config)
+    directory = data.tokenizer_path.parent
+    train, val = np.load(directory / "train_tokens.npy"), np.load(directory / "val_tokens.npy")
+    total = len(train) + len(val)
+    assert len(val) == round(0.1 * total) and data.val_num_sequences > 0
+    stream = np.concatenate([train, val])  # the held-out part is the tail, nothing lost or repeated
+    assert data.tokenizer.decode(stream[:-1].tolist()) == " ".join(DOCUMENTS)
+    assert json.loads((directory / "meta.json").read_text())["split_by"] == "tokens"
+
+
+def test_many_documents_are_still_split_whole(tmp_path):
+    build_data(corpus_config(tmp_path))
+    (meta,) = (tmp_path / "cache").glob("*/meta.json")
+    assert json.loads(meta.read_text())["split_by"] == "documents"
+
+
+def test_split_corpus_falls_back_to_tokens_only_when_documents_hold_out_far_from_the_fraction():
+    tokens = np.arange(1000, dtype=np.uint16)
+    few = np.array([990, 10])  # the draw can only hold out 10 or 990 tokens of 1000: both are wrong
+    _, val, how = split_corpus(tokens, few, val_fraction=0.2, seed=0)
+    assert how == "tokens" and np.array_equal(val, np.arange(800, 1000))
+    for seed in range(5):
+        assert split_corpus(tokens, few, val_fraction=0.2, seed=seed)[2] == "tokens"
+    many = np.full(100, 10)
+    _, val, how = split_corpus(tokens, many, val_fraction=0.2, seed=0)
+    assert how == "documents" and 0.05 * 1000 <= len(val)

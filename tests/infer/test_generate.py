@@ -46,7 +46,7 @@ def test_generation_refuses_to_run_past_the_model_length():
 def test_generate_command_continues_a_prompt_from_a_trained_run(tmp_path, data_cache):
     config = load_experiment_config([
         "experiment=debug", f"run_dir={tmp_path / 'run'}", f"data.cache_dir={data_cache}",
-        "trainer.max_steps=4", "trainer.progress_bar=false", "trainer.peak_flops=1e11",
+        "trainer.max_steps=4", "trainer.progress_bar=false",
     ])
     Trainer(config).fit()
     result = subprocess.run(

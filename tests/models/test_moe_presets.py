@@ -49,7 +49,7 @@ def test_every_sharding_preset_covers_mixture_of_experts_parameters(model, shard
 def test_a_tiny_mixture_of_experts_run_learns(tmp_path, data_cache):
     config = load_experiment_config([
         "experiment=debug", "model=mixtral_tiny", f"run_dir={tmp_path / 'run'}", f"data.cache_dir={data_cache}",
-        "trainer.progress_bar=false", "trainer.peak_flops=1e11", "trainer.max_steps=20",
+        "trainer.progress_bar=false", "trainer.max_steps=20",
         "model.vocab_size=512", "model.dim=64", "model.decoder.num_layers=2",
         "model.decoder.layer.attention.num_heads=4",
         "model.decoder.layer.feed_forward.hidden_dim=64", "model.decoder.layer.feed_forward.num_experts=4",

@@ -17,6 +17,7 @@ import torch
 
 from axtorch.compose.experiment import load_experiment_config
 from axtorch.train.checkpoint import read_index, read_model_tensors
+from axtorch.train.metrics import read_metrics
 from axtorch.train.trainer import Trainer
 from debug_runs import STEPS, debug_overrides, train_losses, train_on_one_device
 
@@ -55,6 +56,15 @@ def runs(tmp_path_factory):
             "model/remat=full")),
     }
     return root, reports
+
+
+@pytest.mark.slow
+def test_xla_runs_log_mfu_with_default_settings(runs):
+    """No ``trainer.peak_flops``: XLA's virtual CPU devices share the host's measured peak."""
+    root, _ = runs
+    for name in ("xla1", "xla_fsdp4"):
+        values = [m["train/mfu"] for m in read_metrics(root / name / "metrics.jsonl") if "train/mfu" in m]
+        assert len(values) == STEPS and all(0 < value < 1.5 for value in values), (name, values)
 
 
 @pytest.mark.slow

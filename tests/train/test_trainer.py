@@ -14,7 +14,7 @@ from axtorch.train.trainer import Trainer
 def _config(run_dir, data_cache, *overrides):
     return load_experiment_config([
         "experiment=debug", f"run_dir={run_dir}", f"data.cache_dir={data_cache}",
-        "trainer.progress_bar=false", "trainer.peak_flops=1e11", *overrides,
+        "trainer.progress_bar=false", *overrides,
     ])
 
 
@@ -73,3 +73,12 @@ def test_resuming_with_a_different_model_is_refused(tmp_path, data_cache):
     with pytest.raises(ConfigError, match="different model"):
         other.fit()
     assert (tmp_path / "run" / "config.yaml").read_text() == saved_config  # the run directory is untouched
+
+
+def test_without_held_out_data_the_run_says_so_instead_of_scoring_zero(tmp_path, data_cache, capsys):
+    result = Trainer(_config(tmp_path / "run", data_cache, "data.val_fraction=0.0", "trainer.max_steps=10")).fit()
+    assert result.step == 10
+    assert result.initial_eval_loss is None and result.final_eval_loss is None
+    assert "no held-out data (data.val_fraction=0.0)" in capsys.readouterr().out
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert not any("eval/loss" in r for r in records) and any("train/loss" in r for r in records)
