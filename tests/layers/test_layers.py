@@ -219,6 +219,8 @@ def test_linear_and_embedding_init_follow_their_config():
 
 
 def test_transformer_layer_is_pre_norm_residual():
+    """``h = x + attn(norm1(x)); out = h + ffn(norm2(h))``, with norms whose gains are not 1, so
+    post-norm (``norm(x + f(x))``) and sandwich (``x + norm(f(norm(x)))``) would both differ."""
     config = TransformerLayerConfig(
         attention=AttentionConfig(num_heads=4, position=RotaryEmbeddingConfig(), mask=CausalMaskConfig()),
         feed_forward=GatedFeedForwardConfig(hidden_dim=64),
@@ -226,9 +228,14 @@ def test_transformer_layer_is_pre_norm_residual():
     )
     layer = config.build(32)
     initialize_parameters(layer)
-    with torch.no_grad():  # zero both residual branches: the layer must reduce to the identity
-        layer.attention.o_proj.weight.zero_()
-        layer.feed_forward.down_proj.weight.zero_()
+    with torch.no_grad():
+        for norm in (layer.attention_norm, layer.feed_forward_norm):
+            norm.weight.uniform_(0.5, 2.0)
     x = torch.randn(2, 5, 32)
-    out = layer(TransformerLayerInput(x, _positions(2, 5)))
-    torch.testing.assert_close(out.hidden_states, x)
+    positions = _positions(2, 5)
+    with torch.no_grad():
+        h = x + layer.attention(AttentionInput(layer.attention_norm(x), positions)).hidden_states
+        expected = h + layer.feed_forward(FeedForwardInput(layer.feed_forward_norm(h))).hidden_states
+        out = layer(TransformerLayerInput(x, positions))
+    torch.testing.assert_close(out.hidden_states, expected)
+    assert not torch.allclose(out.hidden_states, x, atol=1e-3)  # both branches contribute

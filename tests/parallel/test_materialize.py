@@ -7,16 +7,27 @@ from axtorch.compose.experiment import load_experiment_config
 from axtorch.layers.init import initial_parameter_values
 from axtorch.parallel.backend import materialize
 from axtorch.parallel.single import SingleDeviceBackend
-from axtorch.train.trainer import build_model, build_parallel_model
+from axtorch.train.trainer import build_parallel_model
 
 
 def _config():
     return load_experiment_config(["experiment=debug"])
 
 
+def _initialised_in_place(config) -> torch.nn.Module:
+    """The reference: a whole model on the CPU whose modules each run ``reset_parameters`` on
+    their own live parameters, in module order: plain torch, no twins, no streaming, no backend."""
+    model = config.model.build()
+    torch.manual_seed(config.trainer.seed)
+    for module in model.modules():
+        if hasattr(module, "reset_parameters") and any(True for _ in module.parameters(recurse=False)):
+            module.reset_parameters()
+    return model
+
+
 def test_streamed_initial_values_of_a_meta_model_equal_a_whole_model_initialised_in_place():
     config = _config()
-    whole = build_model(config, torch.device("cpu"))
+    whole = _initialised_in_place(config)
     with torch.device("meta"):
         meta = config.model.build()
     torch.manual_seed(config.trainer.seed)
@@ -27,12 +38,14 @@ def test_streamed_initial_values_of_a_meta_model_equal_a_whole_model_initialised
     assert all(p.is_meta for p in meta.parameters())  # the source model was never materialised
 
 
-def test_parallel_build_on_one_device_equals_the_unsharded_build():
+def test_the_trainers_build_equals_a_whole_model_initialised_in_place():
     config = _config()
-    whole = build_model(config, torch.device("cpu"))
+    reference = _initialised_in_place(config)
     built = build_parallel_model(config, SingleDeviceBackend(torch.device("cpu")))
-    for (name, expected), (_, actual) in zip(whole.named_parameters(), built.named_parameters()):
+    assert [n for n, _ in built.named_parameters()] == [n for n, _ in reference.named_parameters()]
+    for (name, expected), (_, actual) in zip(reference.named_parameters(), built.named_parameters()):
         assert torch.equal(expected, actual), name
+    assert not torch.equal(reference.embedding.weight, torch.zeros_like(reference.embedding.weight))
 
 
 def test_materialize_names_parameters_left_without_a_value_and_values_without_a_parameter():
