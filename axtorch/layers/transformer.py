@@ -51,6 +51,13 @@ class TransformerLayerOutput:
     aux_loss: Optional[torch.Tensor] = None
 
 
+# The native backend shards each layer and the model with FSDP2, which hooks backward onto the
+# tensors that need gradients in a sharded module's inputs and outputs; before torch 2.11 it finds
+# them only through pytree (an unregistered dataclass is one opaque leaf), hence pytree nodes.
+torch.export.register_dataclass(TransformerLayerInput)
+torch.export.register_dataclass(TransformerLayerOutput)
+
+
 class TransformerLayer(nn.Module):
     """Attention then feed-forward, each joined to the residual stream by the norm placement.
 

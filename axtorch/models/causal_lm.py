@@ -66,6 +66,10 @@ class CausalLMOutput:
     kv_caches: Optional[list[KVCache]] = None
 
 
+# A pytree node, so that FSDP2 finds the logits to hook backward on (see TransformerLayerOutput).
+torch.export.register_dataclass(CausalLMOutput)
+
+
 class CausalLM(nn.Module):
     def __init__(self, config: CausalLMConfig):
         super().__init__()

@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from axtorch.compose.experiment import load_experiment_config
+from axtorch.layers.transformer import TransformerLayerInput, TransformerLayerOutput
+from axtorch.models.causal_lm import CausalLMOutput
 from axtorch.train.checkpoint import read_model_tensors
 from axtorch.train.metrics import read_metrics
 from axtorch.train.trainer import Trainer
@@ -44,6 +46,14 @@ def runs(tmp_path_factory):
             root / "tp2", cache, "backend=native", "mesh.model=2", "sharding=fsdp_tp")),
     }
     return root, reports
+
+
+def test_fsdp2_sees_the_tensors_of_sharded_modules_inputs_and_outputs():
+    """Before torch 2.11, FSDP2 hooks backward only onto tensors that pytree finds; newer torch
+    also looks into dataclasses, so there the parity runs below would not miss a registration."""
+    x = torch.ones(1, requires_grad=True)
+    for value in (TransformerLayerInput(x, x), TransformerLayerOutput(x), CausalLMOutput(x)):
+        assert any(leaf is x for leaf in torch.utils._pytree.tree_leaves(value)), type(value).__name__
 
 
 @pytest.mark.slow
