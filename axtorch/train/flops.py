@@ -92,8 +92,11 @@ def measure_matmul_peak_flops(
         )
     if size <= 0 or seconds <= 0:
         raise ValueError(f"size and seconds must be positive, got size={size}, seconds={seconds}")
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
+    # Its own generator: measuring mid-run must not move the global RNG that dropout and data use,
+    # or a resumed run would diverge from an uninterrupted one.
+    generator = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(size, size, device=device, dtype=dtype, generator=generator)
+    b = torch.randn(size, size, device=device, dtype=dtype, generator=generator)
     out = torch.empty_like(a)
 
     def run(iterations: int) -> float:

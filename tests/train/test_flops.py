@@ -45,17 +45,28 @@ def test_flops_per_token_rejects_non_positive_sizes() -> None:
 
 
 def test_measured_peak_agrees_with_an_independent_timing_and_physics() -> None:
-    peak = measure_matmul_peak_flops(torch.device("cpu"), size=512, seconds=0.3)
     a = torch.randn(768, 768)
-    torch.matmul(a, a)
-    start = time.perf_counter()
-    for _ in range(4):
-        torch.matmul(a, a)
-    achieved = 4 * 2 * 768**3 / (time.perf_counter() - start)
-    # The same machine runs both: within a factor of 4 either way, on a shared 2-core box.
+
+    def timed() -> float:
+        start = time.perf_counter()
+        for _ in range(4):
+            torch.matmul(a, a)
+        return 4 * 2 * 768**3 / (time.perf_counter() - start)
+
+    achieved = max(timed() for _ in range(4))  # the best of several: other load only slows a timing down
+    peak = max(measure_matmul_peak_flops(torch.device("cpu"), size=512, seconds=0.2) for _ in range(2))
+    # The same machine runs both, so they agree within a generous factor.
     assert achieved / 4 < peak < achieved * 4
     # No core does more than 64 fp32 FLOPs a cycle (two AVX-512 FMA units), nor runs above 6 GHz.
     assert peak < torch.get_num_threads() * 64 * 6e9
+
+
+def test_measuring_the_peak_leaves_the_global_random_state_alone() -> None:
+    torch.manual_seed(1)
+    expected = torch.rand(3)
+    torch.manual_seed(1)
+    measure_matmul_peak_flops(torch.device("cpu"), size=64, seconds=0.01)
+    assert torch.equal(torch.rand(3), expected)
 
 
 def test_measuring_an_unsupported_device_says_what_to_do() -> None:
