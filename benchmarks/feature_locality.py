@@ -30,9 +30,10 @@ from __future__ import annotations
 import ast
 import inspect
 import typing
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "axtorch"
@@ -333,7 +334,9 @@ def main() -> int:
     local = sum(r.is_local for r in reports)
     print(f"\n{local}/{len(reports)} local. (n): how many references (names imported or used) that file holds.")
 
-    print("\n## Backend freedom (axtorch/layers/, axtorch/models/ import no torch.distributed, torch_xla, axtorch.parallel)\n")
+    print(
+        "\n## Backend freedom (axtorch/layers/, axtorch/models/ import no torch.distributed, torch_xla, axtorch.parallel)\n"
+    )
     print("| check | result |\n|---|---|")
     print(f"| backend-free | {'yes' if not violations else 'NO: ' + '; '.join(violations)} |")
     return 0 if local == len(reports) and not violations else 1

@@ -22,8 +22,14 @@ from axtorch.train.flops import measure_matmul_peak_flops, mfu, transformer_flop
 from axtorch.train.loss import CrossEntropyLossConfig, LossInput
 
 REFERENCE = dict(
-    vocab_size=8192, hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
-    intermediate_size=1536, max_position_embeddings=2048, tie_word_embeddings=False,
+    vocab_size=8192,
+    hidden_size=512,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    intermediate_size=1536,
+    max_position_embeddings=2048,
+    tie_word_embeddings=False,
 )
 SEQ_LEN, BATCH = 256, 8
 
@@ -77,7 +83,9 @@ def main() -> None:
         "axtorch": (ours, make_axtorch_step(), our_batches),
         "hf_transformers": (hf_model, hf_step, hf_batches),
     }
-    optimizers = {name: torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True) for name, (model, _, _) in runs.items()}
+    optimizers = {
+        name: torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True) for name, (model, _, _) in runs.items()
+    }
     if args.compile:
         runs = {name: (torch.compile(model), fn, b) for name, (model, fn, b) in runs.items()}
 
@@ -98,10 +106,12 @@ def main() -> None:
     )
     tokens_per_run = args.steps * BATCH * SEQ_LEN
     throughput = {name: tokens_per_run / statistics.median(s) for name, s in seconds.items()}
-    print(f"shape: vocab {REFERENCE['vocab_size']}, width {REFERENCE['hidden_size']}, {REFERENCE['num_hidden_layers']} layers, "
-          f"{REFERENCE['num_attention_heads']} heads / {REFERENCE['num_key_value_heads']} kv, FFN {REFERENCE['intermediate_size']} "
-          f"SwiGLU, seq {SEQ_LEN}, batch {BATCH}, fp32, AdamW; torch {torch.__version__}, transformers {transformers.__version__}, "
-          f"{torch.get_num_threads()} threads{', compiled' if args.compile else ''}")
+    print(
+        f"shape: vocab {REFERENCE['vocab_size']}, width {REFERENCE['hidden_size']}, {REFERENCE['num_hidden_layers']} layers, "
+        f"{REFERENCE['num_attention_heads']} heads / {REFERENCE['num_key_value_heads']} kv, FFN {REFERENCE['intermediate_size']} "
+        f"SwiGLU, seq {SEQ_LEN}, batch {BATCH}, fp32, AdamW; torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"{torch.get_num_threads()} threads{', compiled' if args.compile else ''}"
+    )
     print(f"measured fp32 GEMM peak: {peak / 1e9:.1f} GFLOP/s; model FLOPs/token: {flops_per_token / 1e6:.1f} M")
     print(f"{'implementation':<18}{'tokens/s':>12}{'MFU':>9}{'step (s)':>11}")
     for name, value in throughput.items():

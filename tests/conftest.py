@@ -18,8 +18,12 @@ def float64_hf_rmsnorm(monkeypatch):
         return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
 
     models = transformers.models
-    for norm in (models.llama.modeling_llama.LlamaRMSNorm, models.mistral.modeling_mistral.MistralRMSNorm,
-                 models.qwen2.modeling_qwen2.Qwen2RMSNorm, models.qwen3.modeling_qwen3.Qwen3RMSNorm):
+    for norm in (
+        models.llama.modeling_llama.LlamaRMSNorm,
+        models.mistral.modeling_mistral.MistralRMSNorm,
+        models.qwen2.modeling_qwen2.Qwen2RMSNorm,
+        models.qwen3.modeling_qwen3.Qwen3RMSNorm,
+    ):
         monkeypatch.setattr(norm, "forward", forward)
 
 

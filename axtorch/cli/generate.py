@@ -19,13 +19,13 @@ from omegaconf.errors import OmegaConfBaseException
 
 from axtorch.compose.experiment import check_keys_exist
 from axtorch.config.errors import ConfigError
-from axtorch.train.experiment import ExperimentConfig
 from axtorch.config.serialize import config_from_yaml
 from axtorch.data.tokenizer import Tokenizer
 from axtorch.infer.generate import generate
 from axtorch.infer.sampling import SamplingConfig
 from axtorch.parallel.single import resolve_device
 from axtorch.train.checkpoint import list_checkpoints, read_model_tensors
+from axtorch.train.experiment import ExperimentConfig
 from axtorch.train.trainer import CONFIG_FILE, TOKENIZER_FILE
 
 
@@ -45,7 +45,9 @@ def resolve_checkpoint(path: Path) -> tuple[Path, Path]:
         return path, path.parent.parent
     checkpoints = list_checkpoints(path / "checkpoints")
     if not checkpoints:
-        raise ConfigError("checkpoint", str(path), "a run directory with checkpoints/ or a checkpoints/step_* directory")
+        raise ConfigError(
+            "checkpoint", str(path), "a run directory with checkpoints/ or a checkpoints/step_* directory"
+        )
     return checkpoints[-1], path
 
 
@@ -66,8 +68,12 @@ def parse_args(argv: list[str]) -> GenerateConfig:
     try:
         config: GenerateConfig = OmegaConf.to_object(OmegaConf.merge(schema, OmegaConf.from_dotlist(argv)))
     except OmegaConfBaseException as error:
-        raise ConfigError(getattr(error, "full_key", "?") or "?", argv, "values of the declared types",
-                          reason=str(error).splitlines()[0]) from error
+        raise ConfigError(
+            getattr(error, "full_key", "?") or "?",
+            argv,
+            "values of the declared types",
+            reason=str(error).splitlines()[0],
+        ) from error
     config.sampling.validate("sampling")
     return config
 
@@ -81,8 +87,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(config.seed)
     ids = generate(
-        model, tokenizer.encode(config.prompt), config.max_new_tokens, config.sampling,
-        eos_id=tokenizer.eos_id, generator=generator,
+        model,
+        tokenizer.encode(config.prompt),
+        config.max_new_tokens,
+        config.sampling,
+        eos_id=tokenizer.eos_id,
+        generator=generator,
     )
     print(config.prompt + tokenizer.decode(ids))
     return 0

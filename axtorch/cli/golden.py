@@ -1,7 +1,7 @@
 """``axtorch-golden``: write or check golden configs of axtorch's ``conf/`` or of your own config directory.
 
-    axtorch-golden check --config-dir ~/my_conf --golden-dir ~/my_conf/golden   # in your CI
-    axtorch-golden write --config-dir ~/my_conf --golden-dir ~/my_conf/golden   # after an intended change
+axtorch-golden check --config-dir ~/my_conf --golden-dir ~/my_conf/golden   # in your CI
+axtorch-golden write --config-dir ~/my_conf --golden-dir ~/my_conf/golden   # after an intended change
 """
 
 from __future__ import annotations
@@ -18,9 +18,16 @@ from axtorch.config.errors import ConfigError
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="axtorch-golden", description=__doc__.splitlines()[0])
     parser.add_argument("action", choices=("write", "check"))
-    parser.add_argument("--config-dir", action="append", default=[], type=Path,
-                        help="your Hydra config directory (repeatable); default: axtorch's own conf/")
-    parser.add_argument("--golden-dir", type=Path, default=Path("golden"), help="where the snapshots live (default: ./golden)")
+    parser.add_argument(
+        "--config-dir",
+        action="append",
+        default=[],
+        type=Path,
+        help="your Hydra config directory (repeatable); default: axtorch's own conf/",
+    )
+    parser.add_argument(
+        "--golden-dir", type=Path, default=Path("golden"), help="where the snapshots live (default: ./golden)"
+    )
     args = parser.parse_args(argv)
     try:
         current = snapshots(args.config_dir)
@@ -28,7 +35,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"axtorch-golden: {error}", file=sys.stderr)
         return 2
     if not current:
-        print(f"axtorch-golden: no experiment/ or model/ configs under {[str(d) for d in args.config_dir]}", file=sys.stderr)
+        print(
+            f"axtorch-golden: no experiment/ or model/ configs under {[str(d) for d in args.config_dir]}",
+            file=sys.stderr,
+        )
         return 2
     if args.action == "write":
         write_golden(args.golden_dir, current)
@@ -37,13 +47,17 @@ def main(argv: list[str] | None = None) -> int:
     diff = compare_golden(args.golden_dir, current)
     for name in diff.changed:
         old = (args.golden_dir / name).read_text().splitlines(keepends=True)
-        sys.stdout.writelines(difflib.unified_diff(old, current[name].splitlines(keepends=True), f"golden/{name}", f"now/{name}"))
+        sys.stdout.writelines(
+            difflib.unified_diff(old, current[name].splitlines(keepends=True), f"golden/{name}", f"now/{name}")
+        )
     for kind in ("missing", "stale"):
         for name in getattr(diff, kind):
             print(f"{kind}: {name}")
     if diff:
-        print(f"axtorch-golden: {args.golden_dir} is out of date; run `axtorch-golden write` if the change is intended",
-              file=sys.stderr)
+        print(
+            f"axtorch-golden: {args.golden_dir} is out of date; run `axtorch-golden write` if the change is intended",
+            file=sys.stderr,
+        )
         return 1
     print(f"{len(current)} golden configs match {args.golden_dir}")
     return 0

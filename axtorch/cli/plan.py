@@ -28,11 +28,11 @@ from omegaconf import OmegaConf
 
 from axtorch.compose.experiment import compose_experiment_config, to_experiment_config
 from axtorch.config.errors import ConfigError
-from axtorch.train.experiment import ExperimentConfig
 from axtorch.layers.remat import RematConfig
 from axtorch.models.causal_lm import CausalLMConfig
 from axtorch.parallel.mesh import MESH_AXES, MeshConfig
 from axtorch.parallel.rules import PartitionSpec, resolve_parameter_specs, shard_shape
+from axtorch.train.experiment import ExperimentConfig
 from axtorch.train.flops import active_non_embedding_parameters, active_parameters, transformer_flops_per_token
 
 FP32_BYTES = 4
@@ -117,8 +117,12 @@ def plan(
         seq_len=seq_len,
         remat=_remat_name(model.decoder.remat),
         flops_per_token=transformer_flops_per_token(
-            active_non_embedding_parameters(network), model.decoder.num_layers, model.dim, seq_len,
-            model.vocab_size, model.tie_embeddings,
+            active_non_embedding_parameters(network),
+            model.decoder.num_layers,
+            model.dim,
+            seq_len,
+            model.vocab_size,
+            model.tie_embeddings,
         ),
     )
 
@@ -156,8 +160,11 @@ def _named_widths(model: CausalLMConfig, tensor_parallel: int) -> dict[str, floa
     query = attention.num_heads * head_dim / tensor_parallel
     key_value = attention.resolved_kv_heads() * head_dim / tensor_parallel
     return {
-        "attention_query": query, "attention_key": key_value, "attention_value": key_value,
-        "attention_context": query, "attention_output": model.dim,
+        "attention_query": query,
+        "attention_key": key_value,
+        "attention_value": key_value,
+        "attention_context": query,
+        "attention_output": model.dim,
         "feed_forward_hidden": model.decoder.layer.feed_forward.hidden_dim / tensor_parallel,
         "feed_forward_output": model.dim,
     }
@@ -217,22 +224,26 @@ def format_plan(result: Plan) -> str:
         ("parameters (fp32)", result.parameter_bytes),
         ("gradients (fp32)", result.gradient_bytes),
         ("AdamW state (2x fp32)", result.optimizer_bytes),
-        (f"activations (bf16, batch {result.batch_size} x seq {result.seq_len}, remat={result.remat})",
-         result.activation_bytes),
+        (
+            f"activations (bf16, batch {result.batch_size} x seq {result.seq_len}, remat={result.remat})",
+            result.activation_bytes,
+        ),
         ("total", result.total_bytes),
     ]
     label_width = max(len(label) for label, _ in memory)
-    return "\n".join([
-        f"mesh: {mesh} ({result.num_devices} devices)",
-        "",
-        *table,
-        "",
-        f"total parameters: {result.total_parameters:,} ({result.total_parameters / 1e9:.2f}B)",
-        f"active parameters per token: {result.active_parameters:,} ({result.active_parameters / 1e9:.2f}B)",
-        "per-device memory:",
-        *(f"  {label.ljust(label_width)}  {num_bytes / GIB:9.2f} GiB" for label, num_bytes in memory),
-        f"training FLOPs per token (seq {result.seq_len}): {result.flops_per_token:.3e}",
-    ])
+    return "\n".join(
+        [
+            f"mesh: {mesh} ({result.num_devices} devices)",
+            "",
+            *table,
+            "",
+            f"total parameters: {result.total_parameters:,} ({result.total_parameters / 1e9:.2f}B)",
+            f"active parameters per token: {result.active_parameters:,} ({result.active_parameters / 1e9:.2f}B)",
+            "per-device memory:",
+            *(f"  {label.ljust(label_width)}  {num_bytes / GIB:9.2f} GiB" for label, num_bytes in memory),
+            f"training FLOPs per token (seq {result.seq_len}): {result.flops_per_token:.3e}",
+        ]
+    )
 
 
 def _shape(shape: tuple[int, ...]) -> str:
@@ -257,6 +268,7 @@ def _positive_int(key: str) -> Callable[[str], int]:
         if not value.isdigit() or int(value) <= 0:
             raise ConfigError(key, value, "a positive integer")
         return int(value)
+
     return parse
 
 
@@ -279,7 +291,9 @@ def split_plan_options(argv: Sequence[str]) -> tuple[list[str], PlanOptions]:
     return overrides, options
 
 
-def load_plan_inputs(overrides: Sequence[str], devices: Optional[int] = None) -> tuple[ExperimentConfig, dict[str, int]]:
+def load_plan_inputs(
+    overrides: Sequence[str], devices: Optional[int] = None
+) -> tuple[ExperimentConfig, dict[str, int]]:
     """Compose and validate the config as ``axtorch-train`` would, and resolve its mesh.
 
     The train-time checks assume the single backend's one-device mesh, so the mesh is set aside

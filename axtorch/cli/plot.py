@@ -12,15 +12,15 @@ from axtorch.train.plot import DEFAULT_FILENAME, DEFAULT_METRICS, plot_runs
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``axtorch-plot``; returns 2 when a run dir has no metrics or no requested metric was logged."""
     parser = argparse.ArgumentParser(prog="axtorch-plot", description="Plot metric curves of training runs.")
-    parser.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR", help="run directories holding metrics.jsonl")
+    parser.add_argument(
+        "run_dirs", nargs="+", type=Path, metavar="RUN_DIR", help="run directories holding metrics.jsonl"
+    )
     parser.add_argument(
         "--out",
         type=Path,
         help=f"image path (default: RUN_DIR/{DEFAULT_FILENAME} for one run, ./{DEFAULT_FILENAME} for several)",
     )
-    parser.add_argument(
-        "--metrics", nargs="+", default=list(DEFAULT_METRICS), help="metric names, one subplot each"
-    )
+    parser.add_argument("--metrics", nargs="+", default=list(DEFAULT_METRICS), help="metric names, one subplot each")
     parser.add_argument("--title", help="figure title")
     parser.add_argument("--log-y", action="store_true", help="logarithmic y axes")
     args = parser.parse_args(argv)

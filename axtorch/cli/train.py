@@ -27,8 +27,17 @@ from axtorch.config.errors import ConfigError
 from axtorch.train.trainer import Trainer
 
 #: Hydra's own flags that take a value as the next argument.
-_FLAGS_WITH_VALUE = ("--config-dir", "-cd", "--config-path", "-cp", "--config-name", "-cn", "--info", "-i",
-                     "--experimental-rerun")
+_FLAGS_WITH_VALUE = (
+    "--config-dir",
+    "-cd",
+    "--config-path",
+    "-cp",
+    "--config-name",
+    "-cn",
+    "--info",
+    "-i",
+    "--experimental-rerun",
+)
 
 
 def _fail(error: ConfigError) -> None:

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import difflib
 import re
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
@@ -20,9 +20,9 @@ from hydra.errors import HydraException, MissingConfigException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from axtorch.compose.registry import register_configs
 from axtorch.config.errors import ConfigError
 from axtorch.train.experiment import ExperimentConfig
-from axtorch.compose.registry import register_configs
 
 #: The installed package that holds ``conf/`` (setuptools maps the repository's ``conf/`` to it).
 CONFIG_MODULE = "axtorch.conf"
@@ -38,8 +38,12 @@ def search_path_override(config_dirs: Sequence[str | Path]) -> list[str]:
     for directory in config_dirs:
         path = Path(directory).expanduser().resolve()
         if not path.is_dir():
-            raise ConfigError("--config-dir", str(directory), "an existing directory of Hydra config groups",
-                              reason=f"{path} is not a directory")
+            raise ConfigError(
+                "--config-dir",
+                str(directory),
+                "an existing directory of Hydra config groups",
+                reason=f"{path} is not a directory",
+            )
         paths.append(f"file://{path}")
     return [f"hydra.searchpath=[{','.join(paths)}]"]
 
@@ -48,7 +52,7 @@ def _key(override: str) -> str:
     key = override.split("=", 1)[0]
     for prefix in _CHOICE_PREFIXES:
         if key.startswith(prefix):
-            return key[len(prefix):]
+            return key[len(prefix) :]
     return key
 
 
@@ -83,7 +87,7 @@ def _user_config_dirs(overrides: Sequence[str]) -> list[Path]:
     for override in overrides:
         if _key(override) == "hydra.searchpath":
             parsed = OverridesParser.create().parse_overrides([override])[0].value()
-            dirs += [Path(entry[len("file://"):]) for entry in parsed if str(entry).startswith("file://")]
+            dirs += [Path(entry[len("file://") :]) for entry in parsed if str(entry).startswith("file://")]
     return dirs
 
 
@@ -115,7 +119,9 @@ def check_keys_exist(base: DictConfig, overrides: Sequence[str]) -> None:
                 allowed = sorted(node.keys()) if isinstance(node, DictConfig) else []
                 close = difflib.get_close_matches(part, allowed, n=1)
                 hint = f" (did you mean {'.'.join(walked + close)}?)" if close else ""
-                raise ConfigError(key, value, f"keys of {parent}: {allowed}", reason=f"{parent} has no key {part!r}{hint}")
+                raise ConfigError(
+                    key, value, f"keys of {parent}: {allowed}", reason=f"{parent} has no key {part!r}{hint}"
+                )
             walked.append(part)
             node = node._get_node(part)
 
@@ -145,8 +151,12 @@ def compose_experiment_config(overrides: Sequence[str] = (), config_dirs: Sequen
         group, _, option = (error.missing_cfg_file or "?/?").rpartition("/")
         raise ConfigError(group, option, f"one of {sorted(error.options or [])}", reason=_first_line(error)) from error
     except (HydraException, OmegaConfBaseException) as error:
-        raise ConfigError(_failing_key(error), _failing_value(error, overrides), _allowed(error),
-                          reason=_first_line(_root_cause(error))) from error
+        raise ConfigError(
+            _failing_key(error),
+            _failing_value(error, overrides),
+            _allowed(error),
+            reason=_first_line(_root_cause(error)),
+        ) from error
 
 
 def load_experiment_config(overrides: Sequence[str] = (), config_dirs: Sequence[str | Path] = ()) -> ExperimentConfig:

@@ -8,9 +8,9 @@ own config directories with the same tool: ``axtorch-golden check --config-dir ~
 from __future__ import annotations
 
 import importlib.resources
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 from axtorch.compose.experiment import CONFIG_MODULE, load_experiment_config
 from axtorch.config.serialize import config_to_yaml
@@ -62,7 +62,9 @@ def compare_golden(golden_dir: Path, current: dict[str, str]) -> GoldenDiff:
             diff.missing.append(name)
         elif path.read_text() != text:
             diff.changed.append(name)
-    existing = {str(p.relative_to(golden_dir)) for group in SNAPSHOT_GROUPS for p in (golden_dir / group).glob("*.yaml")}
+    existing = {
+        str(p.relative_to(golden_dir)) for group in SNAPSHOT_GROUPS for p in (golden_dir / group).glob("*.yaml")
+    }
     diff.stale = sorted(existing - set(current))
     return diff
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from hydra.core.config_store import ConfigStore
 
-from axtorch.train.experiment import ExperimentConfig
 from axtorch.data.sources import (
     HFDatasetSourceConfig,
     JsonlSourceConfig,
@@ -30,8 +29,9 @@ from axtorch.layers.position import (
     YarnRotaryEmbeddingConfig,
 )
 from axtorch.layers.position_embedding import LearnedPositionEmbeddingConfig
-from axtorch.layers.residual import PostNormResidualConfig, PreNormResidualConfig, SandwichNormResidualConfig
 from axtorch.layers.remat import FullRematConfig, SelectiveRematConfig
+from axtorch.layers.residual import PostNormResidualConfig, PreNormResidualConfig, SandwichNormResidualConfig
+from axtorch.train.experiment import ExperimentConfig
 
 SCHEMA_NAME = "train_schema"
 

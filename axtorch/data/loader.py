@@ -6,8 +6,9 @@ checkpoint sees exactly the batches an uninterrupted run would have seen.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch

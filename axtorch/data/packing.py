@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import chain, islice
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 from tqdm import tqdm

@@ -14,9 +14,10 @@ import os
 import sysconfig
 import tempfile
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterator, Optional
+from typing import Any, BinaryIO, Optional
 
 from omegaconf import MISSING
 
@@ -183,9 +184,7 @@ class JsonlSource(DocumentSource):
             raise ValueError(f"{where}: not valid JSON ({error.msg})") from error
         if not isinstance(record, dict) or self.text_field not in record:
             fields = sorted(record) if isinstance(record, dict) else type(record).__name__
-            raise ValueError(
-                f"{where}: no field {self.text_field!r} (data.source.text_field); found {fields}"
-            )
+            raise ValueError(f"{where}: no field {self.text_field!r} (data.source.text_field); found {fields}")
         text = record[self.text_field]
         if not isinstance(text, str):
             raise ValueError(f"{where}: field {self.text_field!r} is {type(text).__name__}, not a string")
@@ -233,9 +232,7 @@ class HFDatasetSource(DocumentSource):
                     "data.source is an HF dataset but the `datasets` package is not installed; "
                     "run `pip install datasets` or install axtorch with the `hf` extra"
                 ) from error
-            dataset = datasets.load_dataset(
-                self.path, self.name, split=self.split, data_files=self.data_files
-            )
+            dataset = datasets.load_dataset(self.path, self.name, split=self.split, data_files=self.data_files)
             if self.text_field not in dataset.column_names:
                 raise ConfigError(
                     "data.source.text_field",

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Optional
+from typing import Optional
 
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
@@ -38,8 +39,7 @@ class Tokenizer:
         eos_id = inner.token_to_id(eos_token)
         if eos_id is None:
             raise ValueError(
-                f"tokenizer has no token {eos_token!r}; set data.tokenizer.eos_token to its "
-                "end-of-text token"
+                f"tokenizer has no token {eos_token!r}; set data.tokenizer.eos_token to its end-of-text token"
             )
         self._inner = inner
         self._eos_id = eos_id

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from itertools import chain
-from typing import Mapping
 
 import torch
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import os
 import re
-from typing import TYPE_CHECKING, Any, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import tokenizers
 import torch
@@ -167,7 +168,11 @@ def _tokenizer(reader: GGUFReader) -> Tokenizer:
     inner.decoder = decoders.ByteLevel()
     # Control tokens (<|im_start|>, ...) must match whole in text, never be split by BPE.
     inner.add_special_tokens(
-        [AddedToken(token, special=True, normalized=False) for token, kind in zip(tokens, types) if kind == TokenType.CONTROL]
+        [
+            AddedToken(token, special=True, normalized=False)
+            for token, kind in zip(tokens, types)
+            if kind == TokenType.CONTROL
+        ]
     )
     inner.add_tokens(
         [AddedToken(token, normalized=False) for token, kind in zip(tokens, types) if kind == TokenType.USER_DEFINED]

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -27,8 +28,8 @@ from axtorch.interop.hf_gpt2 import (
 from axtorch.interop.hf_llama import (
     axtorch_to_hf_state_dict,
     llama_config_from_hf,
-    llama_family,
     llama_config_to_hf,
+    llama_family,
     llama_model_from_hf_tensors,
 )
 from axtorch.models.causal_lm import CausalLM, CausalLMConfig
@@ -78,7 +79,9 @@ def _weight_files(directory: Path) -> list[Path]:
         return [directory / name for name in sorted(set(weight_map.values()))]
     if (directory / WEIGHTS_FILE).is_file():
         return [directory / WEIGHTS_FILE]
-    raise FileNotFoundError(f"{directory} has neither {WEIGHTS_FILE} nor {WEIGHTS_INDEX_FILE} (only safetensors are read)")
+    raise FileNotFoundError(
+        f"{directory} has neither {WEIGHTS_FILE} nor {WEIGHTS_INDEX_FILE} (only safetensors are read)"
+    )
 
 
 def _read_safetensors(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -113,11 +116,17 @@ def to_hf(
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    for stale in [directory / WEIGHTS_FILE, directory / WEIGHTS_INDEX_FILE, *directory.glob("model-*-of-*.safetensors")]:
+    for stale in [
+        directory / WEIGHTS_FILE,
+        directory / WEIGHTS_INDEX_FILE,
+        *directory.glob("model-*-of-*.safetensors"),
+    ]:
         stale.unlink(missing_ok=True)
-    names = [WEIGHTS_FILE] if len(shards) == 1 else [
-        f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)
-    ]
+    names = (
+        [WEIGHTS_FILE]
+        if len(shards) == 1
+        else [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    )
     for file_name, shard in zip(names, shards):
         tensors = {name: state[name].detach().to(device="cpu", dtype=dtype).contiguous() for name in shard}
         save_file(tensors, directory / file_name, metadata={"format": "pt"})

@@ -13,7 +13,8 @@ cannot honour raises ``ValueError`` naming it.
 from __future__ import annotations
 
 import re
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 
@@ -95,7 +96,9 @@ def gpt2_config_from_hf(hf: Mapping[str, Any]) -> CausalLMConfig:
     unsupported = [flag for flag, value in _REQUIRED_FLAGS.items() if bool(hf.get(flag, value)) != value]
     if unsupported:
         raise ValueError(
-            "HF config " + ", ".join(f"{flag}={hf[flag]!r}" for flag in unsupported) + " is not supported; supported: "
+            "HF config "
+            + ", ".join(f"{flag}={hf[flag]!r}" for flag in unsupported)
+            + " is not supported; supported: "
             + ", ".join(f"{flag}={_REQUIRED_FLAGS[flag]}" for flag in unsupported)
         )
     activation = hf["activation_function"]
@@ -212,7 +215,9 @@ def _transposed_if_conv1d(hf_module: str, suffix: str, tensor: torch.Tensor) -> 
     return tensor.t() if hf_module in _CONV1D and suffix == "weight" else tensor
 
 
-def gpt2_state_dict_from_hf(tensors: Iterable[tuple[str, torch.Tensor]], tie_embeddings: bool) -> dict[str, torch.Tensor]:
+def gpt2_state_dict_from_hf(
+    tensors: Iterable[tuple[str, torch.Tensor]], tie_embeddings: bool
+) -> dict[str, torch.Tensor]:
     """HF GPT-2 tensors under axtorch's names, with q/k/v split out of ``c_attn``.
 
     Names may carry the ``transformer.`` prefix (``save_pretrained``) or not (the original

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 
@@ -167,7 +168,9 @@ def _position_config(get: Callable[..., Any]) -> RotaryEmbeddingConfig:
             f"HF config partial_rotary_factor={partial_rotary_factor!r} is not supported: RoPE must rotate whole heads"
         )
     if settings.get("attention_factor") is None and settings.get("mscale") and settings.get("mscale_all_dim"):
-        raise ValueError(f"HF config {source}.mscale / mscale_all_dim (DeepSeek's YaRN attention factor) is not supported")
+        raise ValueError(
+            f"HF config {source}.mscale / mscale_all_dim (DeepSeek's YaRN attention factor) is not supported"
+        )
     config_class, required = _ROPE_TYPES[rope_type]
     missing = [key for key in required if settings.get(key) is None]
     if missing:
@@ -192,7 +195,9 @@ def _position_config(get: Callable[..., Any]) -> RotaryEmbeddingConfig:
 def _rope_to_hf(position: RotaryEmbeddingConfig) -> dict[str, Any]:
     """``rope_theta`` and ``rope_scaling`` in the form both transformers 4 and 5 read."""
     rope_type = next(name for name, (cls, _) in _ROPE_TYPES.items() if cls is type(position))
-    scaling = {field.name: getattr(position, field.name) for field in dataclasses.fields(position) if field.name != "theta"}
+    scaling = {
+        field.name: getattr(position, field.name) for field in dataclasses.fields(position) if field.name != "theta"
+    }
     scaling = {key: value for key, value in scaling.items() if value is not None}
     return {"rope_theta": position.theta, "rope_scaling": {"rope_type": rope_type, **scaling} if scaling else None}
 
@@ -301,7 +306,9 @@ _ARCHITECTURES = {
 
 def _require(condition: bool, feature: str) -> None:
     if not condition:
-        raise ValueError(f"no HF family that to_hf writes ({', '.join(_ARCHITECTURES)}) can express this model: {feature}")
+        raise ValueError(
+            f"no HF family that to_hf writes ({', '.join(_ARCHITECTURES)}) can express this model: {feature}"
+        )
 
 
 def llama_family(config: CausalLMConfig) -> str:

@@ -31,7 +31,8 @@ change the network's function.
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 

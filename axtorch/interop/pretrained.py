@@ -54,7 +54,9 @@ def load_pretrained(source: str, scratch_dir: Path) -> Pretrained:
 
         model, config = from_hf(path)
         if not tokenizer_path.is_file():
-            raise ConfigError("init_from", source, "an HF directory with a tokenizer.json", reason=f"no {tokenizer_path}")
+            raise ConfigError(
+                "init_from", source, "an HF directory with a tokenizer.json", reason=f"no {tokenizer_path}"
+            )
         return Pretrained(model, config, tokenizer_path)
     from axtorch.interop.gguf import from_gguf
 
@@ -96,5 +98,9 @@ def check_same_architecture(ours: CausalLMConfig, theirs: CausalLMConfig, source
     differing = sorted(k for k in mine.keys() | imported.keys() if not _same_setting(mine.get(k), imported.get(k)))
     if differing:
         details = ", ".join(f"model.{k}={mine.get(k)!r} vs {imported.get(k)!r}" for k in differing[:6])
-        raise ConfigError("init_from", source, "a model config describing the same network as the imported weights",
-                          reason=f"{len(differing)} model settings differ: {details}")
+        raise ConfigError(
+            "init_from",
+            source,
+            "a model config describing the same network as the imported weights",
+            reason=f"{len(differing)} model settings differ: {details}",
+        )

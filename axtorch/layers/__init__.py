@@ -1,7 +1,13 @@
 """Layers: each an ``nn.Module`` built from its own config dataclass (``config.build(...)``)."""
 
 from axtorch.layers.attention import AttentionConfig, AttentionInput, AttentionOutput, GroupedQueryAttention
-from axtorch.layers.attention_mask import CausalMask, CausalMaskConfig, MaskConfig, SlidingWindowMask, SlidingWindowMaskConfig
+from axtorch.layers.attention_mask import (
+    CausalMask,
+    CausalMaskConfig,
+    MaskConfig,
+    SlidingWindowMask,
+    SlidingWindowMaskConfig,
+)
 from axtorch.layers.embedding import Embedding, EmbeddingConfig
 from axtorch.layers.feed_forward import (
     Activation,
@@ -92,13 +98,13 @@ __all__ = [
     "InitScheme",
     "KVCache",
     "LayerNorm",
+    "LayerNormConfig",
     "LearnedPositionEmbedding",
     "LearnedPositionEmbeddingConfig",
-    "LinearScaledRotaryEmbeddingConfig",
-    "Llama3RotaryEmbeddingConfig",
-    "LayerNormConfig",
     "Linear",
     "LinearConfig",
+    "LinearScaledRotaryEmbeddingConfig",
+    "Llama3RotaryEmbeddingConfig",
     "MLPFeedForwardConfig",
     "MaskConfig",
     "MixtureOfExperts",

@@ -67,20 +67,26 @@ class AttentionConfig:
         if self.head_dim is None and dim % self.num_heads:
             divisors = [d for d in range(1, min(dim, 128) + 1) if dim % d == 0]
             raise ConfigError(
-                f"{key}.num_heads", self.num_heads, f"a divisor of model.dim={dim}, e.g. {divisors[-6:]}",
+                f"{key}.num_heads",
+                self.num_heads,
+                f"a divisor of model.dim={dim}, e.g. {divisors[-6:]}",
                 reason=f"{self.num_heads} heads do not divide model.dim={dim}",
             )
         kv_heads = self.resolved_kv_heads()
         if kv_heads <= 0 or self.num_heads % kv_heads:
             divisors = [d for d in range(1, self.num_heads + 1) if self.num_heads % d == 0]
             raise ConfigError(
-                f"{key}.num_kv_heads", self.num_kv_heads, f"a divisor of num_heads={self.num_heads}: {divisors}",
+                f"{key}.num_kv_heads",
+                self.num_kv_heads,
+                f"a divisor of num_heads={self.num_heads}: {divisors}",
                 reason=f"{kv_heads} kv heads do not divide {self.num_heads} query heads",
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"{key}.dropout", self.dropout, "a probability in [0, 1)")
         if self.softmax_scale is not None and not self.softmax_scale > 0:
-            raise ConfigError(f"{key}.softmax_scale", self.softmax_scale, "a positive number, or null for 1/sqrt(head_dim)")
+            raise ConfigError(
+                f"{key}.softmax_scale", self.softmax_scale, "a positive number, or null for 1/sqrt(head_dim)"
+            )
         if self.logit_softcap is not None and not self.logit_softcap > 0:
             raise ConfigError(f"{key}.logit_softcap", self.logit_softcap, "a positive number, or null for no cap")
 
@@ -154,7 +160,9 @@ class GroupedQueryAttention(nn.Module):
         with activation_name("attention_context"):
             if cap is None:
                 out = F.scaled_dot_product_attention(
-                    q, k, v,
+                    q,
+                    k,
+                    v,
                     attn_mask=mask,
                     is_causal=fused_causal,
                     dropout_p=dropout_p,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import copy
 import enum
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 from torch import nn
@@ -45,7 +45,6 @@ def initialize(tensor: torch.Tensor, config: InitConfig) -> None:
         raise ValueError(f"unknown init scheme {config.scheme}")
 
 
-
 def initial_parameter_values(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """Each parameter's initial value, full-size on the host, one module at a time.
 
@@ -63,7 +62,9 @@ def initial_parameter_values(model: nn.Module) -> Iterator[tuple[str, torch.Tens
         twin = copy.copy(module)
         object.__setattr__(twin, "_parameters", {})
         for name, param in own:
-            twin.register_parameter(name, nn.Parameter(torch.empty(param.shape, dtype=param.dtype), requires_grad=False))
+            twin.register_parameter(
+                name, nn.Parameter(torch.empty(param.shape, dtype=param.dtype), requires_grad=False)
+            )
         reset(twin)
         prefix = f"{module_name}." if module_name else ""
         for name, value in twin.named_parameters(recurse=False):

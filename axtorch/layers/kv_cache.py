@@ -20,7 +20,14 @@ class KVCache:
 
     @classmethod
     def allocate(
-        cls, batch_size: int, num_kv_heads: int, max_len: int, head_dim: int, *, dtype: torch.dtype, device: torch.device
+        cls,
+        batch_size: int,
+        num_kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
     ) -> KVCache:
         shape = (batch_size, num_kv_heads, max_len, head_dim)
         return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
@@ -29,7 +36,9 @@ class KVCache:
     def max_len(self) -> int:
         return self.keys.shape[2]
 
-    def update(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``keys``/``values`` [B, H_kv, S, D] at ``positions`` [B, S]; return the whole cache."""
         if int(positions.max()) >= self.max_len:
             raise ValueError(f"position {int(positions.max())} is beyond the KV cache length {self.max_len}")

@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from omegaconf import MISSING
 from torch import nn
 
@@ -166,8 +165,12 @@ class MixtureOfExpertsConfig(FeedForwardConfig):
         if self.shared_experts is not None:
             self.shared_experts.validate(f"{key}.shared_experts")
         elif self.shared_expert_gate:
-            raise ConfigError(f"{key}.shared_expert_gate", True, "false without shared_experts",
-                              reason="there are no shared experts to gate")
+            raise ConfigError(
+                f"{key}.shared_expert_gate",
+                True,
+                "false without shared_experts",
+                reason="there are no shared experts to gate",
+            )
 
     def build(self, dim: int) -> MixtureOfExperts:
         return MixtureOfExperts(self, dim)

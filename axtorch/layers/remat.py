@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -28,8 +29,13 @@ from axtorch.config.errors import ConfigError
 
 #: Names that layers give activations (``activation_name``), for ``SelectiveRematConfig.save``.
 ACTIVATION_NAMES = (
-    "attention_query", "attention_key", "attention_value", "attention_context", "attention_output",
-    "feed_forward_hidden", "feed_forward_output",
+    "attention_query",
+    "attention_key",
+    "attention_value",
+    "attention_context",
+    "attention_output",
+    "feed_forward_hidden",
+    "feed_forward_output",
 )
 
 _current_name: Optional[str] = None  # read by the selective policy as each op dispatches

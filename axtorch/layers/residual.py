@@ -16,8 +16,9 @@ config. The dropout (GPT-2's ``resid_pdrop``) acts on the sublayer's output just
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional, Protocol, TypeVar
+from typing import Optional, Protocol, TypeVar
 
 import torch
 from torch import nn

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 from omegaconf import MISSING
@@ -14,8 +15,8 @@ from axtorch.layers.attention import AttentionConfig, AttentionInput
 from axtorch.layers.feed_forward import FeedForwardConfig, FeedForwardInput
 from axtorch.layers.kv_cache import KVCache
 from axtorch.layers.norm import NormConfig
-from axtorch.layers.residual import ResidualConfig, build_residual
 from axtorch.layers.remat import RematConfig
+from axtorch.layers.residual import ResidualConfig, build_residual
 
 
 @dataclass

@@ -77,7 +77,9 @@ class CausalLM(nn.Module):
         self.config = config
         self.embedding = config.embedding.build(config.vocab_size, config.dim)
         self.position_embedding = (
-            None if config.position_embedding is None else config.position_embedding.build(config.max_seq_len, config.dim)
+            None
+            if config.position_embedding is None
+            else config.position_embedding.build(config.max_seq_len, config.dim)
         )
         self.decoder = config.decoder.build(config.dim)
         self.lm_head = None if config.tie_embeddings else config.lm_head.build(config.dim, config.vocab_size)

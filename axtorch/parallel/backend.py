@@ -6,8 +6,9 @@ distributed backends implement it over a device mesh. Layers never see a backend
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable, Optional, Protocol
+from typing import Any, Optional, Protocol
 
 import torch
 from torch import nn

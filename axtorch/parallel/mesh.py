@@ -59,14 +59,18 @@ class MeshConfig:
         if inferred:
             if num_devices % known:
                 raise ConfigError(
-                    f"{key}.{inferred[0]}", -1, f"an axis product dividing {num_devices} devices",
+                    f"{key}.{inferred[0]}",
+                    -1,
+                    f"an axis product dividing {num_devices} devices",
                     reason=f"the other axes multiply to {known}",
                 )
             sizes[inferred[0]] = num_devices // known
         elif known != num_devices:
             described = " x ".join(f"{axis}={size}" for axis, size in sizes.items() if size != 1) or "all axes 1"
             raise ConfigError(
-                key, described, f"axis sizes whose product is the device count {num_devices}",
+                key,
+                described,
+                f"axis sizes whose product is the device count {num_devices}",
                 reason=f"mesh axes {described} need {known} devices, found {num_devices}",
             )
         return sizes

@@ -49,19 +49,26 @@ class NativeBackend(HostFedBackend):
             dist.init_process_group(backend={"cpu": "gloo", "cuda": "nccl"}.get(device_type))
         self.sizes = mesh.resolve(dist.get_world_size(), "mesh")
         if any(slices > 1 for slices in mesh.resolve_dcn(self.sizes).values()):
-            raise ConfigError("mesh.dcn", "(set)", "all 1 with backend=native",
-                              reason="DCN slices describe multi-slice TPU meshes (backend=xla); span nodes with mesh.data")
+            raise ConfigError(
+                "mesh.dcn",
+                "(set)",
+                "all 1 with backend=native",
+                reason="DCN slices describe multi-slice TPU meshes (backend=xla); span nodes with mesh.data",
+            )
         for axis in _UNSUPPORTED_AXES:
             if self.sizes[axis] != 1:
-                raise ConfigError(f"mesh.{axis}", self.sizes[axis], "1 (the native backend has no "
-                                  f"{axis} parallelism yet)")
+                raise ConfigError(
+                    f"mesh.{axis}", self.sizes[axis], f"1 (the native backend has no {axis} parallelism yet)"
+                )
         if device_type == "cpu":
             self.device = torch.device("cpu")
         else:
             self.device = torch.device(device_type, int(os.environ.get("LOCAL_RANK", 0)))
             getattr(torch, device_type).set_device(self.device)
         self.sharding = sharding
-        self.mesh: DeviceMesh = init_device_mesh(device_type, tuple(self.sizes.values()), mesh_dim_names=tuple(self.sizes))
+        self.mesh: DeviceMesh = init_device_mesh(
+            device_type, tuple(self.sizes.values()), mesh_dim_names=tuple(self.sizes)
+        )
         coordinate = dict(zip(self.sizes, self.mesh.get_coordinate()))
         self.data_parallel_size = self.sizes["data"] * self.sizes["fsdp"]
         self.data_parallel_rank = coordinate["data"] * self.sizes["fsdp"] + coordinate["fsdp"]
@@ -92,14 +99,24 @@ class NativeBackend(HostFedBackend):
             dim = next(i for i, axes in enumerate(weight_spec) if axes and "model" in axes)
             is_embedding = isinstance(getattr(module, "weight", None), nn.Parameter) and hasattr(module, "attend")
             if is_embedding and getattr(model.config, "tie_embeddings", False):
-                raise ConfigError("model.tie_embeddings", True, "false with tensor parallelism over mesh.model",
-                                  reason="a tied, vocab-parallel table cannot also serve as the output head yet")
+                raise ConfigError(
+                    "model.tie_embeddings",
+                    True,
+                    "false with tensor parallelism over mesh.model",
+                    reason="a tied, vocab-parallel table cannot also serve as the output head yet",
+                )
             if is_embedding:
                 _distribute(module, tp_mesh, weight_dim=dim, bias=None, inputs=Replicate(), outputs=Replicate())
             elif dim == 0:  # column-parallel
                 gather = "." not in module_name  # a top-level head: the loss needs whole logits
-                _distribute(module, tp_mesh, weight_dim=0, bias=Shard(0), inputs=Replicate(),
-                            outputs=Replicate() if gather else Shard(-1))
+                _distribute(
+                    module,
+                    tp_mesh,
+                    weight_dim=0,
+                    bias=Shard(0),
+                    inputs=Replicate(),
+                    outputs=Replicate() if gather else Shard(-1),
+                )
             else:  # row-parallel
                 _distribute(module, tp_mesh, weight_dim=1, bias=Replicate(), inputs=Shard(-1), outputs=Replicate())
 
@@ -192,4 +209,3 @@ def _distribute(module: nn.Module, mesh: DeviceMesh, *, weight_dim: int, bias, i
         return output.to_local()
 
     distribute_module(module, mesh, partition, prepare_input, prepare_output)
-

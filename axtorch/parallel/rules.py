@@ -84,7 +84,9 @@ def resolve_parameter_specs(
         if not hits:
             if config.require_full_coverage:
                 raise ConfigError(
-                    f"{key}.parameters", name, "a rule whose pattern full-matches every parameter name",
+                    f"{key}.parameters",
+                    name,
+                    "a rule whose pattern full-matches every parameter name",
                     reason=f"no rule covers parameter {name} of shape {tuple(shape)} "
                     f"(set {key}.require_full_coverage=false to replicate uncovered parameters)",
                 )
@@ -92,8 +94,12 @@ def resolve_parameter_specs(
             continue
         index = hits[0]
         _check_fits(
-            name, tuple(shape), rule_specs[index], mesh_sizes,
-            f"{key}.parameters[{index}].spec", list(config.parameters[index].spec),
+            name,
+            tuple(shape),
+            rule_specs[index],
+            mesh_sizes,
+            f"{key}.parameters[{index}].spec",
+            list(config.parameters[index].spec),
         )
         specs[name] = rule_specs[index]
         applied.add(index)
@@ -101,10 +107,13 @@ def resolve_parameter_specs(
         if i not in applied and not rule.optional:
             reason = (
                 "every parameter it matches is claimed by an earlier rule (the first match wins)"
-                if i in matched else "its pattern matches no parameter"
+                if i in matched
+                else "its pattern matches no parameter"
             )
             raise ConfigError(
-                f"{key}.parameters[{i}].pattern", rule.pattern, "a pattern that full-matches some parameter name",
+                f"{key}.parameters[{i}].pattern",
+                rule.pattern,
+                "a pattern that full-matches some parameter name",
                 reason=f"{reason}; parameters look like {_examples(named_shapes)}",
             )
     return specs
@@ -132,7 +141,9 @@ def resolve_activation_specs(
         modules = [name for name in names if pattern.fullmatch(name)]
         if not modules:
             raise ConfigError(
-                f"{rule_key}.module", rule.module, "a pattern that full-matches some module name",
+                f"{rule_key}.module",
+                rule.module,
+                "a pattern that full-matches some module name",
                 reason=f"its pattern matches no module; modules look like {_examples(names)}",
             )
         for module in modules:
@@ -175,13 +186,16 @@ def _parse_spec(entries: Sequence[Optional[str]], mesh_sizes: Mapping[str, int],
         for axis in axes:
             if axis not in mesh_sizes:
                 raise ConfigError(
-                    key, list(entries),
+                    key,
+                    list(entries),
                     f"mesh axes {list(mesh_sizes)}, comma-joined to split one dimension over several, or null",
                     reason=f"unknown mesh axis {axis!r}",
                 )
             if axis in seen:
                 raise ConfigError(
-                    key, list(entries), "each mesh axis at most once per spec",
+                    key,
+                    list(entries),
+                    "each mesh axis at most once per spec",
                     reason=f"mesh axis {axis!r} splits more than one dimension",
                 )
             seen.add(axis)
@@ -194,7 +208,9 @@ def _check_fits(
 ) -> None:
     if len(spec) != len(shape):
         raise ConfigError(
-            key, entries, f"{len(shape)} entries, one per dimension",
+            key,
+            entries,
+            f"{len(shape)} entries, one per dimension",
             reason=f"parameter {name} has shape {shape} (rank {len(shape)}) but the spec has {len(spec)} entries",
         )
     for dim, (size, axes) in enumerate(zip(shape, spec)):
@@ -204,7 +220,9 @@ def _check_fits(
             if len(axes) > 1:
                 product += f" = {ways}"
             raise ConfigError(
-                key, entries, f"axes whose sizes multiply to a divisor of {size}",
+                key,
+                entries,
+                f"axes whose sizes multiply to a divisor of {size}",
                 reason=f"parameter {name} dim {dim} has size {size}, not divisible by {product}",
             )
 

@@ -112,8 +112,12 @@ class XlaBackend:
         def annotate(value: Any) -> None:
             tensor = getattr(value, field, None)
             if tensor is None:
-                raise ConfigError("sharding.activations", field, f"a tensor field of {type(value).__name__}",
-                                  reason=f"{type(module).__name__}'s {io} has no tensor field {field!r}")
+                raise ConfigError(
+                    "sharding.activations",
+                    field,
+                    f"a tensor field of {type(value).__name__}",
+                    reason=f"{type(module).__name__}'s {io} has no tensor field {field!r}",
+                )
             if is_fake(tensor):
                 # Tracing a scanned layer: the compiler propagates shardings from the stacked
                 # weights and the carry there, and an annotation cannot be placed on a fake tensor.
@@ -227,4 +231,3 @@ def local_shard_shapes(tensor: torch.Tensor) -> list[tuple[int, ...]]:
     if not isinstance(wrapped, xs.XLAShardedTensor):  # no annotation: every device holds it whole
         return [tuple(tensor.shape)] * xr.global_runtime_device_count()
     return [tuple(shard.data.shape) for shard in wrapped.local_shards]
-

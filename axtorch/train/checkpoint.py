@@ -107,13 +107,17 @@ def _write_pieces(directory: Path, prefix: str, pieces: dict[str, list[Piece]], 
     stored, described = {}, {}
     for name, name_pieces in pieces.items():
         first = name_pieces[0]
-        entry = {"shape": list(first.global_shape), "dtype": str(first.tensor.dtype).removeprefix("torch."),
-                 "pieces": []}
+        entry = {
+            "shape": list(first.global_shape),
+            "dtype": str(first.tensor.dtype).removeprefix("torch."),
+            "pieces": [],
+        }
         for piece in name_pieces:
             key = _piece_key(name, piece, len(name_pieces))
             stored[key] = piece.tensor
-            entry["pieces"].append({"file": file, "key": key, "offsets": list(piece.offsets),
-                                    "shape": list(piece.tensor.shape)})
+            entry["pieces"].append(
+                {"file": file, "key": key, "offsets": list(piece.offsets), "shape": list(piece.tensor.shape)}
+            )
         described[name] = entry
     save_file(stored, directory / file, metadata={"format": "pt"})
     everything = collective.all_gather_object(described)
@@ -203,8 +207,10 @@ class Checkpointer:
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> Path:
         self.wait()
         path = self.root / checkpoint_dir_name(step)
-        pieces = {MODEL: _pieces(model.state_dict(), self.collective),
-                  OPTIMIZER: _pieces(optimizer_tensors(optimizer), self.collective)}
+        pieces = {
+            MODEL: _pieces(model.state_dict(), self.collective),
+            OPTIMIZER: _pieces(optimizer_tensors(optimizer), self.collective),
+        }
         if self.async_save:
             self._pending = threading.Thread(target=self._write, args=(path, pieces, state), name="axtorch-checkpoint")
             self._pending.start()

@@ -38,15 +38,24 @@ class TrainerConfig:
     plot: bool = True
 
     def validate(self, key: str = "trainer") -> None:
-        for name in ("max_steps", "batch_size", "grad_accum_steps", "log_every", "eval_every",
-                     "eval_batches", "checkpoint_every", "keep_checkpoints"):
+        for name in (
+            "max_steps",
+            "batch_size",
+            "grad_accum_steps",
+            "log_every",
+            "eval_every",
+            "eval_batches",
+            "checkpoint_every",
+            "keep_checkpoints",
+        ):
             value = getattr(self, name)
             if value <= 0:
                 raise ConfigError(f"{key}.{name}", value, "a positive integer")
         if self.batch_size % self.grad_accum_steps:
             divisors = [d for d in range(1, self.batch_size + 1) if self.batch_size % d == 0]
             raise ConfigError(
-                f"{key}.grad_accum_steps", self.grad_accum_steps,
+                f"{key}.grad_accum_steps",
+                self.grad_accum_steps,
                 f"a divisor of trainer.batch_size={self.batch_size}: {divisors}",
                 reason=f"batch {self.batch_size} cannot be split into {self.grad_accum_steps} equal micro-batches",
             )

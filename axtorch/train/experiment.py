@@ -47,7 +47,9 @@ class ExperimentConfig:
         self.trainer.validate("trainer")
         if self.data.seq_len > self.model.max_seq_len:
             raise ConfigError(
-                "data.seq_len", self.data.seq_len, f"at most model.max_seq_len={self.model.max_seq_len}",
+                "data.seq_len",
+                self.data.seq_len,
+                f"at most model.max_seq_len={self.model.max_seq_len}",
                 reason="sequences longer than the model's positions allow",
             )
         self._validate_parallelism()
@@ -58,7 +60,9 @@ class ExperimentConfig:
         kv_heads = attention.resolved_kv_heads()
         if tensor_parallel > 1 and kv_heads % tensor_parallel:
             raise ConfigError(
-                "mesh.model", tensor_parallel, f"a divisor of the {kv_heads} key/value heads",
+                "mesh.model",
+                tensor_parallel,
+                f"a divisor of the {kv_heads} key/value heads",
                 reason="tensor parallelism splits attention by whole key/value heads",
             )
         position = attention.position
@@ -66,13 +70,17 @@ class ExperimentConfig:
             # Native tensor parallelism runs attention on each rank's local heads without telling it
             # which; XLA's SPMD keeps global shapes in the model code, so it has no such limit.
             raise ConfigError(
-                "mesh.model", tensor_parallel, f"1 with {type(position).__name__} on the native backend (or backend=xla)",
+                "mesh.model",
+                tensor_parallel,
+                f"1 with {type(position).__name__} on the native backend (or backend=xla)",
                 reason=f"{type(position).__name__} treats each attention head differently, and native tensor "
                 "parallelism gives each rank a subset of heads it cannot identify",
             )
         if self.model.decoder.scan_layers and self.backend is not BackendKind.xla:
             raise ConfigError(
-                "model.decoder.scan_layers", True, "false unless backend=xla",
+                "model.decoder.scan_layers",
+                True,
+                "false unless backend=xla",
                 reason=f"backend={self.backend.value} has no compiled loop over layers (torch_xla's scan_layers)",
             )
         if self.backend is BackendKind.single:

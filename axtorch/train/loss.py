@@ -7,7 +7,6 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-
 from torch import nn
 
 from axtorch.config.errors import ConfigError
@@ -67,4 +66,6 @@ class CrossEntropyLoss(nn.Module):
             z_loss = self.config.z_loss_weight * (log_z.pow(2) * valid).sum() / normalizer
         else:
             z_loss = torch.zeros((), dtype=logits.dtype, device=logits.device)
-        return LossOutput(loss=cross_entropy + z_loss, cross_entropy=cross_entropy, z_loss=z_loss, num_tokens=num_tokens)
+        return LossOutput(
+            loss=cross_entropy + z_loss, cross_entropy=cross_entropy, z_loss=z_loss, num_tokens=num_tokens
+        )

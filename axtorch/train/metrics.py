@@ -60,10 +60,14 @@ class MetricsLogger:
         if self._enable_tensorboard:
             try:
                 self._mirror_to_tensorboard(step, values)
-            except Exception as error:  # noqa: BLE001 - TensorBoard is a view; the JSONL file is the record
+            except Exception as error:
                 self._enable_tensorboard = False
-                warnings.warn(f"TensorBoard logging failed and is off for this run ({type(error).__name__}: {error}); "
-                              f"{self.path.name} still has every metric", RuntimeWarning, stacklevel=2)
+                warnings.warn(
+                    f"TensorBoard logging failed and is off for this run ({type(error).__name__}: {error}); "
+                    f"{self.path.name} still has every metric",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
 
     def _mirror_to_tensorboard(self, step: int, values: Mapping[str, float]) -> None:
         if self._tensorboard is None:
@@ -162,7 +166,10 @@ def _wait_for_a_later_event_file_second(directory: Path) -> None:
     (followed by host, pid and a counter that do not sort numerically). A restart within the same
     second as an earlier file would otherwise be read first and its purge would not apply.
     """
-    seconds = [int(m.group(1)) for p in directory.glob("events.out.tfevents.*")
-               if (m := re.match(r"events\.out\.tfevents\.(\d+)\.", p.name))]
+    seconds = [
+        int(m.group(1))
+        for p in directory.glob("events.out.tfevents.*")
+        if (m := re.match(r"events\.out\.tfevents\.(\d+)\.", p.name))
+    ]
     if seconds and max(seconds) >= int(time.time()):
         time.sleep(max(seconds) + 1 - time.time())

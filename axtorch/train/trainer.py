@@ -14,16 +14,15 @@ import resource
 import shutil
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Optional, TypeVar
 
 import torch
 from tqdm.auto import tqdm
 
-from axtorch.train.plot import plot_runs
 from axtorch.config.errors import ConfigError
-from axtorch.train.experiment import ExperimentConfig
 from axtorch.config.serialize import config_to_yaml
 from axtorch.data.loader import Batch, build_data
 from axtorch.interop.pretrained import (
@@ -39,16 +38,18 @@ from axtorch.parallel.factory import build_backend
 from axtorch.parallel.single import SingleDeviceBackend
 from axtorch.train.checkpoint import Checkpointer, list_checkpoints, read_trainer_state
 from axtorch.train.config import Precision
+from axtorch.train.experiment import ExperimentConfig
 from axtorch.train.flops import (
     active_non_embedding_parameters,
     measure_matmul_peak_flops,
     mfu,
     transformer_flops_per_token,
 )
-from axtorch.train.peak_flops import datasheet_peak_flops
 from axtorch.train.loss import LossInput
 from axtorch.train.metrics import MetricsLogger
 from axtorch.train.optimizer import build_optimizer
+from axtorch.train.peak_flops import datasheet_peak_flops
+from axtorch.train.plot import plot_runs
 from axtorch.train.rng import capture_rng_state, restore_rng_state
 from axtorch.train.schedule import learning_rate
 
@@ -76,7 +77,9 @@ def build_model(config: ExperimentConfig, device: torch.device) -> CausalLM:
     return build_parallel_model(config, SingleDeviceBackend(device))
 
 
-def build_parallel_model(config: ExperimentConfig, backend: Backend, pretrained: Optional[Pretrained] = None) -> CausalLM:
+def build_parallel_model(
+    config: ExperimentConfig, backend: Backend, pretrained: Optional[Pretrained] = None
+) -> CausalLM:
     """Build on the meta device, shard with ``backend``, then fill the shards one parameter at a time.
 
     The values are the seeded initialisation or ``pretrained``'s weights. A seeded start never
@@ -104,7 +107,8 @@ class Trainer:
         replicas = self.backend.data_parallel_size
         if config.trainer.batch_size % (replicas * config.trainer.grad_accum_steps):
             raise ConfigError(
-                "trainer.batch_size", config.trainer.batch_size,
+                "trainer.batch_size",
+                config.trainer.batch_size,
                 f"a multiple of {replicas} data-parallel replicas x {config.trainer.grad_accum_steps} accumulation steps",
             )
         random.seed(config.trainer.seed)
@@ -119,7 +123,9 @@ class Trainer:
         self.data = self._build_data_once()
         if self.data.tokenizer.vocab_size > config.model.vocab_size:
             raise ConfigError(
-                "model.vocab_size", config.model.vocab_size, f"at least the tokenizer's {self.data.tokenizer.vocab_size}",
+                "model.vocab_size",
+                config.model.vocab_size,
+                f"at least the tokenizer's {self.data.tokenizer.vocab_size}",
                 reason="token ids would index past the embedding table",
             )
         self.model = build_parallel_model(config, self.backend, self.pretrained)
@@ -128,7 +134,9 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, config.optim)
         self.backend.prepare_optimizer(self.optimizer)
         self.checkpointer = Checkpointer(
-            self.run_dir / "checkpoints", config.trainer.keep_checkpoints, config.trainer.async_checkpoint,
+            self.run_dir / "checkpoints",
+            config.trainer.keep_checkpoints,
+            config.trainer.async_checkpoint,
             collective=self.backend,
         )
         trainer = config.trainer
@@ -158,8 +166,12 @@ class Trainer:
     def _flops_per_token(self) -> float:
         model_cfg = self.config.model
         return transformer_flops_per_token(
-            active_non_embedding_parameters(self.model), model_cfg.decoder.num_layers, model_cfg.dim,
-            self.config.data.seq_len, model_cfg.vocab_size, model_cfg.tie_embeddings,
+            active_non_embedding_parameters(self.model),
+            model_cfg.decoder.num_layers,
+            model_cfg.dim,
+            self.config.data.seq_len,
+            model_cfg.vocab_size,
+            model_cfg.tie_embeddings,
         )
 
     def peak_flops(self) -> Optional[float]:
@@ -182,7 +194,8 @@ class Trainer:
                     warnings.warn(
                         f"no datasheet peak FLOP/s for device {backend.device_name!r} in {dtype}, so train/mfu is "
                         "not logged; set trainer.peak_flops=<FLOP/s per device> to log it",
-                        RuntimeWarning, stacklevel=2,
+                        RuntimeWarning,
+                        stacklevel=2,
                     )
             self._peak_flops = None if per_device is None else per_device * backend.num_devices
         return self._peak_flops
@@ -213,7 +226,9 @@ class Trainer:
         state = read_trainer_state(path)
         if state["model_config_digest"] != self.model_digest:
             raise ConfigError(
-                "model", "(changed)", f"the model config the checkpoint {path} was trained with",
+                "model",
+                "(changed)",
+                f"the model config the checkpoint {path} was trained with",
                 reason="the run directory holds checkpoints of a different model; use a new run_dir",
             )
         self.checkpointer.load(path, self.model, self.optimizer)
@@ -310,7 +325,11 @@ class Trainer:
             if self.step == 0:
                 initial_eval = self._evaluate_and_log(metrics, print)
             progress = tqdm(
-                total=stop, initial=self.step, disable=not (trainer.progress_bar and main), desc="train", unit="step",
+                total=stop,
+                initial=self.step,
+                disable=not (trainer.progress_bar and main),
+                desc="train",
+                unit="step",
                 dynamic_ncols=True,
             )
             window: list[dict[str, float]] = []
@@ -325,7 +344,9 @@ class Trainer:
                     logged = _best_effort("computing train metrics", self._window_metrics, window, window_time)
                     if logged:
                         _best_effort("logging metrics", metrics.log, self.step, logged)
-                        progress.set_postfix(loss=f"{logged['train/loss']:.3f}", tok_s=f"{logged['train/tokens_per_s']:.0f}")
+                        progress.set_postfix(
+                            loss=f"{logged['train/loss']:.3f}", tok_s=f"{logged['train/tokens_per_s']:.0f}"
+                        )
                 if self.step % trainer.log_every == 0:
                     window, window_time = [], 0.0
                 progress.update(1)
@@ -375,7 +396,7 @@ def _best_effort(what: str, function: Callable[..., T], *args: Any) -> Optional[
     """Run a metrics, logging or plotting step; a failure there warns and never ends training."""
     try:
         return function(*args)
-    except Exception as error:  # noqa: BLE001 - by design: no observer may stop the run
+    except Exception as error:
         warnings.warn(f"{what} failed, training goes on: {type(error).__name__}: {error}", RuntimeWarning, stacklevel=2)
         return None
 

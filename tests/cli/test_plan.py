@@ -38,7 +38,10 @@ def test_70b_rows_collapse_the_layers_and_show_the_shards(llama3_70b):
     rows = {group.name: group for group in result.parameters}
     q_proj = rows["decoder.layers.{0..79}.attention.q_proj.weight"]
     assert (q_proj.count, q_proj.shape, q_proj.spec, q_proj.shard_shape) == (
-        80, (8192, 8192), (("model",), ("fsdp",)), (1024, 256)
+        80,
+        (8192, 8192),
+        (("model",), ("fsdp",)),
+        (1024, 256),
     )
     assert rows["decoder.layers.{0..79}.feed_forward.down_proj.weight"].shard_shape == (256, 3584)
     assert rows["lm_head.weight"].shard_shape == (16032, 256)
@@ -85,7 +88,9 @@ def test_inferred_axis_needs_the_device_count():
 
 
 def test_plan_options_are_split_from_the_overrides():
-    overrides, options = split_plan_options(["model=llama3_8b", "batch=4", "seq_len=2048", "model/remat=full", "devices=8"])
+    overrides, options = split_plan_options(
+        ["model=llama3_8b", "batch=4", "seq_len=2048", "model/remat=full", "devices=8"]
+    )
     assert overrides == ["model=llama3_8b", "model/remat=full"]
     assert (options.batch, options.seq_len, options.devices) == (4, 2048, 8)
     with pytest.raises(ConfigError, match="batch"):

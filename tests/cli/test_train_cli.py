@@ -5,9 +5,18 @@ import sys
 
 def _train(tmp_path, *overrides):
     return subprocess.run(
-        [sys.executable, "-m", "axtorch.train", "experiment=debug", f"run_dir={tmp_path / 'run'}",
-         f"data.cache_dir={tmp_path / 'cache'}", "trainer.progress_bar=false", *overrides],
-        capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "axtorch.train",
+            "experiment=debug",
+            f"run_dir={tmp_path / 'run'}",
+            f"data.cache_dir={tmp_path / 'cache'}",
+            "trainer.progress_bar=false",
+            *overrides,
+        ],
+        capture_output=True,
+        text=True,
     )
 
 

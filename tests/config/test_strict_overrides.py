@@ -13,8 +13,20 @@ from axtorch.compose.experiment import compose_experiment_config, load_experimen
 from axtorch.config.errors import ConfigError
 
 #: Real paths of the composed default experiment, under which an unknown key is planted.
-PARENTS = ["", "trainer", "optim", "optim.schedule", "data", "data.source", "data.tokenizer", "model",
-           "model.decoder", "model.decoder.layer.attention", "model.decoder.layer.feed_forward", "mesh"]
+PARENTS = [
+    "",
+    "trainer",
+    "optim",
+    "optim.schedule",
+    "data",
+    "data.source",
+    "data.tokenizer",
+    "model",
+    "model.decoder",
+    "model.decoder.layer.attention",
+    "model.decoder.layer.feed_forward",
+    "mesh",
+]
 
 
 def _existing_keys(parent: str) -> set[str]:
@@ -29,8 +41,12 @@ names = st.from_regex(r"[a-z][a-z0-9_]{0,15}", fullmatch=True)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(parent=st.sampled_from(PARENTS), name=names, prefix=st.sampled_from(["", "+", "++", "~"]),
-       value=st.sampled_from(["3", "true", "x", "[1,2]"]))
+@given(
+    parent=st.sampled_from(PARENTS),
+    name=names,
+    prefix=st.sampled_from(["", "+", "++", "~"]),
+    value=st.sampled_from(["3", "true", "x", "[1,2]"]),
+)
 def test_an_unknown_key_is_refused_with_any_prefix(parent, name, prefix, value):
     if name in EXISTING[parent]:
         return
@@ -52,8 +68,13 @@ def test_prefixes_still_work_for_what_hydra_allows():
 
 
 def test_the_command_line_refuses_an_added_unknown_key(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "axtorch.train", "+trainer.no_such_key=3", f"run_dir={tmp_path}"],
-                            capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "axtorch.train", "+trainer.no_such_key=3", f"run_dir={tmp_path}"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert result.returncode == 2
     assert "trainer.no_such_key" in result.stderr and "Traceback" not in result.stderr
     assert not any(tmp_path.iterdir())  # refused before anything ran

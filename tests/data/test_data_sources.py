@@ -67,7 +67,7 @@ def test_jsonl_yields_one_document_per_line(tmp_path):
 def test_jsonl_missing_field_names_file_line_and_field(tmp_path):
     path = write(tmp_path / "bad.jsonl", '{"text": "ok"}\n{"content": "no text"}\n')
     source = JsonlSourceConfig(paths=[str(path)]).build()
-    with pytest.raises(ValueError, match=rf"bad\.jsonl:2: no field 'text'"):
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2: no field 'text'"):
         list(source.iter_documents())
 
 

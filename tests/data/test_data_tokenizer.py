@@ -1,17 +1,16 @@
 """Tokenizer: byte-level BPE training is deterministic, cached, and round-trips any text."""
 
 import hashlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 
 from axtorch.config.errors import ConfigError
 from axtorch.data import DocumentSource, Tokenizer, TokenizerConfig, load_or_train_tokenizer
 
-WORDS = "alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega".split()
+WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "theta", "kappa", "lambda", "sigma", "omega"]
 DOCUMENTS = [
-    f"doc {i}: " + " ".join(WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(25 + i % 9)) + ".\n"
-    for i in range(30)
+    f"doc {i}: " + " ".join(WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(25 + i % 9)) + ".\n" for i in range(30)
 ]
 
 
@@ -44,9 +43,7 @@ def test_train_save_load_round_trip(tmp_path):
     assert Tokenizer.load(copy, CONFIG.eos_token).encode(DOCUMENTS[0]) == trained.encode(DOCUMENTS[0])
 
 
-@pytest.mark.parametrize(
-    "text", ["doc 1: alpha beta.\n", "naïve café — 日本語 🙂\n\tdef f(x):  return x\r\n", ""]
-)
+@pytest.mark.parametrize("text", ["doc 1: alpha beta.\n", "naïve café — 日本語 🙂\n\tdef f(x):  return x\r\n", ""])
 def test_encode_decode_round_trip(tmp_path, text):
     tokenizer = load_or_train_tokenizer(CONFIG, ListSource(DOCUMENTS), tmp_path)
     ids = tokenizer.encode(text)

@@ -84,7 +84,7 @@ def test_package_graph_has_no_cycles():
 
     def visit(package: str) -> None:
         if package in visiting:
-            cycle = visiting[visiting.index(package):] + [package]
+            cycle = visiting[visiting.index(package) :] + [package]
             pytest.fail(f"import cycle: {' -> '.join(cycle)}")
         if package in done:
             return
@@ -99,8 +99,13 @@ def test_package_graph_has_no_cycles():
 
 
 def test_nothing_imports_the_command_line_package():
-    importers = {package: files for package, edges in package_imports().items() if package != "cli"
-                 for target, files in edges.items() if target == "cli"}
+    importers = {
+        package: files
+        for package, edges in package_imports().items()
+        if package != "cli"
+        for target, files in edges.items()
+        if target == "cli"
+    }
     assert not importers, f"only entry points may import axtorch.cli: {importers}"
 
 

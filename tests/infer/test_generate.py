@@ -20,7 +20,7 @@ def test_greedy_generation_with_cache_equals_repeated_full_forward():
     for _ in range(12):
         logits = model(CausalLMInput(input_ids=torch.tensor([ids]))).logits
         ids.append(int(logits[0, -1].argmax()))
-    assert generated == ids[len(prompt):]
+    assert generated == ids[len(prompt) :]
 
 
 def test_top_k_sampling_only_draws_from_the_k_best():
@@ -44,18 +44,40 @@ def test_generation_refuses_to_run_past_the_model_length():
 
 
 def test_generate_command_continues_a_prompt_from_a_trained_run(tmp_path, data_cache):
-    config = load_experiment_config([
-        "experiment=debug", f"run_dir={tmp_path / 'run'}", f"data.cache_dir={data_cache}",
-        "trainer.max_steps=4", "trainer.progress_bar=false",
-    ])
+    config = load_experiment_config(
+        [
+            "experiment=debug",
+            f"run_dir={tmp_path / 'run'}",
+            f"data.cache_dir={data_cache}",
+            "trainer.max_steps=4",
+            "trainer.progress_bar=false",
+        ]
+    )
     Trainer(config).fit()
     result = subprocess.run(
-        [sys.executable, "-m", "axtorch.generate", f"checkpoint={tmp_path / 'run'}", "prompt=import os", "max_new_tokens=8"],
-        capture_output=True, text=True, check=True,
+        [
+            sys.executable,
+            "-m",
+            "axtorch.generate",
+            f"checkpoint={tmp_path / 'run'}",
+            "prompt=import os",
+            "max_new_tokens=8",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
     )
     assert result.stdout.startswith("import os") and len(result.stdout.rstrip("\n")) > len("import os")
     bad = subprocess.run(
-        [sys.executable, "-m", "axtorch.generate", f"checkpoint={tmp_path / 'run'}", "prompt=x", "sampling.temprature=1"],
-        capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "axtorch.generate",
+            f"checkpoint={tmp_path / 'run'}",
+            "prompt=x",
+            "sampling.temprature=1",
+        ],
+        capture_output=True,
+        text=True,
     )
     assert bad.returncode == 2 and "did you mean sampling.temperature" in bad.stderr

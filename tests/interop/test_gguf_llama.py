@@ -19,21 +19,37 @@ from axtorch.models import CausalLMInput
 MERGES = ["h e", "l l"]
 TOKENS = [*sorted(pre_tokenizers.ByteLevel.alphabet()), "he", "ll", "<|endoftext|>", "<|user|>"]
 SHAPE = dict(
-    vocab_size=len(TOKENS), hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, rope_theta=5000.0, rms_norm_eps=1e-5, max_position_embeddings=64,
+    vocab_size=len(TOKENS),
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rope_theta=5000.0,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=64,
 )
 #: HF parameter name (layer part) -> GGUF tensor name, written independently of axtorch's table.
 GGUF_NAMES = {
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
 }
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
 
 
 def _gguf_name(hf_name: str) -> str:
-    globals_ = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                "lm_head.weight": "output.weight"}
+    globals_ = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
     if hf_name in globals_:
         return globals_[hf_name]
     _, _, layer, *rest = hf_name.split(".")
@@ -57,8 +73,17 @@ def _hf_model(tie: bool):
     return model
 
 
-def _write_gguf(path, hf_model, *, quantized=(), architecture="llama", tokenizer_model="gpt2", pre="gpt-2",
-                rope_scaling=None, extra_tensors=()):
+def _write_gguf(
+    path,
+    hf_model,
+    *,
+    quantized=(),
+    architecture="llama",
+    tokenizer_model="gpt2",
+    pre="gpt-2",
+    rope_scaling=None,
+    extra_tensors=(),
+):
     """Write ``hf_model`` as llama.cpp would; names in ``quantized`` are stored as Q8_0 (HF weights updated to match)."""
     config = hf_model.config
     writer = gguf.GGUFWriter(path, architecture)

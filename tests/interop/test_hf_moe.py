@@ -13,33 +13,53 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from axtorch.compose.experiment import load_experiment_config  # noqa: E402
-from axtorch.interop import from_hf, to_hf  # noqa: E402
-from axtorch.interop.hf_llama import llama_config_from_hf  # noqa: E402
-from axtorch.layers.attention_mask import CausalMaskConfig, SlidingWindowMaskConfig  # noqa: E402
-from axtorch.layers.mixture_of_experts import Gating, MixtureOfExpertsConfig  # noqa: E402
-from axtorch.models.causal_lm import CausalLMInput  # noqa: E402
+from axtorch.compose.experiment import load_experiment_config
+from axtorch.interop import from_hf, to_hf
+from axtorch.interop.hf_llama import llama_config_from_hf
+from axtorch.layers.attention_mask import CausalMaskConfig, SlidingWindowMaskConfig
+from axtorch.layers.mixture_of_experts import Gating, MixtureOfExpertsConfig
+from axtorch.models.causal_lm import CausalLMInput
 
 mixtral = transformers.models.mixtral.modeling_mixtral
 qwen3_moe = transformers.models.qwen3_moe.modeling_qwen3_moe
 
-SHAPE = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, num_experts_per_tok=2, max_position_embeddings=64)
+SHAPE = dict(
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_experts_per_tok=2,
+    max_position_embeddings=64,
+)
 
 #: case -> (config class, tie_word_embeddings, config fields beyond SHAPE, architecture to_hf writes)
 CASES = {
     "mixtral": (transformers.MixtralConfig, False, dict(num_local_experts=4), "MixtralForCausalLM"),
     "mixtral-window-tied": (
-        transformers.MixtralConfig, True, dict(num_local_experts=4, sliding_window=5), "MixtralForCausalLM",
+        transformers.MixtralConfig,
+        True,
+        dict(num_local_experts=4, sliding_window=5),
+        "MixtralForCausalLM",
     ),
     "qwen3_moe": (
-        transformers.Qwen3MoeConfig, False,
-        dict(num_experts=4, moe_intermediate_size=24, head_dim=16, norm_topk_prob=False), "Qwen3MoeForCausalLM",
+        transformers.Qwen3MoeConfig,
+        False,
+        dict(num_experts=4, moe_intermediate_size=24, head_dim=16, norm_topk_prob=False),
+        "Qwen3MoeForCausalLM",
     ),
     "qwen3_moe-normalised-window": (
-        transformers.Qwen3MoeConfig, True,
-        dict(num_experts=4, num_experts_per_tok=3, moe_intermediate_size=24, norm_topk_prob=True,
-             use_sliding_window=True, sliding_window=5),
+        transformers.Qwen3MoeConfig,
+        True,
+        dict(
+            num_experts=4,
+            num_experts_per_tok=3,
+            moe_intermediate_size=24,
+            norm_topk_prob=True,
+            use_sliding_window=True,
+            sliding_window=5,
+        ),
         "Qwen3MoeForCausalLM",
     ),
 }
@@ -170,16 +190,25 @@ def test_load_balancing_loss_is_hf_mixtral_loss_per_layer_summed(num_layers, tmp
 
 
 def test_from_hf_maps_the_router_fields():
-    mixtral_config = llama_config_from_hf({**SHAPE, "model_type": "mixtral", "num_local_experts": 8,
-                                           "router_aux_loss_coef": 0.02})
+    mixtral_config = llama_config_from_hf(
+        {**SHAPE, "model_type": "mixtral", "num_local_experts": 8, "router_aux_loss_coef": 0.02}
+    )
     feed_forward = mixtral_config.decoder.layer.feed_forward
     assert (feed_forward.num_experts, feed_forward.hidden_dim, feed_forward.router.top_k) == (8, 48, 2)
     assert feed_forward.router.normalize_top_k and feed_forward.router.gating is Gating.softmax
     assert mixtral_config.decoder.layer.attention.query_norm is None
     # transformers 5 writes num_local_experts for Qwen3-MoE too; the hub's files say num_experts.
     for experts_key in ("num_experts", "num_local_experts"):
-        qwen = llama_config_from_hf({**SHAPE, "model_type": "qwen3_moe", experts_key: 16, "num_experts_per_tok": 4,
-                                     "moe_intermediate_size": 24, "norm_topk_prob": False})
+        qwen = llama_config_from_hf(
+            {
+                **SHAPE,
+                "model_type": "qwen3_moe",
+                experts_key: 16,
+                "num_experts_per_tok": 4,
+                "moe_intermediate_size": 24,
+                "norm_topk_prob": False,
+            }
+        )
         feed_forward = qwen.decoder.layer.feed_forward
         assert (feed_forward.num_experts, feed_forward.hidden_dim, feed_forward.router.top_k) == (16, 24, 4)
         assert not feed_forward.router.normalize_top_k
@@ -203,8 +232,9 @@ def test_from_hf_refuses_what_axtorch_cannot_represent(model_type, fields, messa
 
 
 def _tiny_moe_config(model_type="mixtral"):
-    return llama_config_from_hf({**SHAPE, "model_type": model_type, "num_local_experts": 4,
-                                 "moe_intermediate_size": 24})
+    return llama_config_from_hf(
+        {**SHAPE, "model_type": model_type, "num_local_experts": 4, "moe_intermediate_size": 24}
+    )
 
 
 @pytest.mark.parametrize(
@@ -226,13 +256,20 @@ def test_to_hf_refuses_what_mixtral_and_qwen3_moe_cannot_express(model_type, cha
     assert not any(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize(("preset", "architecture"), [("mixtral_tiny", "MixtralForCausalLM"),
-                                                      ("qwen3_moe_tiny", "Qwen3MoeForCausalLM")])
+@pytest.mark.parametrize(
+    ("preset", "architecture"), [("mixtral_tiny", "MixtralForCausalLM"), ("qwen3_moe_tiny", "Qwen3MoeForCausalLM")]
+)
 def test_tiny_presets_export_to_their_hf_family(preset, architecture, tmp_path, float64_hf_moe):
-    config = load_experiment_config([
-        f"model={preset}", "model.vocab_size=97", "model.dim=32", "model.decoder.num_layers=2",
-        "model.decoder.layer.attention.num_heads=4", "model.decoder.layer.feed_forward.hidden_dim=24",
-    ])
+    config = load_experiment_config(
+        [
+            f"model={preset}",
+            "model.vocab_size=97",
+            "model.dim=32",
+            "model.decoder.num_layers=2",
+            "model.decoder.layer.attention.num_heads=4",
+            "model.decoder.layer.feed_forward.hidden_dim=24",
+        ]
+    )
     torch.manual_seed(0)
     model = config.model.build().double().eval()
     model.init_weights()

@@ -30,8 +30,15 @@ FAMILIES = {
     "qwen3": (transformers.Qwen3Config, transformers.models.qwen3.modeling_qwen3.Qwen3RMSNorm),
 }
 SHAPE = dict(
-    vocab_size=97, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=8,
-    num_key_value_heads=2, rope_theta=5000.0, rms_norm_eps=1e-5, max_position_embeddings=128,
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=160,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    rope_theta=5000.0,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=128,
 )
 
 
@@ -48,7 +55,11 @@ def _ids():
 
 
 LLAMA3_ROPE = dict(
-    rope_type="llama3", rope_theta=5000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+    rope_type="llama3",
+    rope_theta=5000.0,
+    factor=8.0,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
     original_max_position_embeddings=16,
 )
 #: case -> (family, tied, HF config fields beyond SHAPE, architecture that to_hf writes back).
@@ -59,8 +70,11 @@ CASES = {
     # Pre-transformers-5 spelling: rope_scaling with "type" and a top-level rope_theta.
     "llama-rope-linear": ("llama", True, dict(rope_scaling={"type": "linear", "factor": 4.0}), "LlamaForCausalLM"),
     "llama-rope-yarn": (
-        "llama", False,
-        dict(rope_parameters=dict(rope_type="yarn", rope_theta=5000.0, factor=4.0, original_max_position_embeddings=32)),
+        "llama",
+        False,
+        dict(
+            rope_parameters=dict(rope_type="yarn", rope_theta=5000.0, factor=4.0, original_max_position_embeddings=32)
+        ),
         "LlamaForCausalLM",
     ),
     "mistral": ("mistral", False, dict(sliding_window=None), "LlamaForCausalLM"),
@@ -69,7 +83,8 @@ CASES = {
     "qwen2-window": ("qwen2", False, dict(use_sliding_window=True, sliding_window=5, max_window_layers=0), None),
     "qwen3-tied": ("qwen3", True, dict(head_dim=16), "Qwen3ForCausalLM"),
     "qwen3-window-biases": (
-        "qwen3", False,
+        "qwen3",
+        False,
         dict(head_dim=16, attention_bias=True, use_sliding_window=True, sliding_window=5, max_window_layers=0),
         "Qwen3ForCausalLM",
     ),
@@ -134,9 +149,17 @@ def test_from_hf_reads_the_checkpoint_dtype_and_casts(tmp_path, random_hf_model)
 #: config.json fields (beyond a tiny shape) -> the axtorch attention config they import as.
 FEATURE_CONFIGS = {
     "llama3": (
-        {"model_type": "llama", "rope_theta": 500000.0, "rope_scaling": {
-            "rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192}},
+        {
+            "model_type": "llama",
+            "rope_theta": 500000.0,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 32.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+        },
         dict(position=Llama3RotaryEmbeddingConfig(theta=500000.0, factor=32.0, original_max_position_embeddings=8192)),
     ),
     "linear": (
@@ -144,10 +167,17 @@ FEATURE_CONFIGS = {
         dict(position=LinearScaledRotaryEmbeddingConfig(theta=1e4, factor=2.0)),
     ),
     "yarn-factor-from-lengths": (  # YaRN's factor defaults to the context extension ratio
-        {"model_type": "qwen3", "max_position_embeddings": 131072, "rope_scaling": {
-            "rope_type": "yarn", "factor": None, "original_max_position_embeddings": 32768}},
-        dict(position=YarnRotaryEmbeddingConfig(factor=4.0, original_max_position_embeddings=32768),
-             head_dim=128, query_norm=RMSNormConfig(), key_norm=RMSNormConfig()),
+        {
+            "model_type": "qwen3",
+            "max_position_embeddings": 131072,
+            "rope_scaling": {"rope_type": "yarn", "factor": None, "original_max_position_embeddings": 32768},
+        },
+        dict(
+            position=YarnRotaryEmbeddingConfig(factor=4.0, original_max_position_embeddings=32768),
+            head_dim=128,
+            query_norm=RMSNormConfig(),
+            key_norm=RMSNormConfig(),
+        ),
     ),
     "mistral-default-window": (  # MistralConfig's sliding_window default applies when the field is absent
         {"model_type": "mistral"},
@@ -163,8 +193,14 @@ FEATURE_CONFIGS = {
 @pytest.mark.parametrize("case", FEATURE_CONFIGS)
 def test_from_hf_maps_each_feature_to_its_config(case):
     fields, expected = FEATURE_CONFIGS[case]
-    config = {"vocab_size": 97, "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2,
-              "num_attention_heads": 8, **fields}
+    config = {
+        "vocab_size": 97,
+        "hidden_size": 64,
+        "intermediate_size": 160,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 8,
+        **fields,
+    }
     attention = llama_config_from_hf(config).decoder.layer.attention
     for name, value in {"mask": CausalMaskConfig(), "query_norm": None, "key_norm": None, **expected}.items():
         assert getattr(attention, name) == value, name
@@ -174,11 +210,19 @@ def test_from_hf_maps_each_feature_to_its_config(case):
     ("family", "fields", "message"),
     [
         ("gemma", {}, "model_type='gemma'"),
-        ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "lacks ['low_freq_factor', 'high_freq_factor']"),
+        (
+            "llama",
+            {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
+            "lacks ['low_freq_factor', 'high_freq_factor']",
+        ),
         ("llama", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "rope_parameters.rope_type='dynamic'"),
         ("llama", {"rope_scaling": {"type": "longrope", "factor": 2.0}}, "rope_type='longrope'"),
         ("llama", {"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
-        ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 1.0}}, "mscale"),
+        (
+            "llama",
+            {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 1.0}},
+            "mscale",
+        ),
         ("llama", {"sliding_window": 4096}, "sliding_window=4096"),
         ("qwen2", {"use_sliding_window": True, "sliding_window": 4096, "max_window_layers": 1}, "mixing"),
         ("qwen2", {"layer_types": ["full_attention", "sliding_attention"]}, "sliding_attention"),
@@ -188,8 +232,13 @@ def test_from_hf_maps_each_feature_to_its_config(case):
 )
 def test_from_hf_refuses_what_axtorch_cannot_represent(family, fields, message, tmp_path):
     config = {
-        "model_type": family, "vocab_size": 97, "hidden_size": 64, "intermediate_size": 160,
-        "num_hidden_layers": 2, "num_attention_heads": 8, **fields,
+        "model_type": family,
+        "vocab_size": 97,
+        "hidden_size": 64,
+        "intermediate_size": 160,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 8,
+        **fields,
     }
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=re.escape(message)):

@@ -17,8 +17,15 @@ from axtorch.train.trainer import Trainer
 def hf_dir(tmp_path):
     """A random HF Llama shaped like the llama_debug preset, with a byte-level BPE tokenizer."""
     config = transformers.LlamaConfig(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
     )
     torch.manual_seed(0)
     directory = tmp_path / "hf"
@@ -31,17 +38,24 @@ def _save_tokenizer(directory):
     """A byte-level BPE tokenizer.json, as HF model directories carry."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tokenizer.train_from_iterator(["def main():\n    return 0\n"] * 50, trainer)
     tokenizer.save(str(directory / "tokenizer.json"))
 
 
 def _config(tmp_path, hf_dir, data_cache, *extra):
-    return load_experiment_config([
-        "experiment=debug", f"run_dir={tmp_path / 'run'}", f"data.cache_dir={data_cache}",
-        "trainer.progress_bar=false", f"init_from=hf:{hf_dir}", *extra,
-    ])
+    return load_experiment_config(
+        [
+            "experiment=debug",
+            f"run_dir={tmp_path / 'run'}",
+            f"data.cache_dir={data_cache}",
+            "trainer.progress_bar=false",
+            f"init_from=hf:{hf_dir}",
+            *extra,
+        ]
+    )
 
 
 def test_training_starts_from_the_imported_weights_and_tokenizer(tmp_path, hf_dir, data_cache):
@@ -64,8 +78,16 @@ def test_a_model_config_that_differs_from_the_weights_is_refused(tmp_path, hf_di
 
 def test_gpt2_training_starts_from_the_imported_weights(tmp_path, data_cache):
     """A GPT-2 directory shaped like the gpt2_tiny preset: Conv1D, fused q/k/v and position table included."""
-    config = transformers.GPT2Config(vocab_size=4096, n_embd=192, n_layer=4, n_head=6, n_positions=1024,
-                                     embd_pdrop=0.0, attn_pdrop=0.0, resid_pdrop=0.0)
+    config = transformers.GPT2Config(
+        vocab_size=4096,
+        n_embd=192,
+        n_layer=4,
+        n_head=6,
+        n_positions=1024,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        resid_pdrop=0.0,
+    )
     torch.manual_seed(0)
     directory = tmp_path / "gpt2"
     transformers.GPT2LMHeadModel(config).save_pretrained(directory)

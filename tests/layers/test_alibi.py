@@ -14,7 +14,10 @@ from axtorch.layers.position import alibi_slopes
 
 def _attention(num_heads=4, num_kv_heads=None, dim=32, logit_softcap=None):
     config = AttentionConfig(
-        num_heads=num_heads, num_kv_heads=num_kv_heads, position=AlibiConfig(), mask=CausalMaskConfig(),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        position=AlibiConfig(),
+        mask=CausalMaskConfig(),
         logit_softcap=logit_softcap,
     )
     torch.manual_seed(0)

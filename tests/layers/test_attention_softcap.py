@@ -16,8 +16,11 @@ from axtorch.layers.init import initialize_parameters
 
 def _attention(num_heads=4, num_kv_heads=2, dim=32, mask=None, **fields):
     config = AttentionConfig(
-        num_heads=num_heads, num_kv_heads=num_kv_heads, position=RotaryEmbeddingConfig(),
-        mask=mask or CausalMaskConfig(), **fields,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        position=RotaryEmbeddingConfig(),
+        mask=mask or CausalMaskConfig(),
+        **fields,
     )
     torch.manual_seed(0)
     module = config.build(dim)

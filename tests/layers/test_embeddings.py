@@ -56,7 +56,9 @@ def test_learned_position_table_is_looked_up_by_absolute_position():
 @pytest.mark.parametrize("positions", [[[14, 15, 16]], [[-1, 0, 1]]])
 def test_positions_outside_the_table_are_an_error_naming_max_seq_len(positions):
     table = LearnedPositionEmbeddingConfig().build(16, 8)
-    with pytest.raises(ValueError, match=r"outside the learned position table, which covers 0\.\.15 \(model\.max_seq_len=16\)"):
+    with pytest.raises(
+        ValueError, match=r"outside the learned position table, which covers 0\.\.15 \(model\.max_seq_len=16\)"
+    ):
         table(torch.tensor(positions))
 
 
@@ -90,7 +92,10 @@ def test_embedding_dropout_acts_in_training_only():
 
 @pytest.mark.parametrize(
     ("override", "key"),
-    [("model.embedding_dropout=1.0", "model.embedding_dropout"), ("model.embedding.multiplier=0", "model.embedding.multiplier")],
+    [
+        ("model.embedding_dropout=1.0", "model.embedding_dropout"),
+        ("model.embedding.multiplier=0", "model.embedding.multiplier"),
+    ],
 )
 def test_bad_embedding_settings_are_config_errors_naming_the_key(override, key):
     with pytest.raises(ConfigError) as info:

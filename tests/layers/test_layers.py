@@ -34,8 +34,12 @@ from axtorch.layers.position import (
 
 def _attention(num_heads=4, num_kv_heads=None, dim=32, position=None, mask=None, qk_norm=None):
     config = AttentionConfig(
-        num_heads=num_heads, num_kv_heads=num_kv_heads, query_norm=qk_norm, key_norm=qk_norm,
-        position=position or RotaryEmbeddingConfig(), mask=mask or CausalMaskConfig(),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        query_norm=qk_norm,
+        key_norm=qk_norm,
+        position=position or RotaryEmbeddingConfig(),
+        mask=mask or CausalMaskConfig(),
     )
     torch.manual_seed(0)
     module = config.build(dim)

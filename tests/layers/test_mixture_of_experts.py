@@ -106,8 +106,9 @@ def test_each_expert_computes_exactly_the_tokens_routed_to_it(monkeypatch):
 def test_dropless_equals_a_per_token_reference(router, top_k):
     module = _moe(top_k=top_k, router=router)
     tokens = _tokens()
-    torch.testing.assert_close(module(FeedForwardInput(tokens)).hidden_states, _reference(module, tokens),
-                               rtol=0, atol=1e-12)
+    torch.testing.assert_close(
+        module(FeedForwardInput(tokens)).hidden_states, _reference(module, tokens), rtol=0, atol=1e-12
+    )
 
 
 def test_sigmoid_and_softmax_gates_are_their_functions_of_the_router_logits():
@@ -127,8 +128,12 @@ def test_a_capacity_large_enough_for_every_assignment_changes_nothing():
     capped = _moe(top_k=2, capacity_factor=float(EXPERTS))  # capacity = tokens * top_k
     tokens = _tokens()
     assert capped.capacity(10) == 20
-    torch.testing.assert_close(capped(FeedForwardInput(tokens)).hidden_states,
-                               dropless(FeedForwardInput(tokens)).hidden_states, rtol=0, atol=1e-12)
+    torch.testing.assert_close(
+        capped(FeedForwardInput(tokens)).hidden_states,
+        dropless(FeedForwardInput(tokens)).hidden_states,
+        rtol=0,
+        atol=1e-12,
+    )
 
 
 def _forced_routing(first_coordinates):
@@ -211,13 +216,17 @@ def test_shared_experts_are_added_scaled_by_their_sigmoid_gate():
     assert gate.shape == (2, 5, 1)
     torch.testing.assert_close(
         module(FeedForwardInput(tokens)).hidden_states,
-        routed_only(FeedForwardInput(tokens)).hidden_states + gate * shared_out, rtol=0, atol=1e-12,
+        routed_only(FeedForwardInput(tokens)).hidden_states + gate * shared_out,
+        rtol=0,
+        atol=1e-12,
     )
 
 
 def test_expert_weights_are_stacked_for_expert_sharding_and_initialised_from_their_config():
     config = MixtureOfExpertsConfig(
-        hidden_dim=64, num_experts=EXPERTS, projection=LinearConfig(init=InitConfig(std=0.5)),
+        hidden_dim=64,
+        num_experts=EXPERTS,
+        projection=LinearConfig(init=InitConfig(std=0.5)),
         output_projection=LinearConfig(init=InitConfig(std=0.1)),
     )
     with torch.device("meta"):

@@ -5,7 +5,6 @@ import torch
 
 from axtorch.compose.experiment import load_experiment_config
 from axtorch.config.errors import ConfigError
-from axtorch.train.experiment import ExperimentConfig
 from axtorch.config.serialize import config_from_dict, config_to_dict
 from axtorch.interop.hf_llama import llama_config_to_hf
 from axtorch.layers import (
@@ -23,6 +22,7 @@ from axtorch.layers import (
     TransformerLayerInput,
 )
 from axtorch.layers.init import initialize_parameters
+from axtorch.train.experiment import ExperimentConfig
 
 PRE_NORM_NAMES = [
     "attention_norm.weight",
@@ -109,15 +109,22 @@ def test_parameter_names_do_not_depend_on_the_placement_except_for_the_sandwichs
     names = {
         placement: [name for name, _ in _layer(residual).named_parameters()]
         for placement, residual in [
-            ("default", None), ("pre", PreNormResidualConfig()), ("post", PostNormResidualConfig()),
+            ("default", None),
+            ("pre", PreNormResidualConfig()),
+            ("post", PostNormResidualConfig()),
             ("sandwich", SandwichNormResidualConfig()),
         ]
     }
     assert names["default"] == names["pre"] == names["post"] == PRE_NORM_NAMES
-    assert sorted(names["sandwich"]) == sorted(PRE_NORM_NAMES + [
-        "attention_residual.post_norm.weight", "attention_residual.post_norm.bias",
-        "feed_forward_residual.post_norm.weight", "feed_forward_residual.post_norm.bias",
-    ])
+    assert sorted(names["sandwich"]) == sorted(
+        PRE_NORM_NAMES
+        + [
+            "attention_residual.post_norm.weight",
+            "attention_residual.post_norm.bias",
+            "feed_forward_residual.post_norm.weight",
+            "feed_forward_residual.post_norm.bias",
+        ]
+    )
 
 
 @pytest.mark.parametrize(
@@ -159,12 +166,16 @@ def test_residual_dropout_out_of_range_is_a_config_error_naming_the_key():
     assert info.value.key == "model.decoder.layer.residual.dropout"
 
 
-@pytest.mark.parametrize("overrides", [
-    ["model/norm_placement=post"],
-    ["model/norm_placement=sandwich"],
-    ["model.decoder.layer.residual.dropout=0.1"],
-    ["model.decoder.layer.attention.logit_softcap=50.0"],
-], ids=lambda o: o[0])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["model/norm_placement=post"],
+        ["model/norm_placement=sandwich"],
+        ["model.decoder.layer.residual.dropout=0.1"],
+        ["model.decoder.layer.attention.logit_softcap=50.0"],
+    ],
+    ids=lambda o: o[0],
+)
 def test_hf_llama_export_refuses_what_llama_cannot_express(overrides):
     llama_config_to_hf(load_experiment_config([]).model)  # the default, pre-norm, exports
     with pytest.raises(ValueError, match="can express this model"):

@@ -66,7 +66,9 @@ def test_remat_is_skipped_when_no_gradient_is_recorded():
 
 def test_selective_remat_rejects_names_no_layer_gives():
     with pytest.raises(ConfigError, match=r"model.decoder.remat.save.*attention_scores"):
-        load_experiment_config(["experiment=debug", "model/remat=selective", "model.decoder.remat.save=[attention_scores]"])
+        load_experiment_config(
+            ["experiment=debug", "model/remat=selective", "model.decoder.remat.save=[attention_scores]"]
+        )
 
 
 def test_selective_remat_can_keep_the_attention_context_so_attention_is_not_rerun():

@@ -3,8 +3,8 @@
 import torch
 
 from axtorch.compose.experiment import load_experiment_config
-from axtorch.train.experiment import ExperimentConfig
 from axtorch.models.causal_lm import CausalLM
+from axtorch.train.experiment import ExperimentConfig
 
 
 def build_on_meta(*overrides: str) -> tuple[ExperimentConfig, CausalLM]:

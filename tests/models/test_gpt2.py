@@ -3,6 +3,7 @@
 import math
 
 import pytest
+from meta_presets import build_on_meta
 
 from axtorch.cli.plan import load_plan_inputs, main, plan
 from axtorch.compose.experiment import load_experiment_config
@@ -13,7 +14,6 @@ from axtorch.parallel.mesh import MeshConfig
 from axtorch.parallel.rules import resolve_parameter_specs
 from axtorch.train.flops import transformer_flops_per_token
 from axtorch.train.trainer import Trainer
-from meta_presets import build_on_meta
 
 #: preset -> (n_embd, n_layer, n_head) of the released config.json, and HF's exact parameter count.
 RELEASED = {
@@ -27,9 +27,20 @@ RELEASED = {
 def _released_hf_config(preset):
     (n_embd, n_layer, n_head), _ = RELEASED[preset]
     # The fields of openai-community/gpt2*'s config.json that matter; the rest are GPT2Config's defaults.
-    return {"model_type": "gpt2", "activation_function": "gelu_new", "attn_pdrop": 0.1, "embd_pdrop": 0.1,
-            "resid_pdrop": 0.1, "layer_norm_epsilon": 1e-5, "n_ctx": 1024, "n_positions": 1024,
-            "n_embd": n_embd, "n_layer": n_layer, "n_head": n_head, "vocab_size": 50257}
+    return {
+        "model_type": "gpt2",
+        "activation_function": "gelu_new",
+        "attn_pdrop": 0.1,
+        "embd_pdrop": 0.1,
+        "resid_pdrop": 0.1,
+        "layer_norm_epsilon": 1e-5,
+        "n_ctx": 1024,
+        "n_positions": 1024,
+        "n_embd": n_embd,
+        "n_layer": n_layer,
+        "n_head": n_head,
+        "vocab_size": 50257,
+    }
 
 
 @pytest.mark.parametrize("preset", sorted(RELEASED))
@@ -81,10 +92,16 @@ def test_plan_command_sizes_gpt2_and_counts_no_flops_for_the_position_table(caps
 
 
 def test_gpt2_tiny_learns_on_the_cpu(tmp_path, data_cache):
-    config = load_experiment_config([
-        "experiment=debug", "model=gpt2_tiny", f"run_dir={tmp_path / 'run'}", f"data.cache_dir={data_cache}",
-        "trainer.progress_bar=false", "trainer.max_steps=20",
-    ])
+    config = load_experiment_config(
+        [
+            "experiment=debug",
+            "model=gpt2_tiny",
+            f"run_dir={tmp_path / 'run'}",
+            f"data.cache_dir={data_cache}",
+            "trainer.progress_bar=false",
+            "trainer.max_steps=20",
+        ]
+    )
     result = Trainer(config).fit()
     assert result.step == 20
     assert math.isfinite(result.final_eval_loss)

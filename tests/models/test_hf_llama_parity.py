@@ -17,37 +17,72 @@ from axtorch.layers.attention_mask import CausalMaskConfig
 from axtorch.layers.position import RotaryEmbeddingConfig
 from axtorch.models import CausalLMInput
 
-
 pytestmark = pytest.mark.usefixtures("float64_hf_rmsnorm")
 
 SHAPE = dict(
-    vocab_size=97, hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=8,
-    num_key_value_heads=2, rms_norm_eps=1e-5, max_position_embeddings=128,
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=160,
+    num_hidden_layers=3,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=128,
 )
 SEQ_LEN = 23
 
 #: case -> (HF config class, fields beyond SHAPE). An original context of 16 makes the Llama 3.1 RoPE
 #: scaling act within SEQ_LEN positions; a window of 5 is narrower than the sequence.
 FAMILIES = {
-    "llama3-rope": (transformers.LlamaConfig, dict(rope_parameters=dict(
-        rope_type="llama3", rope_theta=5000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-        original_max_position_embeddings=16,
-    ))),
-    "linear-rope": (transformers.LlamaConfig, dict(rope_parameters=dict(rope_type="linear", rope_theta=5000.0, factor=4.0))),
-    "yarn-rope": (transformers.LlamaConfig, dict(rope_parameters=dict(
-        rope_type="yarn", rope_theta=5000.0, factor=4.0, original_max_position_embeddings=32,
-    ))),
+    "llama3-rope": (
+        transformers.LlamaConfig,
+        dict(
+            rope_parameters=dict(
+                rope_type="llama3",
+                rope_theta=5000.0,
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=16,
+            )
+        ),
+    ),
+    "linear-rope": (
+        transformers.LlamaConfig,
+        dict(rope_parameters=dict(rope_type="linear", rope_theta=5000.0, factor=4.0)),
+    ),
+    "yarn-rope": (
+        transformers.LlamaConfig,
+        dict(
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=5000.0,
+                factor=4.0,
+                original_max_position_embeddings=32,
+            )
+        ),
+    ),
     "mistral-window": (transformers.MistralConfig, dict(rope_theta=5000.0, sliding_window=5)),
     "qwen3": (transformers.Qwen3Config, dict(rope_theta=5000.0, head_dim=16, tie_word_embeddings=True)),
-    "qwen3-window": (transformers.Qwen3Config, dict(
-        rope_theta=5000.0, head_dim=16, use_sliding_window=True, sliding_window=5, max_window_layers=0,
-    )),
+    "qwen3-window": (
+        transformers.Qwen3Config,
+        dict(
+            rope_theta=5000.0,
+            head_dim=16,
+            use_sliding_window=True,
+            sliding_window=5,
+            max_window_layers=0,
+        ),
+    ),
 }
 
 
 def _llama_config(tie: bool, attention_bias: bool = False):
     return transformers.LlamaConfig(
-        **SHAPE, rope_theta=5000.0, tie_word_embeddings=tie, attention_bias=attention_bias,
+        **SHAPE,
+        rope_theta=5000.0,
+        tie_word_embeddings=tie,
+        attention_bias=attention_bias,
     )
 
 

@@ -3,6 +3,7 @@
 import copy
 
 import pytest
+from meta_presets import build_on_meta
 
 from axtorch.compose.experiment import load_experiment_config
 from axtorch.config.errors import ConfigError
@@ -11,7 +12,6 @@ from axtorch.parallel.mesh import MeshConfig
 from axtorch.parallel.rules import resolve_parameter_specs
 from axtorch.train.flops import active_parameters
 from axtorch.train.trainer import Trainer
-from meta_presets import build_on_meta
 
 #: preset -> parameters each token uses, as published (Mixtral's paper; Qwen3's model card).
 PUBLISHED_ACTIVE_PARAMETERS = {"mixtral_8x7b": 12.9e9, "qwen3_30b_a3b": 3.3e9}
@@ -23,14 +23,17 @@ def test_active_parameter_count_matches_the_published_figure(preset):
     assert active_parameters(model) == pytest.approx(PUBLISHED_ACTIVE_PARAMETERS[preset], rel=0.02)
 
 
-SHARED_EXPERTS = ["model/shared_experts=swiglu", "model.decoder.layer.feed_forward.shared_experts.hidden_dim=64",
-                  "model.decoder.layer.feed_forward.shared_expert_gate=true"]
+SHARED_EXPERTS = [
+    "model/shared_experts=swiglu",
+    "model.decoder.layer.feed_forward.shared_experts.hidden_dim=64",
+    "model.decoder.layer.feed_forward.shared_expert_gate=true",
+]
 
 
 @pytest.mark.parametrize("sharding", ["replicated", "fsdp", "fsdp_tp", "fsdp_ep"])
 @pytest.mark.parametrize(
-    "model", [["model=mixtral_tiny"], ["model=qwen3_moe_tiny"], ["model=mixtral_tiny", *SHARED_EXPERTS],
-              ["model=llama_debug"]],
+    "model",
+    [["model=mixtral_tiny"], ["model=qwen3_moe_tiny"], ["model=mixtral_tiny", *SHARED_EXPERTS], ["model=llama_debug"]],
     ids=["mixtral_tiny", "qwen3_moe_tiny", "shared_experts", "dense"],
 )
 def test_every_sharding_preset_covers_mixture_of_experts_parameters(model, sharding):
@@ -41,19 +44,32 @@ def test_every_sharding_preset_covers_mixture_of_experts_parameters(model, shard
     assert set(specs) == set(shapes)
     experts = {name: spec for name, spec in specs.items() if ".experts." in name}
     assert len(experts) == (3 * config.model.decoder.num_layers if model != ["model=llama_debug"] else 0)
-    expected = {"replicated": (None, None, None), "fsdp": (None, ("fsdp",), None),
-                "fsdp_tp": (None, ("fsdp",), None), "fsdp_ep": (("expert",), ("fsdp",), None)}[sharding]
+    expected = {
+        "replicated": (None, None, None),
+        "fsdp": (None, ("fsdp",), None),
+        "fsdp_tp": (None, ("fsdp",), None),
+        "fsdp_ep": (("expert",), ("fsdp",), None),
+    }[sharding]
     assert all(spec == expected for spec in experts.values())
 
 
 def test_a_tiny_mixture_of_experts_run_learns(tmp_path, data_cache):
-    config = load_experiment_config([
-        "experiment=debug", "model=mixtral_tiny", f"run_dir={tmp_path / 'run'}", f"data.cache_dir={data_cache}",
-        "trainer.progress_bar=false", "trainer.max_steps=20",
-        "model.vocab_size=512", "model.dim=64", "model.decoder.num_layers=2",
-        "model.decoder.layer.attention.num_heads=4",
-        "model.decoder.layer.feed_forward.hidden_dim=64", "model.decoder.layer.feed_forward.num_experts=4",
-    ])
+    config = load_experiment_config(
+        [
+            "experiment=debug",
+            "model=mixtral_tiny",
+            f"run_dir={tmp_path / 'run'}",
+            f"data.cache_dir={data_cache}",
+            "trainer.progress_bar=false",
+            "trainer.max_steps=20",
+            "model.vocab_size=512",
+            "model.dim=64",
+            "model.decoder.num_layers=2",
+            "model.decoder.layer.attention.num_heads=4",
+            "model.decoder.layer.feed_forward.hidden_dim=64",
+            "model.decoder.layer.feed_forward.num_experts=4",
+        ]
+    )
     trainer = Trainer(config)
     non_embedding = sum(p.numel() for n, p in trainer.model.named_parameters() if n != "embedding.weight")
     unused_experts = 2 * 2 * 3 * 64 * 64  # per layer, 2 of the 4 experts' three [64, 64] matrices

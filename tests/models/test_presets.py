@@ -1,6 +1,7 @@
 """The model presets have the published shapes: their parameter counts match the released models'."""
 
 import pytest
+from meta_presets import build_on_meta
 
 from axtorch.compose.experiment import load_experiment_config
 from axtorch.interop.hf_llama import llama_config_from_hf
@@ -10,7 +11,6 @@ from axtorch.layers.norm import RMSNormConfig
 from axtorch.layers.position import Llama3RotaryEmbeddingConfig
 from axtorch.parallel.mesh import MeshConfig
 from axtorch.parallel.rules import resolve_parameter_specs
-from meta_presets import build_on_meta
 
 #: preset -> (vocabulary size, parameter count published on the model card or as the HF
 #: safetensors total).
@@ -48,8 +48,10 @@ def test_qwen3_0_6b_has_0_44b_parameters_besides_the_embedding():
     assert count == pytest.approx(0.44e9, rel=0.01)
 
 
-@pytest.mark.parametrize(("preset", "factor"), [("llama3_1b", 32.0), ("llama3_3b", 32.0), ("llama3_8b", 8.0),
-                                                ("llama3_70b", 8.0), ("llama3_405b", 8.0)])
+@pytest.mark.parametrize(
+    ("preset", "factor"),
+    [("llama3_1b", 32.0), ("llama3_3b", 32.0), ("llama3_8b", 8.0), ("llama3_70b", 8.0), ("llama3_405b", 8.0)],
+)
 def test_llama3_presets_use_the_released_rope_scaling(preset, factor):
     position = load_experiment_config([f"model={preset}"]).model.decoder.layer.attention.position
     assert position == Llama3RotaryEmbeddingConfig(
@@ -82,30 +84,86 @@ def test_sharding_presets_cover_every_parameter_including_qk_norms(preset, shard
         assert "decoder.layers.27.attention.key_norm.weight" in norms
 
 
-_SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-               "num_key_value_heads", "rms_norm_eps", "rope_theta", "tie_word_embeddings")
+_SHAPE_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "rms_norm_eps",
+    "rope_theta",
+    "tie_word_embeddings",
+)
 #: preset -> the released config.json (the fields that matter): ``init_from`` needs the preset to
 #: describe exactly the network ``from_hf`` builds from it.
 RELEASED_HF_CONFIGS = {
-    "llama3_1b": dict(zip(_SHAPE_KEYS, (128256, 2048, 8192, 16, 32, 8, 1e-5, 500000.0, True)), model_type="llama",
-                      rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
-    "llama3_8b": dict(zip(_SHAPE_KEYS, (128256, 4096, 14336, 32, 32, 8, 1e-5, 500000.0, False)), model_type="llama",
-                      rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
-    "mistral_7b": dict(zip(_SHAPE_KEYS, (32000, 4096, 14336, 32, 32, 8, 1e-5, 10000.0, False)), model_type="mistral",
-                       sliding_window=4096),
-    "qwen3_0_6b": dict(zip(_SHAPE_KEYS, (151936, 1024, 3072, 28, 16, 8, 1e-6, 1000000.0, True)), model_type="qwen3",
-                       head_dim=128, use_sliding_window=False, sliding_window=None, max_window_layers=28),
-    "qwen3_8b": dict(zip(_SHAPE_KEYS, (151936, 4096, 12288, 36, 32, 8, 1e-6, 1000000.0, False)), model_type="qwen3",
-                     head_dim=128, use_sliding_window=False, sliding_window=None, max_window_layers=36),
+    "llama3_1b": dict(
+        zip(_SHAPE_KEYS, (128256, 2048, 8192, 16, 32, 8, 1e-5, 500000.0, True)),
+        model_type="llama",
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    ),
+    "llama3_8b": dict(
+        zip(_SHAPE_KEYS, (128256, 4096, 14336, 32, 32, 8, 1e-5, 500000.0, False)),
+        model_type="llama",
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    ),
+    "mistral_7b": dict(
+        zip(_SHAPE_KEYS, (32000, 4096, 14336, 32, 32, 8, 1e-5, 10000.0, False)),
+        model_type="mistral",
+        sliding_window=4096,
+    ),
+    "qwen3_0_6b": dict(
+        zip(_SHAPE_KEYS, (151936, 1024, 3072, 28, 16, 8, 1e-6, 1000000.0, True)),
+        model_type="qwen3",
+        head_dim=128,
+        use_sliding_window=False,
+        sliding_window=None,
+        max_window_layers=28,
+    ),
+    "qwen3_8b": dict(
+        zip(_SHAPE_KEYS, (151936, 4096, 12288, 36, 32, 8, 1e-6, 1000000.0, False)),
+        model_type="qwen3",
+        head_dim=128,
+        use_sliding_window=False,
+        sliding_window=None,
+        max_window_layers=36,
+    ),
     "smollm2_135m": dict(zip(_SHAPE_KEYS, (49152, 576, 1536, 30, 9, 3, 1e-5, 100000.0, True)), model_type="llama"),
-    "mixtral_8x7b": dict(zip(_SHAPE_KEYS, (32000, 4096, 14336, 32, 32, 8, 1e-5, 1000000.0, False)), model_type="mixtral",
-                         sliding_window=None, num_local_experts=8, num_experts_per_tok=2, router_aux_loss_coef=0.02),
-    "qwen3_30b_a3b": dict(zip(_SHAPE_KEYS, (151936, 2048, 6144, 48, 32, 4, 1e-6, 1000000.0, False)),
-                          model_type="qwen3_moe", head_dim=128, use_sliding_window=False, sliding_window=None,
-                          num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
-                          decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001),
+    "mixtral_8x7b": dict(
+        zip(_SHAPE_KEYS, (32000, 4096, 14336, 32, 32, 8, 1e-5, 1000000.0, False)),
+        model_type="mixtral",
+        sliding_window=None,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        router_aux_loss_coef=0.02,
+    ),
+    "qwen3_30b_a3b": dict(
+        zip(_SHAPE_KEYS, (151936, 2048, 6144, 48, 32, 4, 1e-6, 1000000.0, False)),
+        model_type="qwen3_moe",
+        head_dim=128,
+        use_sliding_window=False,
+        sliding_window=None,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        router_aux_loss_coef=0.001,
+    ),
 }
 
 

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from axtorch.compose.experiment import conf_dir, load_experiment_config
+from axtorch.compose.experiment import load_experiment_config
+from axtorch.compose.golden import group_options
 from axtorch.models.causal_lm import CausalLMInput
 from axtorch.train.trainer import build_model
 
@@ -19,7 +20,7 @@ TINY_VARIANTS = {
 
 
 def test_every_tiny_preset_is_listed_under_its_family():
-    assert sorted(TINY_VARIANTS.values()) == sorted(p.stem for p in (conf_dir() / "model").glob("*_tiny.yaml"))
+    assert sorted(TINY_VARIANTS.values()) == [o for o in group_options("model") if o.endswith("_tiny")]
 
 
 @pytest.mark.parametrize("preset", sorted(TINY_VARIANTS.values()))

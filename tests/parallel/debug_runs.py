@@ -12,9 +12,15 @@ STEPS = 5
 
 def debug_overrides(run_dir: Path, cache: Path, *extra: str) -> list[str]:
     return [
-        "experiment=debug", f"run_dir={run_dir}", f"data.cache_dir={cache}", "trainer.progress_bar=false",
-        "trainer.log_every=1", f"trainer.max_steps={STEPS + 3}",
-        "trainer.eval_every=100", f"trainer.checkpoint_every={STEPS}", *extra,
+        "experiment=debug",
+        f"run_dir={run_dir}",
+        f"data.cache_dir={cache}",
+        "trainer.progress_bar=false",
+        "trainer.log_every=1",
+        f"trainer.max_steps={STEPS + 3}",
+        "trainer.eval_every=100",
+        f"trainer.checkpoint_every={STEPS}",
+        *extra,
     ]
 
 

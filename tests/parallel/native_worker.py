@@ -10,8 +10,8 @@ import json
 import sys
 
 from axtorch.compose.experiment import load_experiment_config
-from axtorch.train.checkpoint import optimizer_tensors
 from axtorch.parallel.tensor_shards import local_region
+from axtorch.train.checkpoint import optimizer_tensors
 from axtorch.train.trainer import Trainer
 
 
@@ -31,9 +31,12 @@ def main() -> None:
     params_local, params_total = _count(trainer.model.parameters())
     optim_local, optim_total = _count(t for t in optimizer_tensors(trainer.optimizer).values() if t.dim() > 0)
     report = {
-        "step": result.step, "rank": trainer.backend.rank,
-        "params_local": params_local, "params_total": params_total,
-        "optim_local": optim_local, "optim_total": optim_total,
+        "step": result.step,
+        "rank": trainer.backend.rank,
+        "params_local": params_local,
+        "params_total": params_total,
+        "optim_local": optim_local,
+        "optim_total": optim_total,
     }
     with open(f"{out_prefix}.rank{trainer.backend.rank}.json", "w") as handle:
         json.dump(report, handle)

@@ -24,7 +24,9 @@ def main() -> None:
         "xla, fsdp=4": (4, ["mesh.fsdp=4", "sharding=fsdp"]),
         "xla, fsdp=2 x model=2": (4, ["mesh.fsdp=2", "mesh.model=2", "sharding=fsdp_tp"]),
         "xla, fsdp=4, scan_layers + remat=full": (
-            4, ["mesh.fsdp=4", "sharding=fsdp", "model.decoder.scan_layers=true", "model/remat=full"]),
+            4,
+            ["mesh.fsdp=4", "sharding=fsdp", "model.decoder.scan_layers=true", "model/remat=full"],
+        ),
     }
     native_runs = {
         "native torchrun 2 procs, fsdp=2": (2, ["mesh.fsdp=2", "sharding=fsdp"]),
@@ -37,8 +39,12 @@ def main() -> None:
         _xla(devices, root / f"xla{index}.json", STEPS, debug_overrides(run_dirs[label], cache, *overrides))
     for index, (label, (processes, overrides)) in enumerate(native_runs.items()):
         run_dirs[label] = root / f"native{index}"
-        _torchrun(processes, root / f"native{index}", STEPS,
-                  debug_overrides(run_dirs[label], cache, "backend=native", *overrides))
+        _torchrun(
+            processes,
+            root / f"native{index}",
+            STEPS,
+            debug_overrides(run_dirs[label], cache, "backend=native", *overrides),
+        )
     print("| backend / mesh | " + " | ".join(f"step {i + 1}" for i in range(STEPS)) + " |")
     print("|---|" + "---|" * STEPS)
     for label, run_dir in run_dirs.items():

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from debug_runs import STEPS, debug_overrides, train_losses, train_on_one_device
 
 from axtorch.compose.experiment import load_experiment_config
 from axtorch.layers.transformer import TransformerLayerInput, TransformerLayerOutput
@@ -17,14 +18,23 @@ from axtorch.models.causal_lm import CausalLMOutput
 from axtorch.train.checkpoint import read_model_tensors
 from axtorch.train.metrics import read_metrics
 from axtorch.train.trainer import Trainer
-from debug_runs import STEPS, debug_overrides, train_losses, train_on_one_device
 
 WORKER = Path(__file__).with_name("native_worker.py")
 
 
 def _torchrun(processes: int, out: Path, until: int, overrides: list[str]) -> list[dict]:
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes),
-               "--standalone", str(WORKER), str(out), str(until), *overrides]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(processes),
+        "--standalone",
+        str(WORKER),
+        str(out),
+        str(until),
+        *overrides,
+    ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return [json.loads(out.with_name(f"{out.name}.rank{r}.json").read_text()) for r in range(processes)]
@@ -37,13 +47,27 @@ def runs(tmp_path_factory):
     cache = root / "cache"
     train_on_one_device(root / "single", cache)
     reports = {
-        "fsdp2": _torchrun(2, root / "fsdp2", STEPS, debug_overrides(root / "fsdp2", cache, "backend=native",
-                                                               "mesh.fsdp=2", "sharding=fsdp")),
-        "fsdp2_tp2": _torchrun(4, root / "fsdp2_tp2", STEPS, debug_overrides(
-            root / "fsdp2_tp2", cache, "backend=native", "mesh.fsdp=2", "mesh.model=2", "sharding=fsdp_tp")),
+        "fsdp2": _torchrun(
+            2,
+            root / "fsdp2",
+            STEPS,
+            debug_overrides(root / "fsdp2", cache, "backend=native", "mesh.fsdp=2", "sharding=fsdp"),
+        ),
+        "fsdp2_tp2": _torchrun(
+            4,
+            root / "fsdp2_tp2",
+            STEPS,
+            debug_overrides(
+                root / "fsdp2_tp2", cache, "backend=native", "mesh.fsdp=2", "mesh.model=2", "sharding=fsdp_tp"
+            ),
+        ),
         # Tensor parallelism alone: DTensor weights beside plain-tensor norms in one optimizer.
-        "tp2": _torchrun(2, root / "tp2", STEPS, debug_overrides(
-            root / "tp2", cache, "backend=native", "mesh.model=2", "sharding=fsdp_tp")),
+        "tp2": _torchrun(
+            2,
+            root / "tp2",
+            STEPS,
+            debug_overrides(root / "tp2", cache, "backend=native", "mesh.model=2", "sharding=fsdp_tp"),
+        ),
     }
     return root, reports
 
@@ -98,8 +122,12 @@ def test_checkpoint_moves_between_meshes_and_training_continues_alike(runs, tmp_
     to_single = tmp_path / "to_single"
     for target in (to_native, to_single):
         shutil.copytree(root / "fsdp2_tp2" / "checkpoints", target / "checkpoints")
-    _torchrun(2, tmp_path / "resumed", STEPS + 3, debug_overrides(to_native, cache, "backend=native", "mesh.fsdp=2",
-                                                              "sharding=fsdp"))
+    _torchrun(
+        2,
+        tmp_path / "resumed",
+        STEPS + 3,
+        debug_overrides(to_native, cache, "backend=native", "mesh.fsdp=2", "sharding=fsdp"),
+    )
     Trainer(load_experiment_config(debug_overrides(to_single, cache))).fit()
     Trainer(load_experiment_config(debug_overrides(root / "single", cache))).fit()  # the uninterrupted reference
     reference = train_losses(root / "single")[-3:]
@@ -118,7 +146,9 @@ def test_launcher_runs_native_training_and_rejects_a_mesh_that_does_not_fit(tmp_
 
     fits = launch("fits", "mesh.fsdp=2", "sharding=fsdp")
     assert fits.returncode == 0, fits.stderr[-3000:]
-    assert [m["step"] for m in read_metrics(tmp_path / "fits" / "metrics.jsonl") if "train/loss" in m] == list(range(1, STEPS + 4))
+    assert [m["step"] for m in read_metrics(tmp_path / "fits" / "metrics.jsonl") if "train/loss" in m] == list(
+        range(1, STEPS + 4)
+    )
     too_big = launch("too_big", "mesh.fsdp=4")
     assert too_big.returncode != 0
     assert "mesh axes fsdp=4 need 4 devices, found 2" in too_big.stderr

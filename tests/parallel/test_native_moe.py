@@ -12,14 +12,18 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from debug_runs import STEPS, debug_overrides, train_losses, train_on_one_device
 
 WORKER = Path(__file__).with_name("native_worker.py")
 MOE = [
-    "model=mixtral_tiny", "model.vocab_size=512", "model.dim=64", "model.decoder.num_layers=2",
-    "model.decoder.layer.attention.num_heads=4", "model.tie_embeddings=false",
-    "model.decoder.layer.feed_forward.hidden_dim=64", "model.decoder.layer.feed_forward.num_experts=4",
+    "model=mixtral_tiny",
+    "model.vocab_size=512",
+    "model.dim=64",
+    "model.decoder.num_layers=2",
+    "model.decoder.layer.attention.num_heads=4",
+    "model.tie_embeddings=false",
+    "model.decoder.layer.feed_forward.hidden_dim=64",
+    "model.decoder.layer.feed_forward.num_experts=4",
     "model.decoder.layer.feed_forward.router.load_balancing_loss_weight=0.0",
     "model.decoder.layer.feed_forward.router.z_loss_weight=0.01",
 ]
@@ -35,8 +39,18 @@ def test_mixture_of_experts_losses_match_a_single_device(processes, mesh, tmp_pa
     cache = tmp_path / "cache"
     train_on_one_device(tmp_path / "single", cache, *MOE)
     out = tmp_path / "distributed"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes), "--standalone",
-               str(WORKER), str(out), str(STEPS), *debug_overrides(out, cache, "backend=native", *mesh, *MOE)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(processes),
+        "--standalone",
+        str(WORKER),
+        str(out),
+        str(STEPS),
+        *debug_overrides(out, cache, "backend=native", *mesh, *MOE),
+    ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     single, distributed = train_losses(tmp_path / "single"), train_losses(out)

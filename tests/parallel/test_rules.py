@@ -126,10 +126,14 @@ MODULES = ["", "embedding", "decoder", "decoder.layers", "decoder.layers.0", "de
 
 
 def test_activation_rules_map_module_io_and_field_to_a_spec():
-    rules = ShardingConfig(activations=[
-        ActivationRule(module=r"decoder\.layers\.0", field="hidden_states", io="input", spec=[None, None, None]),
-        ActivationRule(module=r"decoder\.layers\.\d+", field="hidden_states", io="input", spec=["data,fsdp", None, None]),
-    ])
+    rules = ShardingConfig(
+        activations=[
+            ActivationRule(module=r"decoder\.layers\.0", field="hidden_states", io="input", spec=[None, None, None]),
+            ActivationRule(
+                module=r"decoder\.layers\.\d+", field="hidden_states", io="input", spec=["data,fsdp", None, None]
+            ),
+        ]
+    )
     specs = resolve_activation_specs(MODULES, rules, MESH)
     assert specs == {
         ("decoder.layers.0", "input", "hidden_states"): (None, None, None),
@@ -155,7 +159,9 @@ MODEL_VARIANTS = {
     "swiglu_rmsnorm_tied": ["model=llama_tiny"],
     "swiglu_untied": ["model=llama_debug"],
     "gelu_layernorm_biases": [
-        "model=llama_debug", "model/ffn=gelu", "model/norm=layernorm",
+        "model=llama_debug",
+        "model/ffn=gelu",
+        "model/norm=layernorm",
         "model.decoder.layer.attention.qkv_projection.bias=true",
         "model.decoder.layer.attention.output_projection.bias=true",
         "model.decoder.layer.feed_forward.projection.bias=true",

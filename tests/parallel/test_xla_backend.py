@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from debug_runs import STEPS, debug_overrides, train_losses, train_on_one_device
 
 from axtorch.compose.experiment import load_experiment_config
 from axtorch.train.checkpoint import read_index, read_model_tensors
 from axtorch.train.metrics import read_metrics
 from axtorch.train.trainer import Trainer
-from debug_runs import STEPS, debug_overrides, train_losses, train_on_one_device
 
 ROOT = Path(__file__).resolve().parents[2]
 XLA_PYTHON = Path(os.environ.get("AXTORCH_XLA_PYTHON", ROOT / ".venv-xla" / "bin" / "python"))
@@ -46,14 +46,32 @@ def runs(tmp_path_factory):
     train_on_one_device(root / "single", cache)
     reports = {
         "xla1": _xla(1, root / "xla1.json", STEPS, debug_overrides(root / "xla1", cache)),
-        "xla_fsdp4": _xla(4, root / "xla_fsdp4.json", STEPS,
-                          debug_overrides(root / "xla_fsdp4", cache, "mesh.fsdp=4", "sharding=fsdp")),
-        "xla_fsdp2_tp2": _xla(4, root / "xla_fsdp2_tp2.json", STEPS, debug_overrides(
-            root / "xla_fsdp2_tp2", cache, "mesh.fsdp=2", "mesh.model=2", "sharding=fsdp_tp")),
+        "xla_fsdp4": _xla(
+            4,
+            root / "xla_fsdp4.json",
+            STEPS,
+            debug_overrides(root / "xla_fsdp4", cache, "mesh.fsdp=4", "sharding=fsdp"),
+        ),
+        "xla_fsdp2_tp2": _xla(
+            4,
+            root / "xla_fsdp2_tp2.json",
+            STEPS,
+            debug_overrides(root / "xla_fsdp2_tp2", cache, "mesh.fsdp=2", "mesh.model=2", "sharding=fsdp_tp"),
+        ),
         # Layers scanned over stacked weights, with min-cut remat inside the scanned layer.
-        "xla_fsdp4_scan_remat": _xla(4, root / "xla_fsdp4_scan_remat.json", STEPS, debug_overrides(
-            root / "xla_fsdp4_scan_remat", cache, "mesh.fsdp=4", "sharding=fsdp", "model.decoder.scan_layers=true",
-            "model/remat=full")),
+        "xla_fsdp4_scan_remat": _xla(
+            4,
+            root / "xla_fsdp4_scan_remat.json",
+            STEPS,
+            debug_overrides(
+                root / "xla_fsdp4_scan_remat",
+                cache,
+                "mesh.fsdp=4",
+                "sharding=fsdp",
+                "model.decoder.scan_layers=true",
+                "model/remat=full",
+            ),
+        ),
     }
     return root, reports
 
@@ -110,9 +128,18 @@ def test_xla_checkpoint_resumes_under_native_and_on_one_device(runs, tmp_path):
     to_native, to_single = tmp_path / "to_native", tmp_path / "to_single"
     for target in (to_native, to_single):
         shutil.copytree(root / "xla_fsdp4" / "checkpoints", target / "checkpoints")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-               str(NATIVE_WORKER), str(tmp_path / "native"), str(STEPS + 3),
-               *debug_overrides(to_native, cache, "backend=native", "mesh.fsdp=2", "sharding=fsdp")]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--standalone",
+        str(NATIVE_WORKER),
+        str(tmp_path / "native"),
+        str(STEPS + 3),
+        *debug_overrides(to_native, cache, "backend=native", "mesh.fsdp=2", "sharding=fsdp"),
+    ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     Trainer(load_experiment_config(debug_overrides(to_single, cache))).fit()
@@ -125,8 +152,12 @@ def test_xla_checkpoint_resumes_under_native_and_on_one_device(runs, tmp_path):
 
 #: A small mixtral_tiny with a capacity factor: static shapes, as GSPMD needs to move tokens to experts.
 _SMALL_MOE = [
-    "model=mixtral_tiny", "model.decoder.num_layers=2", "model.dim=64", "model.decoder.layer.attention.num_heads=4",
-    "model.decoder.layer.feed_forward.hidden_dim=64", "model.decoder.layer.feed_forward.capacity_factor=2.0",
+    "model=mixtral_tiny",
+    "model.decoder.num_layers=2",
+    "model.dim=64",
+    "model.decoder.layer.attention.num_heads=4",
+    "model.decoder.layer.feed_forward.hidden_dim=64",
+    "model.decoder.layer.feed_forward.capacity_factor=2.0",
 ]
 
 
@@ -134,8 +165,12 @@ _SMALL_MOE = [
 def test_expert_parallel_moe_matches_one_device_with_experts_split_over_the_expert_axis(tmp_path):
     cache = tmp_path / "cache"
     train_on_one_device(tmp_path / "single", cache, *_SMALL_MOE)
-    report = _xla(4, tmp_path / "ep.json", STEPS, debug_overrides(
-        tmp_path / "ep", cache, *_SMALL_MOE, "mesh.fsdp=2", "mesh.expert=2", "sharding=fsdp_ep"))
+    report = _xla(
+        4,
+        tmp_path / "ep.json",
+        STEPS,
+        debug_overrides(tmp_path / "ep", cache, *_SMALL_MOE, "mesh.fsdp=2", "mesh.expert=2", "sharding=fsdp_ep"),
+    )
     single, expert_parallel = train_losses(tmp_path / "single"), train_losses(tmp_path / "ep")
     assert len(expert_parallel) == STEPS
     torch.testing.assert_close(torch.tensor(expert_parallel), torch.tensor(single), rtol=1e-5, atol=1e-5)

@@ -1,6 +1,6 @@
 """Run in its own process under the xla venv by the XLA tests: train, then report shard shapes.
 
-    PJRT_DEVICE=CPU CPU_NUM_DEVICES=N python tests/parallel/xla_worker.py OUT_JSON UNTIL_STEP OVERRIDE...
+PJRT_DEVICE=CPU CPU_NUM_DEVICES=N python tests/parallel/xla_worker.py OUT_JSON UNTIL_STEP OVERRIDE...
 """
 
 import json

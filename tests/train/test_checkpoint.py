@@ -63,5 +63,10 @@ def test_checkpoint_files_are_safetensors_not_pickle(tmp_path):
     model, optimizer = _model_and_optimizer()
     path = Checkpointer(tmp_path, keep=1).save(1, model, optimizer, {})
     files = sorted(p.name for p in path.iterdir())
-    assert files == ["model.safetensors", "model.safetensors.index.json", "optimizer.safetensors",
-                     "optimizer.safetensors.index.json", "trainer_state.json"]
+    assert files == [
+        "model.safetensors",
+        "model.safetensors.index.json",
+        "optimizer.safetensors",
+        "optimizer.safetensors.index.json",
+        "trainer_state.json",
+    ]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import time
 
 import pytest
@@ -83,8 +82,13 @@ def test_mfu_arithmetic() -> None:
 def test_a_mixture_of_experts_counts_only_the_experts_each_token_uses() -> None:
     moe = MixtureOfExpertsConfig(hidden_dim=96, num_experts=8, router=RouterConfig(top_k=2))
     attention = AttentionConfig(num_heads=4, position=RotaryEmbeddingConfig(), mask=CausalMaskConfig())
-    config = CausalLMConfig(vocab_size=100, dim=32, decoder=DecoderConfig(
-        num_layers=2, layer=TransformerLayerConfig(attention=attention, feed_forward=moe, norm=RMSNormConfig())))
+    config = CausalLMConfig(
+        vocab_size=100,
+        dim=32,
+        decoder=DecoderConfig(
+            num_layers=2, layer=TransformerLayerConfig(attention=attention, feed_forward=moe, norm=RMSNormConfig())
+        ),
+    )
     with torch.device("meta"):
         model = config.build()
     total = sum(p.numel() for p in model.parameters())

@@ -32,7 +32,9 @@ def test_global_token_count_normalises_micro_batches_to_the_full_batch_mean():
     loss_fn = CrossEntropyLossConfig().build()
     full = loss_fn(LossInput(logits, labels)).loss
     total = (labels != IGNORE_INDEX).sum()
-    parts = sum(loss_fn(LossInput(logits[i : i + 1], labels[i : i + 1], num_target_tokens=total)).loss for i in range(4))
+    parts = sum(
+        loss_fn(LossInput(logits[i : i + 1], labels[i : i + 1], num_target_tokens=total)).loss for i in range(4)
+    )
     torch.testing.assert_close(parts, full)
 
 

@@ -85,7 +85,14 @@ def test_resume_from_earlier_checkpoint_keeps_the_last_written_entries(tmp_path:
         {"step": 6, "train/loss": 6.0},
     ]
     # TensorBoard hides the superseded events too.
-    assert _tensorboard_scalars(tmp_path, "train/loss") == [(1, 11.0), (2, 12.0), (3, 3.0), (4, 4.0), (5, 5.0), (6, 6.0)]
+    assert _tensorboard_scalars(tmp_path, "train/loss") == [
+        (1, 11.0),
+        (2, 12.0),
+        (3, 3.0),
+        (4, 4.0),
+        (5, 5.0),
+        (6, 6.0),
+    ]
 
 
 def test_same_step_lines_are_kept_unless_a_metric_repeats(tmp_path: Path) -> None:

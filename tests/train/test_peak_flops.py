@@ -61,10 +61,19 @@ class NamedCpuBackend(SingleDeviceBackend):
 
 
 def _fit(tmp_path, data_cache, backend=None, *overrides):
-    config = load_experiment_config([
-        "experiment=debug", f"run_dir={tmp_path / 'run'}", f"data.cache_dir={data_cache}", "trainer.progress_bar=false",
-        "trainer.max_steps=3", "trainer.log_every=1", "trainer.eval_every=3", "trainer.checkpoint_every=3", *overrides,
-    ])
+    config = load_experiment_config(
+        [
+            "experiment=debug",
+            f"run_dir={tmp_path / 'run'}",
+            f"data.cache_dir={data_cache}",
+            "trainer.progress_bar=false",
+            "trainer.max_steps=3",
+            "trainer.log_every=1",
+            "trainer.eval_every=3",
+            "trainer.checkpoint_every=3",
+            *overrides,
+        ]
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         result = Trainer(config, backend=backend).fit()
@@ -91,9 +100,13 @@ def test_a_known_chip_uses_its_datasheet_peak(tmp_path, data_cache):
 
 def test_a_configured_peak_wins_over_the_table(tmp_path, data_cache):
     _, default, _ = _fit(tmp_path / "a", data_cache, NamedCpuBackend("NVIDIA H100 80GB HBM3"))
-    _, configured, _ = _fit(tmp_path / "b", data_cache, NamedCpuBackend("NVIDIA H100 80GB HBM3"), "trainer.peak_flops=1e12")
-    ratio = [(c["train/mfu"] / c["train/tokens_per_s"]) / (d["train/mfu"] / d["train/tokens_per_s"])
-             for c, d in zip(configured, default)]
+    _, configured, _ = _fit(
+        tmp_path / "b", data_cache, NamedCpuBackend("NVIDIA H100 80GB HBM3"), "trainer.peak_flops=1e12"
+    )
+    ratio = [
+        (c["train/mfu"] / c["train/tokens_per_s"]) / (d["train/mfu"] / d["train/tokens_per_s"])
+        for c, d in zip(configured, default)
+    ]
     assert ratio == pytest.approx([66.9] * 3)
 
 

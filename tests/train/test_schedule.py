@@ -11,7 +11,9 @@ def test_warmup_is_linear_to_the_peak():
     assert learning_rate(config, 1.0, 9, 100) == pytest.approx(1.0)
 
 
-@pytest.mark.parametrize("kind, midpoint", [(ScheduleKind.cosine, 0.55), (ScheduleKind.linear, 0.55), (ScheduleKind.constant, 1.0)])
+@pytest.mark.parametrize(
+    "kind, midpoint", [(ScheduleKind.cosine, 0.55), (ScheduleKind.linear, 0.55), (ScheduleKind.constant, 1.0)]
+)
 def test_decay_shapes(kind, midpoint):
     config = ScheduleConfig(kind=kind, warmup_steps=0, min_lr_ratio=0.1)
     assert learning_rate(config, 1.0, 0, 100) == pytest.approx(1.0)

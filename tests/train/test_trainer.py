@@ -12,10 +12,15 @@ from axtorch.train.trainer import Trainer
 
 
 def _config(run_dir, data_cache, *overrides):
-    return load_experiment_config([
-        "experiment=debug", f"run_dir={run_dir}", f"data.cache_dir={data_cache}",
-        "trainer.progress_bar=false", *overrides,
-    ])
+    return load_experiment_config(
+        [
+            "experiment=debug",
+            f"run_dir={run_dir}",
+            f"data.cache_dir={data_cache}",
+            "trainer.progress_bar=false",
+            *overrides,
+        ]
+    )
 
 
 def test_tiny_run_learns_and_writes_its_run_directory(tmp_path, data_cache):
@@ -26,7 +31,11 @@ def test_tiny_run_learns_and_writes_its_run_directory(tmp_path, data_cache):
     for name in ("config.yaml", "metrics.jsonl", "loss.png", "tokenizer.json"):
         assert (run / name).is_file(), name
     assert any((run / "tensorboard").iterdir())
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000010", "step_00000020", "step_00000030"]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
+        "step_00000010",
+        "step_00000020",
+        "step_00000030",
+    ]
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "train/loss" in r]
     assert [r["step"] for r in train] == [5, 10, 15, 20, 25, 30]
@@ -37,8 +46,12 @@ def test_tiny_run_learns_and_writes_its_run_directory(tmp_path, data_cache):
 
 @pytest.mark.parametrize("accumulation", [1, 2])
 def test_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path, data_cache, accumulation):
-    overrides = [f"trainer.grad_accum_steps={accumulation}", "trainer.max_steps=16", "trainer.checkpoint_every=8",
-                 "model.decoder.layer.attention.dropout=0.1"]
+    overrides = [
+        f"trainer.grad_accum_steps={accumulation}",
+        "trainer.max_steps=16",
+        "trainer.checkpoint_every=8",
+        "model.decoder.layer.attention.dropout=0.1",
+    ]
     straight = Trainer(_config(tmp_path / "straight", data_cache, *overrides))
     straight.fit()
 
@@ -56,8 +69,11 @@ def test_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path, data_cache, a
 
 def test_gradient_accumulation_matches_the_full_batch(tmp_path, data_cache):
     one = Trainer(_config(tmp_path / "one", data_cache, "trainer.max_steps=3", "trainer.eval_every=100"))
-    four = Trainer(_config(tmp_path / "four", data_cache, "trainer.max_steps=3", "trainer.grad_accum_steps=4",
-                           "trainer.eval_every=100"))
+    four = Trainer(
+        _config(
+            tmp_path / "four", data_cache, "trainer.max_steps=3", "trainer.grad_accum_steps=4", "trainer.eval_every=100"
+        )
+    )
     one.fit()
     four.fit()
     for (name, a), (_, b) in zip(one.model.named_parameters(), four.model.named_parameters()):
