@@ -1,30 +1,48 @@
 # The two README commands: `make train` (set up, then run the main job) and `make test`
-# (set up, then run the whole suite). Extra arguments go through ARGS, e.g.
-# `make train ARGS="experiment=debug"` or `make test ARGS="-m 'not slow'"`.
+# (set up, then check the code and run the whole suite on both ends of the supported torch range).
+# Extra arguments go through ARGS, e.g. `make train ARGS="experiment=debug"` or
+# `make test ARGS="-m 'not slow'"` (given to both pytest runs).
 PYTHON ?= python3
+# The newest supported torch (CPU build), with the test and lint tools.
 VENV := .venv
-XLA_VENV := .venv-xla
+# The oldest supported torch, 2.9.0: what torch_xla 2.9 pins, so the XLA backend's environment.
+OLDEST_VENV := .venv-xla
 
-.PHONY: train test
+.PHONY: train test check test-newest test-oldest newcomer
 
 train: $(VENV)/.axtorch-base
 	$(VENV)/bin/axtorch-train $(ARGS)
 
-test: $(VENV)/.axtorch-test $(XLA_VENV)/.axtorch-xla
+test: check test-newest test-oldest newcomer
+
+# Lint, formatting and types: fast, so they run first.
+check: $(VENV)/.axtorch-test
+	$(VENV)/bin/ruff check axtorch tests benchmarks
+	$(VENV)/bin/ruff format --check axtorch tests benchmarks
+	$(VENV)/bin/mypy axtorch
+
+test-newest: $(VENV)/.axtorch-test $(OLDEST_VENV)/.axtorch-xla
 	$(VENV)/bin/python -m pytest $(ARGS)
 
-# torch 2.13 (CPU build) for everything but the XLA backend.
+# The same suite on torch 2.9.0, less the XLA tests (their workers already run on 2.9) and the
+# documented commands (they exercise the docs, not the torch version).
+test-oldest: $(OLDEST_VENV)/.axtorch-xla
+	$(OLDEST_VENV)/bin/python -m pytest --ignore=tests/parallel/test_xla_backend.py --ignore=tests/docs $(ARGS)
+
+# A wheel, installed into an empty environment, run from outside the repository.
+newcomer:
+	PYTHON=$(PYTHON) .ci/newcomer.sh
+
 $(VENV)/.axtorch-base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install "torch==2.13.0" -e .
 	touch $@
 
 $(VENV)/.axtorch-test: $(VENV)/.axtorch-base
-	$(VENV)/bin/pip install "torch==2.13.0" -e ".[test]"
+	$(VENV)/bin/pip install "torch==2.13.0" -e ".[test,lint]"
 	touch $@
 
-# torch_xla 2.9 needs exactly torch 2.9.0: its own environment, used by tests/parallel/test_xla_backend.py.
-$(XLA_VENV)/.axtorch-xla: pyproject.toml
-	$(PYTHON) -m venv $(XLA_VENV)
-	$(XLA_VENV)/bin/pip install -e ".[xla]"
+$(OLDEST_VENV)/.axtorch-xla: pyproject.toml
+	$(PYTHON) -m venv $(OLDEST_VENV)
+	$(OLDEST_VENV)/bin/pip install -e ".[xla,test]"
 	touch $@
