@@ -89,17 +89,19 @@ def materialize(backend: Backend, model: nn.Module, values: Iterable[tuple[str, 
         raise RuntimeError(f"no value for parameters {sorted(pending)[:5]} ({len(pending)} in all)")
 
 
-def host_device_name(device: torch.device) -> str:
-    """The name of an eagerly fed device: the CUDA/ROCm product name, else the device type.
+def ec2_instance_type() -> Optional[str]:
+    """The EC2 instance type (``trn1.32xlarge``), which Nitro instances report as their DMI product
+    name; it names the Trainium generation (untested here: no Trainium machine)."""
+    product = Path("/sys/devices/virtual/dmi/id/product_name")
+    return product.read_text().strip() if product.is_file() else None
 
-    On Trainium (a ``neuron`` device) the chip is known from the EC2 instance type, which Nitro
-    instances report as their DMI product name (untested here: no Trainium machine).
-    """
+
+def host_device_name(device: torch.device) -> str:
+    """The name of an eagerly fed device: the CUDA/ROCm product name, Trainium's instance type, else the type."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     if device.type == "neuron":
-        product = Path("/sys/devices/virtual/dmi/id/product_name")
-        return product.read_text().strip() if product.is_file() else "neuron"
+        return ec2_instance_type() or "neuron"
     return device.type
 
 

@@ -26,6 +26,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from axtorch.config.errors import ConfigError
 from axtorch.layers.transformer import Decoder, TransformerLayerInput, add_aux_loss
+from axtorch.parallel.backend import ec2_instance_type
 from axtorch.parallel.mesh import MeshConfig
 from axtorch.parallel.rules import PartitionSpec, ShardingConfig, resolve_activation_specs, resolve_parameter_specs
 from axtorch.parallel.tensor_shards import Piece
@@ -68,8 +69,7 @@ class XlaBackend:
         self.world_size = xr.process_count()
         self.num_devices = num_devices
         self.devices_per_process = num_devices // self.world_size
-        # The SPMD virtual device has no kind of its own; the first physical one names the chip.
-        self.device_name = xm.xla_device_kind("xla:0")
+        self.device_name = xla_device_name()
         if self.world_size > 1 and not dist.is_initialized():  # pragma: no cover - multi-host only
             # Host-side coordination (barriers, checkpoint piece lists) over gloo; torch_xla's
             # ``xla://`` rendezvous finds the hosts of a TPU pod (elsewhere set MASTER_ADDR).
@@ -223,6 +223,28 @@ def scan_decoder_layers(
     carry = (hidden_states, positions.float(), aux_loss)
     hidden_states, _, aux_loss = scan_layers(steps, carry, partition_fn=partition)
     return hidden_states, aux_loss
+
+
+def xla_device_name() -> str:
+    """The chip's name for the MFU table: the PJRT device type, and on TPU the generation.
+
+    Under SPMD the one virtual device has no kind of its own, so the name comes from the runtime's
+    device type; a TPU VM's generation (``v5litepod``, ``v5p``, ``v6e``) from its metadata, as
+    torch_xla reads it (untested here: no TPU), and a Trainium host's from its instance type.
+    """
+    kind = xr.device_type() or "unknown"
+    if kind == "CPU":
+        return "cpu"
+    if kind == "TPU":
+        try:
+            from torch_xla._internal import tpu
+
+            return f"TPU {tpu.get_tpu_type()}"
+        except Exception:  # noqa: BLE001 - no metadata server: the chip stays unnamed, MFU is omitted
+            return "TPU"
+    if kind == "NEURON":
+        return ec2_instance_type() or "neuron"
+    return kind
 
 
 def local_shard_shapes(tensor: torch.Tensor) -> list[tuple[int, ...]]:
