@@ -288,9 +288,12 @@ def backend_violations(files: Optional[list[ParsedFile]] = None) -> list[str]:
             if forbidden(target):
                 violations.add((parsed.path, line, target))
         for node in ast.walk(parsed.tree):  # ``import torch`` then ``torch.distributed.all_reduce(...)``
-            if isinstance(node, ast.Attribute) and forbidden(target := _dotted(node, parsed.bindings)):
-                if not (isinstance(node.value, ast.Attribute) and forbidden(_dotted(node.value, parsed.bindings))):
-                    violations.add((parsed.path, node.lineno, target))
+            if (
+                isinstance(node, ast.Attribute)
+                and forbidden(target := _dotted(node, parsed.bindings))
+                and not (isinstance(node.value, ast.Attribute) and forbidden(_dotted(node.value, parsed.bindings)))
+            ):
+                violations.add((parsed.path, node.lineno, target))
     return [f"{path}:{line} {target}" for path, line, target in sorted(violations)]
 
 
@@ -307,7 +310,8 @@ def _files(refs: list[Reference]) -> str:
 
 def locality_table(reports: list[FeatureReport]) -> str:
     rows = [
-        "| feature (config -> module) | choices | defined in | registry / re-exports | used by converters | other references | verdict |",
+        "| feature (config -> module) | choices | defined in | registry / re-exports | used by converters "
+        "| other references | verdict |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in reports:
@@ -335,7 +339,8 @@ def main() -> int:
     print(f"\n{local}/{len(reports)} local. (n): how many references (names imported or used) that file holds.")
 
     print(
-        "\n## Backend freedom (axtorch/layers/, axtorch/models/ import no torch.distributed, torch_xla, axtorch.parallel)\n"
+        "\n## Backend freedom "
+        "(axtorch/layers/, axtorch/models/ import no torch.distributed, torch_xla, axtorch.parallel)\n"
     )
     print("| check | result |\n|---|---|")
     print(f"| backend-free | {'yes' if not violations else 'NO: ' + '; '.join(violations)} |")

@@ -107,9 +107,10 @@ def main() -> None:
     tokens_per_run = args.steps * BATCH * SEQ_LEN
     throughput = {name: tokens_per_run / statistics.median(s) for name, s in seconds.items()}
     print(
-        f"shape: vocab {REFERENCE['vocab_size']}, width {REFERENCE['hidden_size']}, {REFERENCE['num_hidden_layers']} layers, "
-        f"{REFERENCE['num_attention_heads']} heads / {REFERENCE['num_key_value_heads']} kv, FFN {REFERENCE['intermediate_size']} "
-        f"SwiGLU, seq {SEQ_LEN}, batch {BATCH}, fp32, AdamW; torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"shape: vocab {REFERENCE['vocab_size']}, width {REFERENCE['hidden_size']}, "
+        f"{REFERENCE['num_hidden_layers']} layers, {REFERENCE['num_attention_heads']} heads / "
+        f"{REFERENCE['num_key_value_heads']} kv, FFN {REFERENCE['intermediate_size']} SwiGLU, seq {SEQ_LEN}, "
+        f"batch {BATCH}, fp32, AdamW; torch {torch.__version__}, transformers {transformers.__version__}, "
         f"{torch.get_num_threads()} threads{', compiled' if args.compile else ''}"
     )
     print(f"measured fp32 GEMM peak: {peak / 1e9:.1f} GFLOP/s; model FLOPs/token: {flops_per_token / 1e6:.1f} M")

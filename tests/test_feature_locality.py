@@ -67,7 +67,7 @@ def test_the_check_catches_a_parent_layer_special_casing_a_feature(tool, files):
         "    return x\n",
         "axtorch/layers/special_case.py",
     )
-    reports = {r.config_class.__name__: r for r in tool.feature_reports(files + [special_case])}
+    reports = {r.config_class.__name__: r for r in tool.feature_reports([*files, special_case])}
     assert [str(ref) for ref in reports["NoPositionConfig"].non_local] == ["axtorch/layers/special_case.py:5"]
     assert [str(ref) for ref in reports["LayerNormConfig"].non_local] == ["axtorch/layers/special_case.py:3"]
     assert reports["RMSNormConfig"].is_local

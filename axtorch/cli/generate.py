@@ -19,7 +19,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from axtorch.compose.experiment import check_keys_exist
 from axtorch.config.errors import ConfigError
-from axtorch.config.serialize import config_from_yaml
+from axtorch.config.serialize import config_from_yaml, to_object
 from axtorch.data.tokenizer import Tokenizer
 from axtorch.infer.generate import generate
 from axtorch.infer.sampling import SamplingConfig
@@ -66,7 +66,7 @@ def parse_args(argv: list[str]) -> GenerateConfig:
     schema = OmegaConf.structured(GenerateConfig)
     check_keys_exist(schema, argv)
     try:
-        config: GenerateConfig = OmegaConf.to_object(OmegaConf.merge(schema, OmegaConf.from_dotlist(argv)))
+        config = to_object(OmegaConf.merge(schema, OmegaConf.from_dotlist(argv)), GenerateConfig)
     except OmegaConfBaseException as error:
         raise ConfigError(
             getattr(error, "full_key", "?") or "?",

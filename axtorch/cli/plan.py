@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
-from omegaconf import OmegaConf
 
 from axtorch.compose.experiment import compose_experiment_config, to_experiment_config
 from axtorch.config.errors import ConfigError
+from axtorch.config.serialize import to_object
 from axtorch.layers.remat import RematConfig
 from axtorch.models.causal_lm import CausalLMConfig
 from axtorch.parallel.mesh import MESH_AXES, MeshConfig
@@ -300,7 +300,7 @@ def load_plan_inputs(
     while they run and resolved here against ``devices`` (default: the product of its axes).
     """
     cfg = compose_experiment_config(overrides)
-    mesh: MeshConfig = OmegaConf.to_object(cfg.mesh)
+    mesh = to_object(cfg.mesh, MeshConfig)
     cfg.mesh = MeshConfig()
     config = to_experiment_config(cfg)
     config.mesh = mesh

@@ -12,16 +12,18 @@ import difflib
 import re
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Optional
 
 from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException, MissingConfigException
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, Node
 from omegaconf.errors import OmegaConfBaseException
 
 from axtorch.compose.registry import register_configs
 from axtorch.config.errors import ConfigError
+from axtorch.config.serialize import to_object
 from axtorch.train.experiment import ExperimentConfig
 
 #: The installed package that holds ``conf/`` (setuptools maps the repository's ``conf/`` to it).
@@ -87,7 +89,8 @@ def _user_config_dirs(overrides: Sequence[str]) -> list[Path]:
     for override in overrides:
         if _key(override) == "hydra.searchpath":
             parsed = OverridesParser.create().parse_overrides([override])[0].value()
-            dirs += [Path(entry[len("file://") :]) for entry in parsed if str(entry).startswith("file://")]
+            entries = parsed if isinstance(parsed, list) else []  # hydra.searchpath is a list
+            dirs += [Path(entry[len("file://") :]) for entry in entries if str(entry).startswith("file://")]
     return dirs
 
 
@@ -112,11 +115,13 @@ def check_keys_exist(base: DictConfig, overrides: Sequence[str]) -> None:
     """Raise ``ConfigError`` for the first ``key=value`` whose dotted key is not in ``base``."""
     for override in overrides:
         key, _, value = override.partition("=")
-        node, walked = base, []
+        node: Optional[Node] = base
+        walked: list[str] = []
         for part in key.split("."):
-            if not isinstance(node, DictConfig) or part not in node.keys():
+            # keys(), not `in`: a DictConfig says a key whose value is still ??? is not in it.
+            if not isinstance(node, DictConfig) or part not in node.keys():  # noqa: SIM118
                 parent = ".".join(walked) or "<root>"
-                allowed = sorted(node.keys()) if isinstance(node, DictConfig) else []
+                allowed = sorted(str(k) for k in node) if isinstance(node, DictConfig) else []
                 close = difflib.get_close_matches(part, allowed, n=1)
                 hint = f" (did you mean {'.'.join(walked + close)}?)" if close else ""
                 raise ConfigError(
@@ -129,7 +134,7 @@ def check_keys_exist(base: DictConfig, overrides: Sequence[str]) -> None:
 def to_experiment_config(cfg: DictConfig) -> ExperimentConfig:
     """Convert a composed config into typed dataclasses and run the cross-field checks."""
     try:
-        config = OmegaConf.to_object(cfg)
+        config = to_object(cfg, ExperimentConfig)
     except OmegaConfBaseException as error:
         key = getattr(error, "full_key", None) or "<config>"
         raise ConfigError(key, "???", "every required value set", reason=str(error).splitlines()[0]) from error

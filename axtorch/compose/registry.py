@@ -8,6 +8,8 @@ the chosen config lands in the experiment tree.
 
 from __future__ import annotations
 
+from typing import Any
+
 from hydra.core.config_store import ConfigStore
 
 from axtorch.data.sources import (
@@ -36,7 +38,7 @@ from axtorch.train.experiment import ExperimentConfig
 SCHEMA_NAME = "train_schema"
 
 #: group -> (package it fills, {option name: config node})
-CHOICES = {
+CHOICES: dict[str, tuple[str, dict[str, Any]]] = {
     "model/ffn": (
         "model.decoder.layer.feed_forward",
         {

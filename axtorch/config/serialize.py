@@ -30,11 +30,9 @@ def _import_class(path: str) -> type:
 
 
 def _declared_dataclass(annotation: Any) -> type | None:
-    if dataclasses.is_dataclass(annotation):
-        return annotation
-    for arg in typing.get_args(annotation):  # Optional[SomeConfig]
-        if dataclasses.is_dataclass(arg):
-            return arg
+    for candidate in (annotation, *typing.get_args(annotation)):  # SomeConfig or Optional[SomeConfig]
+        if isinstance(candidate, type) and dataclasses.is_dataclass(candidate):
+            return candidate
     return None
 
 
@@ -75,10 +73,18 @@ def _typed_nodes(node: Any) -> Any:
     return node
 
 
-def config_from_dict(data: dict[str, Any], schema: type[T]) -> T:
-    merged = OmegaConf.merge(OmegaConf.structured(schema), _typed_nodes(data))
-    return OmegaConf.to_object(merged)
+def to_object(node: Any, schema: type[T]) -> T:
+    """``OmegaConf.to_object`` of a structured config node of ``schema``, typed as such."""
+    # OmegaConf annotates to_object with a loose union of every container type it can return.
+    return typing.cast(T, OmegaConf.to_object(node))
+
+
+def config_from_dict(data: dict[Any, Any], schema: type[T]) -> T:
+    return to_object(OmegaConf.merge(OmegaConf.structured(schema), _typed_nodes(data)), schema)
 
 
 def config_from_yaml(text: str, schema: type[T]) -> T:
-    return config_from_dict(OmegaConf.to_container(OmegaConf.create(text)), schema)
+    data = OmegaConf.to_container(OmegaConf.create(text))
+    if not isinstance(data, dict):
+        raise ValueError(f"config YAML is a {type(data).__name__}, not a mapping")
+    return config_from_dict(data, schema)

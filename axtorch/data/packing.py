@@ -112,7 +112,7 @@ def tokenize_documents(source: DocumentSource, tokenizer: Tokenizer) -> tuple[np
 
 def split_by_tokens(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
     """(train, validation): the stream's last ``val_fraction`` of tokens held out, the rest trained on."""
-    held_out = int(round(tokens.size * val_fraction))
+    held_out = round(tokens.size * val_fraction)
     return tokens[: tokens.size - held_out], tokens[tokens.size - held_out :]
 
 

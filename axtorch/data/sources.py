@@ -35,7 +35,7 @@ def stable_hash(*parts: Any) -> str:
     return hashlib.sha256(payload).hexdigest()[:16]
 
 
-def write_file_atomically(path: Path, write: Callable[[BinaryIO], None]) -> None:
+def write_file_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
     """Write through a temporary file and rename it, so ``path`` is either absent or complete.
 
     A run killed mid-write must not leave a truncated cache file that the next run would trust.
@@ -111,7 +111,7 @@ class PythonStdlibSource(DocumentSource):
     """The ``*.py`` files of the running Python's standard library: a corpus every machine has."""
 
     def __init__(self, max_files: Optional[int] = None):
-        files = []
+        files: list[Path] = []
         for directory, subdirectories, names in os.walk(sysconfig.get_paths()["stdlib"]):
             # Pruning in place keeps the walk out of site-packages and the large test trees.
             subdirectories[:] = [name for name in subdirectories if name not in _STDLIB_EXCLUDED_DIRS]

@@ -94,7 +94,8 @@ def _hf_config(reader: GGUFReader) -> dict[str, Any]:
     rotary_dim = _metadata(reader, "llama.rope.dimension_count", head_dim)
     if rotary_dim != head_dim:
         raise ValueError(
-            f"GGUF llama.rope.dimension_count={rotary_dim} is not supported: RoPE must rotate the whole head ({head_dim})"
+            f"GGUF llama.rope.dimension_count={rotary_dim} is not supported: "
+            f"RoPE must rotate the whole head ({head_dim})"
         )
     tensor_names = {tensor.name for tensor in reader.tensors}
     return {

@@ -87,7 +87,7 @@ def _weight_files(directory: Path) -> list[Path]:
 def _read_safetensors(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
     for path in _weight_files(directory):
         with safe_open(path, framework="pt") as file:
-            for name in file.keys():
+            for name in file.keys():  # noqa: SIM118 -- safe_open has keys() but is not iterable
                 yield name, file.get_tensor(name)
 
 

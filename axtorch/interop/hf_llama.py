@@ -342,10 +342,12 @@ def llama_config_to_hf(config: CausalLMConfig) -> dict[str, Any]:
         type(final_norm) is RMSNormConfig and final_norm.eps == norm.eps,
         f"final norm {final_norm} differs from the layer norm {norm} (they have one rms_norm_eps)",
     )
+    position = attention.position
     _require(
-        any(type(attention.position) is cls for cls, _ in _ROPE_TYPES.values()),
-        f"position encoding {type(attention.position).__name__} (they use RoPE: {sorted(_ROPE_TYPES)})",
+        any(type(position) is cls for cls, _ in _ROPE_TYPES.values()),
+        f"position encoding {type(position).__name__} (they use RoPE: {sorted(_ROPE_TYPES)})",
     )
+    assert isinstance(position, RotaryEmbeddingConfig)  # every class of _ROPE_TYPES is one
     _require(
         type(attention.mask) in (CausalMaskConfig, SlidingWindowMaskConfig),
         f"attention mask {type(attention.mask).__name__}",
@@ -394,7 +396,7 @@ def llama_config_to_hf(config: CausalLMConfig) -> dict[str, Any]:
         "(they scale by 1/sqrt(head_dim) and do not cap)",
     )
     window = attention.mask.window if type(attention.mask) is SlidingWindowMaskConfig else None
-    family_fields = {
+    family_fields: dict[str, dict[str, Any]] = {
         "llama": {"attention_bias": attention.qkv_projection.bias, "mlp_bias": feed_forward.projection.bias},
         "mistral": {"sliding_window": window},
         "qwen3": {
@@ -425,7 +427,7 @@ def llama_config_to_hf(config: CausalLMConfig) -> dict[str, Any]:
         "hidden_act": hidden_act,
         "max_position_embeddings": config.max_seq_len,
         "rms_norm_eps": norm.eps,
-        **_rope_to_hf(attention.position),
+        **_rope_to_hf(position),
         "attention_dropout": attention.dropout,
         **family_fields[family],
         **experts,

@@ -121,7 +121,9 @@ def mixture_of_experts_to_hf(config: CausalLMConfig, model_type: str) -> dict[st
 
     ``ValueError`` names the first feature that the family cannot express.
     """
-    feed_forward: MixtureOfExpertsConfig = config.decoder.layer.feed_forward
+    feed_forward = config.decoder.layer.feed_forward
+    if not isinstance(feed_forward, MixtureOfExpertsConfig):
+        raise TypeError(f"not a mixture of experts: the feed-forward is a {type(feed_forward).__name__}")
     router = feed_forward.router
     unsupported = {
         f"{router.gating.value} gating (they use softmax)": router.gating is not Gating.softmax,

@@ -153,9 +153,11 @@ class GroupedQueryAttention(nn.Module):
         cap = self.config.logit_softcap
         # A plain causal mask over a whole sequence lets SDPA use its fused causal kernels.
         fused_causal = inputs.kv_cache is None and self.mask.is_plain_causal and bias is None and cap is None
-        mask = None if fused_causal else self.mask(inputs.positions, key_positions)
-        if bias is not None:  # an additive float mask: the bias where allowed, -inf elsewhere
-            mask = bias.to(q.dtype).masked_fill(~mask, float("-inf"))
+        mask: Optional[torch.Tensor] = None
+        if not fused_causal:
+            allowed = self.mask(inputs.positions, key_positions)
+            # With a bias, an additive float mask: the bias where allowed, -inf elsewhere.
+            mask = allowed if bias is None else bias.to(q.dtype).masked_fill(~allowed, float("-inf"))
         dropout_p = self.config.dropout if self.training else 0.0
         with activation_name("attention_context"):
             if cap is None:
@@ -170,6 +172,7 @@ class GroupedQueryAttention(nn.Module):
                     enable_gqa=q.shape[1] != k.shape[1],
                 )
             else:
+                assert mask is not None  # a soft cap rules out the fused kernels, so the mask was built
                 scale = self.head_dim**-0.5 if self.config.softmax_scale is None else self.config.softmax_scale
                 out = soft_capped_attention(q, k, v, mask, scale=scale, cap=cap, dropout_p=dropout_p)
         out = out.transpose(1, 2).reshape(batch, seq, -1)

@@ -18,7 +18,7 @@ from torch import nn
 class MaskConfig:
     """Slot type for an attention mask; build with ``build()``."""
 
-    def build(self) -> nn.Module:
+    def build(self) -> AttentionMask:
         raise NotImplementedError(f"{type(self).__name__} is a slot type: choose a concrete mask config")
 
 
@@ -48,11 +48,17 @@ def position_distance(query_positions: torch.Tensor, key_positions: torch.Tensor
     return query_positions[:, None, :, None] - key_positions[:, None, None, :]
 
 
-class CausalMask(nn.Module):
-    """A query at position p sees keys at positions <= p."""
+class AttentionMask(nn.Module):
+    """What attention asks of a mask: called with query and key positions, a boolean [B, 1, Sq, Sk]."""
 
     #: True when, for a full sequence with positions 0..S-1, the mask is plain causal, which lets
     #: attention use the fused ``is_causal`` kernels instead of materialising the mask.
+    is_plain_causal: bool
+
+
+class CausalMask(AttentionMask):
+    """A query at position p sees keys at positions <= p."""
+
     is_plain_causal = True
 
     def forward(self, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
@@ -60,7 +66,7 @@ class CausalMask(nn.Module):
         return position_distance(query_positions, key_positions) >= 0
 
 
-class SlidingWindowMask(nn.Module):
+class SlidingWindowMask(AttentionMask):
     """A query at position p sees keys at positions in (p - window, p]."""
 
     is_plain_causal = False

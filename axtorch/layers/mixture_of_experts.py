@@ -29,7 +29,9 @@ Two ways to run the experts:
 from __future__ import annotations
 
 import enum
+import functools
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -114,12 +116,13 @@ class Router(nn.Module):
         weights, experts = scores.topk(config.top_k, dim=-1)
         if config.normalize_top_k:
             weights = weights / weights.sum(-1, keepdim=True)
-        losses = []
+        losses: list[torch.Tensor] = []
         if config.load_balancing_loss_weight:
             losses.append(config.load_balancing_loss_weight * self._load_balancing_loss(scores, experts))
         if config.z_loss_weight:
             losses.append(config.z_loss_weight * logits.logsumexp(-1).square().mean())
-        return RouterOutput(weights.to(tokens.dtype), experts, logits, sum(losses) if losses else None)
+        aux_loss = functools.reduce(operator.add, losses) if losses else None
+        return RouterOutput(weights.to(tokens.dtype), experts, logits, aux_loss)
 
     def _load_balancing_loss(self, scores: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         probabilities = scores if self.config.gating is Gating.softmax else scores / scores.sum(-1, keepdim=True)
@@ -234,16 +237,15 @@ class MixtureOfExperts(nn.Module):
 
     def capacity(self, num_tokens: int) -> int:
         """Assignments each expert takes when a call routes ``num_tokens`` tokens (needs ``capacity_factor``)."""
+        if self.capacity_factor is None:
+            raise ValueError("capacity() needs capacity_factor: this layer routes without dropping (dropless)")
         return math.ceil(self.capacity_factor * num_tokens * self.top_k / self.num_experts)
 
     def forward(self, inputs: FeedForwardInput) -> FeedForwardOutput:
         x = inputs.hidden_states
         tokens = x.reshape(-1, x.shape[-1])
         routing = self.router(tokens)
-        if self.capacity_factor is None:
-            out = self._dropless(tokens, routing)
-        else:
-            out = self._with_capacity(tokens, routing)
+        out = self._dropless(tokens, routing) if self.capacity_factor is None else self._with_capacity(tokens, routing)
         out = out.reshape(x.shape)
         if self.shared_experts is not None:
             shared = self.shared_experts(FeedForwardInput(x)).hidden_states

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, overload
 
 import torch
 from omegaconf import MISSING
@@ -161,6 +161,11 @@ class Decoder(nn.Module):
         return DecoderOutput(hidden_states=self.final_norm(h), kv_caches=inputs.kv_caches, aux_loss=aux_loss)
 
 
+# A running total that is already a tensor stays one (the XLA backend's scan carries it).
+@overload
+def add_aux_loss(total: torch.Tensor, layer_loss: Optional[torch.Tensor]) -> torch.Tensor: ...
+@overload
+def add_aux_loss(total: Optional[torch.Tensor], layer_loss: Optional[torch.Tensor]) -> Optional[torch.Tensor]: ...
 def add_aux_loss(total: Optional[torch.Tensor], layer_loss: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     if layer_loss is None:
         return total

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, cast
 
 import torch
 import torch.nn.functional as F
@@ -16,7 +16,7 @@ from axtorch.layers.init import initialize_parameters
 from axtorch.layers.kv_cache import KVCache
 from axtorch.layers.linear import LinearConfig
 from axtorch.layers.position_embedding import PositionEmbeddingConfig
-from axtorch.layers.transformer import DecoderConfig, DecoderInput
+from axtorch.layers.transformer import DecoderConfig, DecoderInput, TransformerLayer
 
 
 @dataclass
@@ -97,7 +97,8 @@ class CausalLM(nn.Module):
         self, batch_size: int, max_len: int, *, dtype: torch.dtype, device: torch.device
     ) -> list[KVCache]:
         return [
-            layer.attention.allocate_kv_cache(batch_size, max_len, dtype=dtype, device=device)
+            # ModuleList iterates as plain nn.Module; the decoder's layers are all TransformerLayers.
+            cast(TransformerLayer, layer).attention.allocate_kv_cache(batch_size, max_len, dtype=dtype, device=device)
             for layer in self.decoder.layers
         ]
 

@@ -13,6 +13,7 @@ from typing import Any, Optional, Protocol
 import torch
 from torch import nn
 
+from axtorch.models.causal_lm import CausalLM
 from axtorch.parallel.tensor_shards import Piece, copy_into_local_block, owned_pieces
 
 
@@ -30,13 +31,19 @@ class Backend(Protocol):
     gradient_divisor: int
     #: Whether this process writes the run directory's shared files (config, metrics, plots).
     is_main_process: bool
-    #: The chip as its runtime names it ("cpu", "NVIDIA H100 80GB HBM3", "TPU v5 lite"): picks the MFU peak.
-    device_name: str
-    #: Devices that run one step together, and how many of them each process drives.
-    num_devices: int
+    #: How many of the step's devices (``num_devices``) each process drives.
     devices_per_process: int
 
-    def parallelize(self, model: nn.Module) -> nn.Module:
+    # Read-only (an implementation may derive them), so declared as properties.
+    @property
+    def device_name(self) -> str:
+        """The chip as its runtime names it ("cpu", "NVIDIA H100 80GB HBM3", "TPU v5 lite"): picks the MFU peak."""
+
+    @property
+    def num_devices(self) -> int:
+        """Devices that run one step together."""
+
+    def parallelize(self, model: CausalLM) -> CausalLM:
         """Shard a model built on the meta device; returns the module to train.
 
         Parameters hold no values yet: ``materialize`` fills them, one at a time.

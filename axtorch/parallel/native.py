@@ -30,6 +30,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 
 from axtorch.config.errors import ConfigError
+from axtorch.models.causal_lm import CausalLM
 from axtorch.parallel.backend import HostFedBackend
 from axtorch.parallel.mesh import MeshConfig
 from axtorch.parallel.rules import PartitionSpec, ShardingConfig, resolve_parameter_specs
@@ -69,7 +70,10 @@ class NativeBackend(HostFedBackend):
         self.mesh: DeviceMesh = init_device_mesh(
             device_type, tuple(self.sizes.values()), mesh_dim_names=tuple(self.sizes)
         )
-        coordinate = dict(zip(self.sizes, self.mesh.get_coordinate()))
+        own_coordinate = self.mesh.get_coordinate()
+        if own_coordinate is None:  # cannot happen: init_device_mesh spans every rank
+            raise RuntimeError(f"rank {dist.get_rank()} is not in its own device mesh")
+        coordinate = dict(zip(self.sizes, own_coordinate))
         self.data_parallel_size = self.sizes["data"] * self.sizes["fsdp"]
         self.data_parallel_rank = coordinate["data"] * self.sizes["fsdp"] + coordinate["fsdp"]
         self.gradient_divisor = 1
@@ -79,7 +83,7 @@ class NativeBackend(HostFedBackend):
 
     # -------------------------------------------------------------------------------- sharding
 
-    def parallelize(self, model: nn.Module) -> nn.Module:
+    def parallelize(self, model: CausalLM) -> CausalLM:
         specs = resolve_parameter_specs(
             {name: tuple(p.shape) for name, p in model.named_parameters()}, self.sharding, self.sizes
         )
@@ -120,7 +124,7 @@ class NativeBackend(HostFedBackend):
             else:  # row-parallel
                 _distribute(module, tp_mesh, weight_dim=1, bias=Replicate(), inputs=Shard(-1), outputs=Replicate())
 
-    def _apply_fsdp(self, model: nn.Module, specs: dict[str, PartitionSpec]) -> None:
+    def _apply_fsdp(self, model: CausalLM, specs: dict[str, PartitionSpec]) -> None:
         dp_mesh = self.mesh["data", "fsdp"] if self.sizes["data"] > 1 else self.mesh["fsdp"]
         dims = {}
         for name, param in model.named_parameters():

@@ -176,7 +176,7 @@ def _compile(pattern: str, key: str) -> re.Pattern[str]:
 
 
 def _parse_spec(entries: Sequence[Optional[str]], mesh_sizes: Mapping[str, int], key: str) -> PartitionSpec:
-    spec = []
+    spec: list[Optional[tuple[str, ...]]] = []
     seen: set[str] = set()
     for entry in entries:
         if entry is None:
@@ -214,6 +214,8 @@ def _check_fits(
             reason=f"parameter {name} has shape {shape} (rank {len(shape)}) but the spec has {len(spec)} entries",
         )
     for dim, (size, axes) in enumerate(zip(shape, spec)):
+        if axes is None:  # replicated: fits any size
+            continue
         ways = _ways(axes, mesh_sizes)
         if size % ways:
             product = " x ".join(f"{axis}={mesh_sizes[axis]}" for axis in axes)

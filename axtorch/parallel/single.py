@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from axtorch.config.errors import ConfigError
+from axtorch.models.causal_lm import CausalLM
 from axtorch.parallel.backend import HostFedBackend
 
 
@@ -36,7 +37,7 @@ class SingleDeviceBackend(HostFedBackend):
     def __init__(self, device: torch.device):
         self.device = device
 
-    def parallelize(self, model: nn.Module) -> nn.Module:
+    def parallelize(self, model: CausalLM) -> CausalLM:
         return model.to_empty(device=self.device)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:

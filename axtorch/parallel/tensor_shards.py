@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, TypeGuard
 
 import torch
 from safetensors import safe_open
@@ -19,8 +19,10 @@ from safetensors import safe_open
 try:  # torch.distributed is optional (e.g. some macOS builds)
     from torch.distributed.tensor import DTensor, Replicate
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _HAS_DTENSOR = True
 except ImportError:  # pragma: no cover
-    DTensor = None
+    _HAS_DTENSOR = False
 
 
 @dataclass
@@ -30,8 +32,8 @@ class Piece:
     offsets: tuple[int, ...]
 
 
-def is_distributed(tensor: torch.Tensor) -> bool:
-    return DTensor is not None and isinstance(tensor, DTensor)
+def is_distributed(tensor: torch.Tensor) -> TypeGuard[DTensor]:
+    return _HAS_DTENSOR and isinstance(tensor, DTensor)
 
 
 def local_region(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -60,7 +62,7 @@ def owned_piece(tensor: torch.Tensor, rank: int) -> Optional[Piece]:
         return None
     else:
         local = tensor
-    shape, offsets = local_region(tensor)
+    _, offsets = local_region(tensor)
     return Piece(local.detach().to("cpu", copy=True).contiguous(), tuple(tensor.shape), tuple(offsets))
 
 

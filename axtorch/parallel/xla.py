@@ -26,6 +26,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from axtorch.config.errors import ConfigError
 from axtorch.layers.transformer import Decoder, TransformerLayerInput, add_aux_loss
+from axtorch.models.causal_lm import CausalLM
 from axtorch.parallel.backend import ec2_instance_type
 from axtorch.parallel.mesh import MeshConfig
 from axtorch.parallel.rules import PartitionSpec, ShardingConfig, resolve_activation_specs, resolve_parameter_specs
@@ -81,7 +82,7 @@ class XlaBackend:
         self.is_main_process = self.rank == 0
         self.parameter_specs: dict[str, PartitionSpec] = {}
 
-    def parallelize(self, model: nn.Module) -> nn.Module:
+    def parallelize(self, model: CausalLM) -> CausalLM:
         """Resolve the specs and hook the activations; parameters stay on the meta device until filled."""
         self.parameter_specs = resolve_parameter_specs(
             {name: tuple(p.shape) for name, p in model.named_parameters()}, self.sharding, self.sizes
@@ -240,7 +241,7 @@ def xla_device_name() -> str:
             from torch_xla._internal import tpu
 
             return f"TPU {tpu.get_tpu_type()}"
-        except Exception:  # noqa: BLE001 - no metadata server: the chip stays unnamed, MFU is omitted
+        except Exception:  # no metadata server: the chip stays unnamed, MFU is omitted
             return "TPU"
     if kind == "NEURON":
         return ec2_instance_type() or "neuron"

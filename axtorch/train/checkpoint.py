@@ -104,10 +104,11 @@ def _piece_key(name: str, piece: Piece, count: int) -> str:
 def _write_pieces(directory: Path, prefix: str, pieces: dict[str, list[Piece]], collective: Collective) -> None:
     """Each process writes its pieces; the first writes the index describing all of them."""
     file = _shard_file(prefix, collective.rank, collective.world_size)
-    stored, described = {}, {}
+    stored: dict[str, torch.Tensor] = {}
+    described: dict[str, dict[str, Any]] = {}
     for name, name_pieces in pieces.items():
         first = name_pieces[0]
-        entry = {
+        entry: dict[str, Any] = {
             "shape": list(first.global_shape),
             "dtype": str(first.tensor.dtype).removeprefix("torch."),
             "pieces": [],

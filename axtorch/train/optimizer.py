@@ -39,7 +39,8 @@ class OptimConfig:
 
 def parameter_groups(model: nn.Module, config: OptimConfig) -> list[dict]:
     """Split parameters into a decayed and a non-decayed group; each group carries its names."""
-    decay, no_decay = [], []
+    decay: list[tuple[str, nn.Parameter]] = []
+    no_decay: list[tuple[str, nn.Parameter]] = []
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
@@ -54,10 +55,11 @@ def parameter_groups(model: nn.Module, config: OptimConfig) -> list[dict]:
 
 def build_optimizer(model: nn.Module, config: OptimConfig) -> torch.optim.AdamW:
     """AdamW over ``parameter_groups``; the lr is set by the trainer each step from the schedule."""
+    beta1, beta2 = config.betas  # validate() checked that there are two
     return torch.optim.AdamW(
         parameter_groups(model, config),
         lr=config.lr,
-        betas=tuple(config.betas),
+        betas=(beta1, beta2),
         eps=config.eps,
         foreach=True,
     )

@@ -1,4 +1,4 @@
-"""Metric curves of one or more runs, drawn from their ``metrics.jsonl`` files (used by the trainer and ``axtorch-plot``)."""
+"""Metric curves of one or more runs, from their ``metrics.jsonl`` files (used by the trainer and ``axtorch-plot``)."""
 
 from __future__ import annotations
 

@@ -38,9 +38,6 @@ def learning_rate(config: ScheduleConfig, peak_lr: float, step: int, total_steps
         return peak_lr
     decay_steps = max(total_steps - config.warmup_steps, 1)
     progress = min((step - config.warmup_steps) / decay_steps, 1.0)
-    if config.kind is ScheduleKind.cosine:
-        factor = 0.5 * (1.0 + math.cos(math.pi * progress))
-    else:
-        factor = 1.0 - progress
+    factor = 0.5 * (1.0 + math.cos(math.pi * progress)) if config.kind is ScheduleKind.cosine else 1.0 - progress
     min_lr = peak_lr * config.min_lr_ratio
     return min_lr + (peak_lr - min_lr) * factor

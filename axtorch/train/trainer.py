@@ -7,14 +7,16 @@ layers the model is made of.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import math
+import operator
 import random
 import resource
 import shutil
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, TypeVar
@@ -89,6 +91,7 @@ def build_parallel_model(
     with torch.device("meta"):
         model = config.model.build()
     model = backend.parallelize(model)
+    values: Iterable[tuple[str, torch.Tensor]]
     if pretrained is not None:
         values = pretrained.model.state_dict().items()
     else:
@@ -109,7 +112,8 @@ class Trainer:
             raise ConfigError(
                 "trainer.batch_size",
                 config.trainer.batch_size,
-                f"a multiple of {replicas} data-parallel replicas x {config.trainer.grad_accum_steps} accumulation steps",
+                f"a multiple of {replicas} data-parallel replicas "
+                f"x {config.trainer.grad_accum_steps} accumulation steps",
             )
         random.seed(config.trainer.seed)
         self.pretrained = None
@@ -257,7 +261,9 @@ class Trainer:
         so accumulation and data parallelism weigh every token the same as one big batch would.
         """
         micro_batches = self._micro_batches(batch)
-        local_targets = sum((mb["labels"] != self.config.loss.ignore_index).sum() for mb in micro_batches)
+        local_targets = functools.reduce(
+            operator.add, ((mb["labels"] != self.config.loss.ignore_index).sum() for mb in micro_batches)
+        )
         num_targets = self.backend.all_reduce_sum(local_targets)
         total_loss = torch.zeros((), device=self.device)
         for mb in micro_batches:
@@ -340,7 +346,8 @@ class Trainer:
                 started = time.perf_counter()
                 window.append(self.train_step(batch))
                 window_time += time.perf_counter() - started
-                if main and (self.step % trainer.log_every == 0 or self.step == stop):
+                # Only the main process has a logger (``metrics`` is None on the others).
+                if metrics is not None and (self.step % trainer.log_every == 0 or self.step == stop):
                     logged = _best_effort("computing train metrics", self._window_metrics, window, window_time)
                     if logged:
                         _best_effort("logging metrics", metrics.log, self.step, logged)

@@ -78,3 +78,9 @@ def test_the_command_line_refuses_an_added_unknown_key(tmp_path):
     assert result.returncode == 2
     assert "trainer.no_such_key" in result.stderr and "Traceback" not in result.stderr
     assert not any(tmp_path.iterdir())  # refused before anything ran
+
+
+def test_a_key_whose_value_is_still_missing_can_be_set():
+    """``model/mask=sliding_window`` leaves ``window`` as ``???``: setting it is not an unknown key."""
+    config = load_experiment_config(["model/mask=sliding_window", "model.decoder.layer.attention.mask.window=256"])
+    assert config.model.decoder.layer.attention.mask.window == 256

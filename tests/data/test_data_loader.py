@@ -49,11 +49,11 @@ def test_epochs_drop_the_ragged_tail_and_reshuffle():
     iterator = BatchIterator(sequences(10), batch_size=3, seed=0)
     epoch0 = [window_indices(next(iterator)) for _ in range(3)]
     assert iterator.epoch == 1
-    seen = sum(epoch0, [])
+    seen = [index for window in epoch0 for index in window]
     assert len(set(seen)) == 9
     epoch1 = [window_indices(next(iterator)) for _ in range(3)]
     assert epoch1 != epoch0
-    assert len(set(sum(epoch1, []))) == 9
+    assert len({index for window in epoch1 for index in window}) == 9
 
 
 def test_same_seed_same_batches_other_seed_other_batches():
@@ -120,4 +120,4 @@ def test_data_module_end_to_end(tmp_path):
     assert int(batch["input_ids"].max()) < data.tokenizer.vocab_size
     val = list(data.val_batches(2))
     assert len(val) == data.val_num_sequences // 2 > 0
-    assert_same(val[0], list(build_data(config).val_batches(2))[0])
+    assert_same(val[0], next(iter(build_data(config).val_batches(2))))

@@ -41,6 +41,7 @@ SCRIPT_ARGS = {"benchmarks/train_throughput.py": "--steps 1 --repeats 1"}
 TPU = "PJRT_DEVICE=TPU"
 TPU_ON_CPU = "PJRT_DEVICE=CPU CPU_NUM_DEVICES=4"
 
+_HEREDOC = re.compile(r"<<-?\s*'?\"?(\w+)'?\"?\s*$")
 _NEEDS = re.compile(r"(?:^|\s)#\s*needs:\s*(.+?)\s*$")
 _ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 _TINY_MODEL = re.compile(r"^model=\w+_(tiny|debug)$")
@@ -131,12 +132,20 @@ def split_comment(line: str) -> tuple[str, str]:
 
 
 def shell_commands(block: Block) -> list[DocCommand]:
-    """The commands of a shell block: ``\\`` at a line's end continues it; comments and blank lines go."""
+    """The commands of a shell block: ``\\`` at a line's end continues it, a here-document
+    (``<<'EOF'``) takes the lines up to its delimiter verbatim; comments and blank lines go."""
     commands: list[DocCommand] = []
     parts: list[str] = []
     comments: list[str] = []
     first_line = 0
+    heredoc_end: str | None = None
     for number, text in block.lines:
+        if heredoc_end is not None:
+            parts.append(text)
+            if text.strip() == heredoc_end:
+                commands.append(_command(block, first_line, len(commands), "\n".join(parts), comments))
+                parts, comments, heredoc_end = [], [], None
+            continue
         code, comment = split_comment(text)
         if not parts and not code.strip():
             continue  # a blank or comment-only line
@@ -147,22 +156,22 @@ def shell_commands(block: Block) -> list[DocCommand]:
         if code.endswith("\\") and not code.endswith("\\\\"):
             parts.append(code[:-1].strip())
             continue
+        if heredoc := _HEREDOC.search(code):
+            heredoc_end = heredoc.group(1)
+            parts.append(" ".join(p for p in [*parts, code.strip()] if p))
+            del parts[:-1]
+            continue
         parts.append(code.strip())
-        needs = [m.group(1) for m in map(_NEEDS.search, comments) if m]
-        commands.append(
-            DocCommand(
-                block.doc,
-                first_line,
-                block.line,
-                len(commands),
-                " ".join(p for p in parts if p),
-                needs[-1] if needs else None,
-            )
-        )
+        commands.append(_command(block, first_line, len(commands), " ".join(p for p in parts if p), comments))
         parts, comments = [], []
     if parts:
-        raise ValueError(f"{block.doc}:{first_line}: the block ends inside a continued command")
+        raise ValueError(f"{block.doc}:{first_line}: the block ends inside a continued command or a here-document")
     return commands
+
+
+def _command(block: Block, first_line: int, index: int, text: str, comments: list[str]) -> DocCommand:
+    needs = [m.group(1) for m in map(_NEEDS.search, comments) if m]
+    return DocCommand(block.doc, first_line, block.line, index, text, needs[-1] if needs else None)
 
 
 def python_snippet(block: Block) -> DocSnippet:

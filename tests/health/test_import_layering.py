@@ -84,7 +84,7 @@ def test_package_graph_has_no_cycles():
 
     def visit(package: str) -> None:
         if package in visiting:
-            cycle = visiting[visiting.index(package) :] + [package]
+            cycle = [*visiting[visiting.index(package) :], package]
             pytest.fail(f"import cycle: {' -> '.join(cycle)}")
         if package in done:
             return

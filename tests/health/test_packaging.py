@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import importlib.resources
-import tomllib
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_every_axtorch_package_and_the_configs_are_listed_for_the_wheel():
+    tomllib = pytest.importorskip("tomllib", reason="the standard library reads TOML from Python 3.11")
     setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     on_disk = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "axtorch").rglob("__init__.py")}
     assert set(setuptools["packages"]) == on_disk | {"axtorch.conf"}

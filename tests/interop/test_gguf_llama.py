@@ -84,7 +84,7 @@ def _write_gguf(
     rope_scaling=None,
     extra_tensors=(),
 ):
-    """Write ``hf_model`` as llama.cpp would; names in ``quantized`` are stored as Q8_0 (HF weights updated to match)."""
+    """Write ``hf_model`` as llama.cpp would; names in ``quantized`` stored as Q8_0 (HF weights updated to match)."""
     config = hf_model.config
     writer = gguf.GGUFWriter(path, architecture)
     writer.add_block_count(config.num_hidden_layers)

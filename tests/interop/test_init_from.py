@@ -72,7 +72,7 @@ def test_training_starts_from_the_imported_weights_and_tokenizer(tmp_path, hf_di
 
 
 def test_a_model_config_that_differs_from_the_weights_is_refused(tmp_path, hf_dir, data_cache):
-    with pytest.raises(ConfigError, match="model.dim=128 vs 64"):
+    with pytest.raises(ConfigError, match=r"model\.dim=128 vs 64"):
         Trainer(_config(tmp_path, hf_dir, data_cache, "model.dim=128"))
 
 

@@ -117,8 +117,8 @@ def test_parameter_names_do_not_depend_on_the_placement_except_for_the_sandwichs
     }
     assert names["default"] == names["pre"] == names["post"] == PRE_NORM_NAMES
     assert sorted(names["sandwich"]) == sorted(
-        PRE_NORM_NAMES
-        + [
+        [
+            *PRE_NORM_NAMES,
             "attention_residual.post_norm.weight",
             "attention_residual.post_norm.bias",
             "feed_forward_residual.post_norm.weight",

@@ -1,4 +1,4 @@
-"""The GPT-2 presets: the released networks exactly, covered by every sharding preset, plannable, and trainable on a CPU."""
+"""GPT-2 presets: the released networks exactly, covered by every sharding preset, plannable, and trainable on a CPU."""
 
 import math
 

@@ -207,5 +207,5 @@ def test_dcn_slices_must_divide_their_axis():
     sizes = mesh.resolve(8)
     assert mesh.resolve_dcn(sizes)["data"] == 2
     bad = MeshConfig(data=4, fsdp=2, dcn=DcnMeshConfig(data=3))
-    with pytest.raises(ConfigError, match="mesh.dcn.data"):
+    with pytest.raises(ConfigError, match=r"mesh\.dcn\.data"):
         bad.resolve_dcn(bad.resolve(8))

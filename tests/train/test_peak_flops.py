@@ -1,4 +1,4 @@
-"""MFU's denominator: datasheet peaks by chip name, a measured CPU peak, and no MFU (never a crash) for an unknown chip."""
+"""MFU's denominator: datasheet peaks by chip name, a measured CPU peak, no MFU (never a crash) for an unknown chip."""
 
 from __future__ import annotations
 
