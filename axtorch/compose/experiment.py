@@ -17,7 +17,7 @@ from typing import Optional
 from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.errors import HydraException, MissingConfigException
+from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from omegaconf import DictConfig, Node
 from omegaconf.errors import OmegaConfBaseException
 
@@ -152,6 +152,15 @@ def compose_experiment_config(overrides: Sequence[str] = (), config_dirs: Sequen
     try:
         check_overrides(overrides)
         return _compose(overrides)
+    except OverrideParseException as error:
+        key, _, value = error.override.partition("=")
+        raise ConfigError(
+            key,
+            value,
+            "Hydra's override grammar: quote values with special characters, e.g. "
+            "'data.source.paths=[\"~/corpus/**/*.txt\"]'",
+            reason=f"cannot parse {error.override!r}",
+        ) from error
     except MissingConfigException as error:
         group, _, option = (error.missing_cfg_file or "?/?").rpartition("/")
         raise ConfigError(group, option, f"one of {sorted(error.options or [])}", reason=_first_line(error)) from error

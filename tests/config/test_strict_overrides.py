@@ -84,3 +84,11 @@ def test_a_key_whose_value_is_still_missing_can_be_set():
     """``model/mask=sliding_window`` leaves ``window`` as ``???``: setting it is not an unknown key."""
     config = load_experiment_config(["model/mask=sliding_window", "model.decoder.layer.attention.mask.window=256"])
     assert config.model.decoder.layer.attention.mask.window == 256
+
+
+def test_an_unparsable_override_names_itself_and_the_quoting_that_fixes_it():
+    with pytest.raises(ConfigError) as info:
+        load_experiment_config(["data=text_files", "data.source.paths=[~/corpus/*.txt]"])
+    assert info.value.key == "data.source.paths"
+    assert "cannot parse 'data.source.paths=[~/corpus/*.txt]'" in str(info.value)
+    assert '"~/corpus/**/*.txt"' in info.value.allowed
