@@ -24,7 +24,8 @@ from axtorch.data.tokenizer import Tokenizer
 from axtorch.infer.generate import generate
 from axtorch.infer.sampling import SamplingConfig
 from axtorch.parallel.single import resolve_device
-from axtorch.train.checkpoint import list_checkpoints, read_model_tensors
+from axtorch.train.checkpoint import checkpoint_problems, newest_valid_checkpoint, read_model_tensors
+from axtorch.train.checkpoint_manifest import CheckpointError
 from axtorch.train.experiment import ExperimentConfig
 from axtorch.train.trainer import CONFIG_FILE, TOKENIZER_FILE
 
@@ -40,15 +41,17 @@ class GenerateConfig:
 
 
 def resolve_checkpoint(path: Path) -> tuple[Path, Path]:
-    """(checkpoint directory, run directory) for a checkpoint or run directory."""
+    """(checkpoint directory, run directory) for a checkpoint or run directory; only a verified checkpoint."""
     if (path / "model.safetensors.index.json").is_file():
+        if problems := checkpoint_problems(path):
+            raise CheckpointError(f"checkpoint {path} failed verification: {'; '.join(problems[:3])}")
         return path, path.parent.parent
-    checkpoints = list_checkpoints(path / "checkpoints")
-    if not checkpoints:
+    checkpoint = newest_valid_checkpoint(path / "checkpoints")
+    if checkpoint is None:
         raise ConfigError(
             "checkpoint", str(path), "a run directory with checkpoints/ or a checkpoints/step_* directory"
         )
-    return checkpoints[-1], path
+    return checkpoint, path
 
 
 def load_model(checkpoint: Path, device: torch.device):
@@ -82,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = parse_args(sys.argv[1:] if argv is None else argv)
         model, tokenizer = load_model(Path(config.checkpoint), resolve_device(config.device, "device"))
-    except ConfigError as error:
+    except (ConfigError, CheckpointError) as error:
         print(f"axtorch-generate: {error}", file=sys.stderr)
         return 2
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(config.seed)

@@ -24,6 +24,7 @@ from axtorch.compose.experiment import (
 )
 from axtorch.compose.registry import register_configs
 from axtorch.config.errors import ConfigError
+from axtorch.train.checkpoint_manifest import CheckpointError
 from axtorch.train.trainer import Trainer
 
 #: Hydra's own flags that take a value as the next argument.
@@ -40,9 +41,9 @@ _FLAGS_WITH_VALUE = (
 )
 
 
-def _fail(error: ConfigError) -> None:
+def _fail(error: Exception, status: int = 2) -> None:
     print(f"axtorch-train: {error}", file=sys.stderr)
-    raise SystemExit(2)
+    raise SystemExit(status)
 
 
 def _train(cfg: DictConfig) -> None:
@@ -54,6 +55,8 @@ def _train(cfg: DictConfig) -> None:
             trainer.backend.close()
     except ConfigError as error:  # also raised by fit(), e.g. resuming checkpoints of another model
         _fail(error)
+    except CheckpointError as error:  # no trustworthy checkpoint to resume, or a save failed
+        _fail(error, status=1)
     if not trainer.backend.is_main_process:
         return
     start = f"{result.initial_eval_loss:.4f} -> " if result.initial_eval_loss is not None else ""

@@ -7,10 +7,12 @@ Layout of ``<run_dir>/checkpoints/step_<8-digit step>/``::
     model.safetensors.index.json        per tensor: global shape and the pieces (file, offsets, shape)
     optimizer*.safetensors (+ index)    "<param name>/<state key>" tensors, stored the same way
     trainer_state.json                  step, data position, RNG states, config digests
+    manifest.json                       every file's size and XXH3-128 digest, written last
 
 Every process writes only its own blocks (``tensor_shards``), so no host ever gathers a whole
 sharded model, and any mesh can load what any other mesh saved. A checkpoint is assembled in a
-hidden temporary directory and renamed into place, so readers only ever see complete ones.
+hidden temporary directory, fsynced and renamed into place, so readers only ever see complete
+ones; the manifest (``checkpoint_manifest``) lets a resume refuse one whose bytes changed since.
 """
 
 from __future__ import annotations
@@ -20,13 +22,22 @@ import os
 import re
 import shutil
 import threading
+import warnings
 from pathlib import Path
 from typing import Any, Optional, Protocol
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from axtorch.parallel.tensor_shards import Piece, load_into, owned_pieces, read_block
+from axtorch.train.checkpoint_manifest import (
+    CheckpointError,
+    fsync_directory,
+    seal_files,
+    verify_checkpoint,
+    write_manifest,
+)
 
 MODEL = "model"
 OPTIMIZER = "optimizer"
@@ -101,8 +112,11 @@ def _piece_key(name: str, piece: Piece, count: int) -> str:
     return name if count == 1 else f"{name}@{'_'.join(map(str, piece.offsets))}"
 
 
-def _write_pieces(directory: Path, prefix: str, pieces: dict[str, list[Piece]], collective: Collective) -> None:
-    """Each process writes its pieces; the first writes the index describing all of them."""
+def _write_pieces(directory: Path, prefix: str, pieces: dict[str, list[Piece]], collective: Collective) -> list[str]:
+    """Each process writes its pieces; the first writes the index describing all of them.
+
+    Returns the files this process wrote.
+    """
     file = _shard_file(prefix, collective.rank, collective.world_size)
     stored: dict[str, torch.Tensor] = {}
     described: dict[str, dict[str, Any]] = {}
@@ -123,7 +137,7 @@ def _write_pieces(directory: Path, prefix: str, pieces: dict[str, list[Piece]], 
     save_file(stored, directory / file, metadata={"format": "pt"})
     everything = collective.all_gather_object(described)
     if collective.rank != 0:
-        return
+        return [file]
     tensors: dict[str, dict[str, Any]] = {}
     for part in everything:
         for name, info in part.items():
@@ -133,10 +147,55 @@ def _write_pieces(directory: Path, prefix: str, pieces: dict[str, list[Piece]], 
     if all(len(e["pieces"]) == 1 and e["pieces"][0]["key"] == name for name, e in tensors.items()):
         index["weight_map"] = {name: e["pieces"][0]["file"] for name, e in sorted(tensors.items())}  # as HF
     (directory / index_file(prefix)).write_text(json.dumps(index, indent=1))
+    return [file, index_file(prefix)]
 
 
 def read_index(path: Path, prefix: str = MODEL) -> dict[str, dict[str, Any]]:
-    return json.loads((path / index_file(prefix)).read_text())["tensors"]
+    """The tensors of an index; a piece whose file lies outside ``path`` is refused, never opened."""
+    tensors: dict[str, dict[str, Any]] = json.loads((path / index_file(prefix)).read_text())["tensors"]
+    for name, entry in tensors.items():
+        for piece in entry["pieces"]:
+            if Path(piece["file"]).name != piece["file"] or piece["file"] in (".", ".."):
+                raise CheckpointError(
+                    f"{path / index_file(prefix)}: {name} points to {piece['file']!r}, outside the checkpoint directory"
+                )
+    return tensors
+
+
+def checkpoint_problems(path: Path) -> list[str]:
+    """What is wrong with a checkpoint (empty: it is whole): its manifest, and its indexes' file references."""
+    referenced: set[str] = set()
+    for prefix in (MODEL, OPTIMIZER):
+        try:
+            referenced |= {piece["file"] for entry in read_index(path, prefix).values() for piece in entry["pieces"]}
+        except (OSError, ValueError, KeyError, TypeError, CheckpointError) as error:
+            return [*verify_checkpoint(path), f"{index_file(prefix)} is unreadable ({type(error).__name__}: {error})"]
+    return verify_checkpoint(path, referenced)
+
+
+def newest_valid_checkpoint(root: Path) -> Optional[Path]:
+    """The newest checkpoint under ``root`` that verifies, warning about each newer one that does not.
+
+    None when there is no checkpoint at all; ``CheckpointError`` when there are some and none is whole.
+    """
+    rejected = []
+    for path in reversed(list_checkpoints(root)):
+        problems = checkpoint_problems(path)
+        if not problems:
+            return path
+        rejected.append(f"{path.name}: {'; '.join(problems[:3])}")
+        warnings.warn(
+            f"checkpoint {path} failed verification ({'; '.join(problems[:3])}); trying an earlier one",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    if rejected:
+        raise CheckpointError(
+            f"no valid checkpoint in {root}: "
+            + " | ".join(rejected)
+            + ". Move the damaged ones aside (or use a new run_dir) to start over"
+        )
+    return None
 
 
 def read_model_tensors(path: Path, prefix: str = MODEL) -> dict[str, torch.Tensor]:
@@ -186,24 +245,48 @@ def load_optimizer(path: Path, optimizer: torch.optim.Optimizer) -> None:
 
 
 class Checkpointer:
-    """Saves, prunes and finds checkpoints under one directory.
+    """Saves, verifies, prunes and finds checkpoints under one directory.
 
     With one process a save may run in a background thread (``async_save``): tensors are first
     copied to host memory, so training continues while the files are written. With several
-    processes every process writes its own pieces and saves are synchronous.
+    processes every process writes its own pieces and saves are synchronous. A save that fails
+    (a full disk, a permission error) removes its partial directory and leaves every earlier
+    checkpoint as it was; the error reaches the caller as a ``CheckpointError``.
+
+    Retention keeps the newest ``keep`` checkpoints, plus every one whose step is a multiple of
+    ``keep_every`` (when set); pruning runs only after a save succeeded, so the newest valid
+    checkpoint is never deleted.
     """
 
-    def __init__(self, root: Path, keep: int, async_save: bool = False, collective: Optional[Collective] = None):
+    def __init__(
+        self,
+        root: Path,
+        keep: int,
+        async_save: bool = False,
+        collective: Optional[Collective] = None,
+        keep_every: Optional[int] = None,
+    ):
         self.root = root
         self.keep = keep
+        self.keep_every = keep_every
         self.collective = collective or LocalCollective()
         self.async_save = async_save and self.collective.world_size == 1
         self._pending: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
 
-    def latest(self) -> Optional[Path]:
-        checkpoints = list_checkpoints(self.root)
-        return checkpoints[-1] if checkpoints else None
+    def latest_valid(self) -> Optional[Path]:
+        """The newest checkpoint that verifies, as the first process finds it; every process agrees."""
+        found: Optional[Path] = None
+        failure: Optional[str] = None
+        if self.collective.rank == 0:
+            try:
+                found = newest_valid_checkpoint(self.root)
+            except CheckpointError as error:
+                failure = str(error)
+        found, failure = self.collective.all_gather_object((found, failure))[0]
+        if failure is not None:
+            raise CheckpointError(failure)
+        return found
 
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> Path:
         self.wait()
@@ -229,9 +312,12 @@ class Checkpointer:
 
     def load(self, path: Path, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> None:
         """Restore parameters (and optimizer state) in place; trainer state is read separately."""
-        load_model(path, model)
-        if optimizer is not None:
-            load_optimizer(path, optimizer)
+        try:
+            load_model(path, model)
+            if optimizer is not None:
+                load_optimizer(path, optimizer)
+        except (OSError, SafetensorError) as error:
+            raise CheckpointError(f"reading checkpoint {path} failed: {type(error).__name__}: {error}") from error
 
     def _write(self, path: Path, pieces: dict[str, dict[str, list[Piece]]], state: dict[str, Any]) -> None:
         collective = self.collective
@@ -241,20 +327,38 @@ class Checkpointer:
                 shutil.rmtree(tmp, ignore_errors=True)
                 tmp.mkdir(parents=True)
             collective.barrier()
-            for prefix, prefix_pieces in pieces.items():
-                _write_pieces(tmp, prefix, prefix_pieces, collective)
+            written = [
+                file
+                for prefix, prefix_pieces in pieces.items()
+                for file in _write_pieces(tmp, prefix, prefix_pieces, collective)
+            ]
             if collective.rank == 0:
                 (tmp / TRAINER_STATE_FILE).write_text(json.dumps(state, indent=2))
+                written.append(TRAINER_STATE_FILE)
+            records = collective.all_gather_object(seal_files(tmp, written))
+            if collective.rank == 0:
+                write_manifest(tmp, {name: record for part in records for name, record in part.items()})
                 if path.exists():  # a re-save of the same step (e.g. the final step after a resume)
                     shutil.rmtree(path)
                 os.replace(tmp, path)
-                for old in list_checkpoints(self.root)[: -self.keep]:
-                    shutil.rmtree(old, ignore_errors=True)
+                fsync_directory(self.root)
+                self._prune()
             collective.barrier()
         except BaseException as error:  # surfaced by wait() on the training thread
+            if collective.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
             self._error = error
+
+    def _prune(self) -> None:
+        for old in list_checkpoints(self.root)[: -self.keep]:
+            step = int(old.name.removeprefix("step_"))
+            if self.keep_every and step % self.keep_every == 0:
+                continue
+            shutil.rmtree(old, ignore_errors=True)
 
     def _raise_pending_error(self) -> None:
         if self._error is not None:
             error, self._error = self._error, None
-            raise RuntimeError("writing a checkpoint failed") from error
+            raise CheckpointError(
+                f"writing a checkpoint failed ({type(error).__name__}: {error}); earlier checkpoints are intact"
+            ) from error

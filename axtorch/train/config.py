@@ -9,6 +9,13 @@ from typing import Optional
 from axtorch.config.errors import ConfigError
 
 
+class SaveErrorPolicy(enum.Enum):
+    #: End the run (non-zero exit), saving nothing more: the last good checkpoint is the one to resume.
+    stop = "stop"
+    #: Warn loudly and keep training; the next checkpoint tries again.
+    warn = "warn"
+
+
 class Precision(enum.Enum):
     fp32 = "fp32"
     #: bf16 autocast for matmuls; parameters, optimizer state and the loss stay in fp32.
@@ -29,9 +36,14 @@ class TrainerConfig:
     eval_every: int = 100
     eval_batches: int = 20
     checkpoint_every: int = 500
+    #: How many of the newest checkpoints are kept.
     keep_checkpoints: int = 3
+    #: Also keep, for good, every checkpoint whose step is a multiple of this (None: none).
+    keep_every: Optional[int] = None
     async_checkpoint: bool = False
-    #: Peak FLOP/s for MFU; None measures the fp32 (or bf16) GEMM peak of this machine at start.
+    #: What a failed save (a full disk, a permission error) does to the run.
+    on_save_error: SaveErrorPolicy = SaveErrorPolicy.stop
+    #: Peak FLOP/s per device for MFU; None: measured on a CPU, the datasheet figure of a known chip.
     peak_flops: Optional[float] = None
     tensorboard: bool = True
     progress_bar: bool = True
@@ -51,6 +63,8 @@ class TrainerConfig:
             value = getattr(self, name)
             if value <= 0:
                 raise ConfigError(f"{key}.{name}", value, "a positive integer")
+        if self.keep_every is not None and self.keep_every <= 0:
+            raise ConfigError(f"{key}.keep_every", self.keep_every, "a positive integer or null")
         if self.batch_size % self.grad_accum_steps:
             divisors = [d for d in range(1, self.batch_size + 1) if self.batch_size % d == 0]
             raise ConfigError(

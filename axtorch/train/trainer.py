@@ -39,7 +39,8 @@ from axtorch.parallel.backend import Backend, materialize
 from axtorch.parallel.factory import build_backend
 from axtorch.parallel.single import SingleDeviceBackend
 from axtorch.train.checkpoint import Checkpointer, list_checkpoints, read_trainer_state
-from axtorch.train.config import Precision
+from axtorch.train.checkpoint_manifest import CheckpointError
+from axtorch.train.config import Precision, SaveErrorPolicy
 from axtorch.train.experiment import ExperimentConfig
 from axtorch.train.flops import (
     active_non_embedding_parameters,
@@ -142,6 +143,7 @@ class Trainer:
             config.trainer.keep_checkpoints,
             config.trainer.async_checkpoint,
             collective=self.backend,
+            keep_every=config.trainer.keep_every,
         )
         trainer = config.trainer
         self.local_batch_size = trainer.batch_size // replicas
@@ -240,8 +242,23 @@ class Trainer:
         self.train_batches.load_state_dict(state["data"])
         restore_rng_state(state["rng"])
 
-    def save_checkpoint(self) -> Path:
-        return self.checkpointer.save(self.step, self.model, self.optimizer, self.trainer_state())
+    def save_checkpoint(self) -> Optional[Path]:
+        """Save (or start saving) a checkpoint of this step; None if it failed under the ``warn`` policy."""
+        try:
+            return self.checkpointer.save(self.step, self.model, self.optimizer, self.trainer_state())
+        except CheckpointError as error:
+            self._save_failed(error)
+            return None
+
+    def _save_failed(self, error: CheckpointError) -> None:
+        if self.config.trainer.on_save_error is SaveErrorPolicy.stop:
+            raise CheckpointError(f"step {self.step}: {error}; stopping (trainer.on_save_error=stop)") from error
+        warnings.warn(
+            f"step {self.step}: {error}; training goes on without it (trainer.on_save_error=warn)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
 
     # ------------------------------------------------------------------------------ the step
 
@@ -317,7 +334,7 @@ class Trainer:
         """
         trainer = self.config.trainer
         stop = trainer.max_steps if until_step is None else min(until_step, trainer.max_steps)
-        latest = self.checkpointer.latest()
+        latest = self.checkpointer.latest_valid()
         if latest is not None:
             self.resume(latest)  # first: a refused resume must leave the run directory untouched
             if self.backend.is_main_process:
@@ -360,11 +377,14 @@ class Trainer:
                 if self.step % trainer.eval_every == 0 or self.step == trainer.max_steps:
                     final_eval = self._evaluate_and_log(metrics, progress.write)
                 if self.step % trainer.checkpoint_every == 0 or self.step == stop:
-                    last_checkpoint = self.save_checkpoint()
+                    last_checkpoint = self.save_checkpoint() or last_checkpoint
             progress.close()
         if final_eval is None:  # resumed at (or past) the last step: still report where the run stands
             final_eval = self.evaluate().get("eval/loss")
-        self.checkpointer.wait()
+        try:
+            self.checkpointer.wait()
+        except CheckpointError as error:
+            self._save_failed(error)
         if trainer.plot and main:
             _best_effort("plotting loss.png", plot_runs, [self.run_dir], self.run_dir / "loss.png")
         return TrainResult(self.run_dir, self.step, initial_eval, final_eval, last_checkpoint)

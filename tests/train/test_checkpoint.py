@@ -56,7 +56,7 @@ def test_keeps_only_the_newest_checkpoints_and_never_exposes_partial_ones(tmp_pa
         checkpointer.save(step, model, optimizer, {"step": step})
     (tmp_path / ".step_00000004.tmp-123").mkdir()  # what a crash mid-write leaves behind
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000002", "step_00000003"]
-    assert checkpointer.latest().name == "step_00000003"
+    assert checkpointer.latest_valid().name == "step_00000003"
 
 
 def test_checkpoint_files_are_safetensors_not_pickle(tmp_path):
@@ -64,6 +64,7 @@ def test_checkpoint_files_are_safetensors_not_pickle(tmp_path):
     path = Checkpointer(tmp_path, keep=1).save(1, model, optimizer, {})
     files = sorted(p.name for p in path.iterdir())
     assert files == [
+        "manifest.json",
         "model.safetensors",
         "model.safetensors.index.json",
         "optimizer.safetensors",
