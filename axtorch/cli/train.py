@@ -25,6 +25,7 @@ from axtorch.compose.experiment import (
 from axtorch.compose.registry import register_configs
 from axtorch.config.errors import ConfigError
 from axtorch.train.checkpoint_manifest import CheckpointError
+from axtorch.train.numerics import NonFiniteError
 from axtorch.train.trainer import Trainer
 
 #: Hydra's own flags that take a value as the next argument.
@@ -55,9 +56,15 @@ def _train(cfg: DictConfig) -> None:
             trainer.backend.close()
     except ConfigError as error:  # also raised by fit(), e.g. resuming checkpoints of another model
         _fail(error)
-    except CheckpointError as error:  # no trustworthy checkpoint to resume, or a save failed
+    except (CheckpointError, NonFiniteError) as error:  # nothing to resume from, a failed save, NaNs
         _fail(error, status=1)
     if not trainer.backend.is_main_process:
+        return
+    if result.preempted_by:
+        print(
+            f"preempted by {result.preempted_by} at step {result.step}: saved {result.checkpoint}; "
+            "run the same command to resume"
+        )
         return
     start = f"{result.initial_eval_loss:.4f} -> " if result.initial_eval_loss is not None else ""
     final = f"{result.final_eval_loss:.4f}" if result.final_eval_loss is not None else "n/a (no held-out data)"

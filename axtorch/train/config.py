@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from axtorch.config.errors import ConfigError
+from axtorch.train.numerics import NonFinitePolicy
 
 
 class SaveErrorPolicy(enum.Enum):
@@ -43,6 +44,10 @@ class TrainerConfig:
     async_checkpoint: bool = False
     #: What a failed save (a full disk, a permission error) does to the run.
     on_save_error: SaveErrorPolicy = SaveErrorPolicy.stop
+    #: What a non-finite loss or gradient norm does: drop that update, or save and stop.
+    nonfinite: NonFinitePolicy = NonFinitePolicy.skip
+    #: With ``nonfinite=skip``, more non-finite steps than this in a row stop the run.
+    max_nonfinite_skips: int = 5
     #: Peak FLOP/s per device for MFU; None: measured on a CPU, the datasheet figure of a known chip.
     peak_flops: Optional[float] = None
     tensorboard: bool = True
@@ -63,6 +68,8 @@ class TrainerConfig:
             value = getattr(self, name)
             if value <= 0:
                 raise ConfigError(f"{key}.{name}", value, "a positive integer")
+        if self.max_nonfinite_skips < 0:
+            raise ConfigError(f"{key}.max_nonfinite_skips", self.max_nonfinite_skips, "an integer >= 0")
         if self.keep_every is not None and self.keep_every <= 0:
             raise ConfigError(f"{key}.keep_every", self.keep_every, "a positive integer or null")
         if self.batch_size % self.grad_accum_steps:

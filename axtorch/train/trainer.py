@@ -50,9 +50,11 @@ from axtorch.train.flops import (
 )
 from axtorch.train.loss import LossInput
 from axtorch.train.metrics import MetricsLogger
+from axtorch.train.numerics import NonFiniteError, NonFiniteGuard
 from axtorch.train.optimizer import build_optimizer
 from axtorch.train.peak_flops import datasheet_peak_flops
 from axtorch.train.plot import plot_runs
+from axtorch.train.preemption import PreemptionWatch
 from axtorch.train.rng import capture_rng_state, restore_rng_state
 from axtorch.train.schedule import learning_rate
 
@@ -69,6 +71,8 @@ class TrainResult:
     initial_eval_loss: Optional[float]
     final_eval_loss: Optional[float]
     checkpoint: Optional[Path]
+    #: The signal (SIGTERM, SIGINT) that ended the run early, after saving ``checkpoint``.
+    preempted_by: Optional[str] = None
 
 
 def config_digest(text: str) -> str:
@@ -152,6 +156,7 @@ class Trainer:
         self.step = 0
         self.tokens_per_step = trainer.batch_size * config.data.seq_len
         self.flops_per_token = self._flops_per_token()
+        self.numerics = NonFiniteGuard(trainer.nonfinite, trainer.max_nonfinite_skips)
         self._peak_flops: Optional[float] = None
         self._peak_flops_known = False
         self._said_no_held_out_data = False
@@ -296,15 +301,21 @@ class Trainer:
             (objective * self.backend.gradient_divisor).backward()
             total_loss += loss.cross_entropy.detach()
         grad_norm = self.backend.clip_grad_norm(list(self.model.parameters()), self.config.optim.grad_clip_norm)
+        loss_value = float(self.backend.all_reduce_sum(total_loss))
+        norm_value = float(grad_norm)  # the global norm: every process takes the same decision below
         lr = learning_rate(self.config.optim.schedule, self.config.optim.lr, self.step, self.config.trainer.max_steps)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
+        apply = self.numerics.check(self.step + 1, loss_value, norm_value)
+        if apply:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.backend.end_step()
         self.step += 1
-        total_loss = self.backend.all_reduce_sum(total_loss)
-        return {"train/loss": float(total_loss), "train/grad_norm": float(grad_norm), "train/lr": lr}
+        metrics = {"train/loss": loss_value, "train/grad_norm": norm_value, "train/lr": lr}
+        if not apply:
+            metrics["train/skipped_update"] = 1.0
+        return metrics
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -344,7 +355,8 @@ class Trainer:
         last_checkpoint = latest
         main = self.backend.is_main_process
         metrics_logger = MetricsLogger(self.run_dir, enable_tensorboard=trainer.tensorboard) if main else None
-        with metrics_logger or contextlib.nullcontext() as metrics:
+        preempted_by = None
+        with PreemptionWatch() as preemption, metrics_logger or contextlib.nullcontext() as metrics:
             if self.step == 0:
                 initial_eval = self._evaluate_and_log(metrics, print)
             progress = tqdm(
@@ -361,10 +373,27 @@ class Trainer:
             while self.step < stop:
                 batch = next(self.train_batches)
                 started = time.perf_counter()
-                window.append(self.train_step(batch))
+                try:
+                    result = self.train_step(batch)
+                except NonFiniteError as error:
+                    self._log_event(metrics, {"nonfinite/stopped": 1.0})
+                    self.save_checkpoint()  # the last good state: the bad update was not applied
+                    self.checkpointer.wait()
+                    raise NonFiniteError(f"{error}; saved the last good state at step {self.step}") from error
                 window_time += time.perf_counter() - started
+                if result.get("train/skipped_update"):
+                    self._log_event(
+                        metrics,
+                        {
+                            "nonfinite/skipped_update": 1.0,
+                            "nonfinite/loss": result["train/loss"],
+                            "nonfinite/grad_norm": result["train/grad_norm"],
+                        },
+                    )
+                else:
+                    window.append(result)
                 # Only the main process has a logger (``metrics`` is None on the others).
-                if metrics is not None and (self.step % trainer.log_every == 0 or self.step == stop):
+                if metrics is not None and window and (self.step % trainer.log_every == 0 or self.step == stop):
                     logged = _best_effort("computing train metrics", self._window_metrics, window, window_time)
                     if logged:
                         _best_effort("logging metrics", metrics.log, self.step, logged)
@@ -376,18 +405,28 @@ class Trainer:
                 progress.update(1)
                 if self.step % trainer.eval_every == 0 or self.step == trainer.max_steps:
                     final_eval = self._evaluate_and_log(metrics, progress.write)
-                if self.step % trainer.checkpoint_every == 0 or self.step == stop:
+                saved_now = self.step % trainer.checkpoint_every == 0 or self.step == stop
+                if saved_now:
                     last_checkpoint = self.save_checkpoint() or last_checkpoint
+                if preempted_by := preemption.agreed(self.backend):
+                    if not saved_now:
+                        last_checkpoint = self.save_checkpoint() or last_checkpoint
+                    break
             progress.close()
-        if final_eval is None:  # resumed at (or past) the last step: still report where the run stands
+        if final_eval is None and preempted_by is None:  # resumed at (or past) the last step: report it
             final_eval = self.evaluate().get("eval/loss")
         try:
             self.checkpointer.wait()
         except CheckpointError as error:
             self._save_failed(error)
-        if trainer.plot and main:
+        if trainer.plot and main and preempted_by is None:
             _best_effort("plotting loss.png", plot_runs, [self.run_dir], self.run_dir / "loss.png")
-        return TrainResult(self.run_dir, self.step, initial_eval, final_eval, last_checkpoint)
+        return TrainResult(self.run_dir, self.step, initial_eval, final_eval, last_checkpoint, preempted_by)
+
+    def _log_event(self, metrics: Optional[MetricsLogger], event: dict[str, float]) -> None:
+        """Record an event of this step in metrics.jsonl (main process only)."""
+        if metrics is not None:
+            _best_effort("logging metrics", metrics.log, self.step, event)
 
     def _evaluate_and_log(self, metrics: Optional[MetricsLogger], say: Callable[[str], Any]) -> Optional[float]:
         """Evaluate, log and announce the held-out loss; None (said once) when there is no held-out data."""
