@@ -8,6 +8,7 @@ from typing import Optional
 
 from axtorch.config.errors import ConfigError
 from axtorch.train.numerics import NonFinitePolicy
+from axtorch.train.watchdog import WatchdogAction
 
 
 class SaveErrorPolicy(enum.Enum):
@@ -48,6 +49,9 @@ class TrainerConfig:
     nonfinite: NonFinitePolicy = NonFinitePolicy.skip
     #: With ``nonfinite=skip``, more non-finite steps than this in a row stop the run.
     max_nonfinite_skips: int = 5
+    #: Seconds without a completed step before the hang watchdog acts (None: no watchdog).
+    watchdog_seconds: Optional[float] = 1800.0
+    watchdog_action: WatchdogAction = WatchdogAction.exit
     #: Peak FLOP/s per device for MFU; None: measured on a CPU, the datasheet figure of a known chip.
     peak_flops: Optional[float] = None
     tensorboard: bool = True
@@ -68,6 +72,8 @@ class TrainerConfig:
             value = getattr(self, name)
             if value <= 0:
                 raise ConfigError(f"{key}.{name}", value, "a positive integer")
+        if self.watchdog_seconds is not None and self.watchdog_seconds <= 0:
+            raise ConfigError(f"{key}.watchdog_seconds", self.watchdog_seconds, "a positive number of seconds or null")
         if self.max_nonfinite_skips < 0:
             raise ConfigError(f"{key}.max_nonfinite_skips", self.max_nonfinite_skips, "an integer >= 0")
         if self.keep_every is not None and self.keep_every <= 0:

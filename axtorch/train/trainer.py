@@ -57,6 +57,7 @@ from axtorch.train.plot import plot_runs
 from axtorch.train.preemption import PreemptionWatch
 from axtorch.train.rng import capture_rng_state, restore_rng_state
 from axtorch.train.schedule import learning_rate
+from axtorch.train.watchdog import Watchdog
 
 CONFIG_FILE = "config.yaml"
 T = TypeVar("T")
@@ -356,7 +357,12 @@ class Trainer:
         main = self.backend.is_main_process
         metrics_logger = MetricsLogger(self.run_dir, enable_tensorboard=trainer.tensorboard) if main else None
         preempted_by = None
-        with PreemptionWatch() as preemption, metrics_logger or contextlib.nullcontext() as metrics:
+        watchdog = Watchdog(trainer.watchdog_seconds, trainer.watchdog_action, self.run_dir, self.backend.rank)
+        with (
+            PreemptionWatch() as preemption,
+            watchdog,
+            metrics_logger or contextlib.nullcontext() as metrics,
+        ):
             if self.step == 0:
                 initial_eval = self._evaluate_and_log(metrics, print)
             progress = tqdm(
@@ -381,6 +387,7 @@ class Trainer:
                     self.checkpointer.wait()
                     raise NonFiniteError(f"{error}; saved the last good state at step {self.step}") from error
                 window_time += time.perf_counter() - started
+                watchdog.step_done()
                 if result.get("train/skipped_update"):
                     self._log_event(
                         metrics,
