@@ -25,8 +25,15 @@ def _class_path(cls: type) -> str:
 
 
 def _import_class(path: str) -> type:
+    """The config dataclass named by a ``_type_``: only an axtorch dataclass, so that a config file
+    (a run directory's, perhaps someone else's) can never make axtorch import or call other code."""
     module, _, name = path.rpartition(".")
-    return getattr(importlib.import_module(module), name)
+    if module != "axtorch" and not module.startswith("axtorch."):
+        raise ValueError(f"{TYPE_KEY}: {path!r} is not an axtorch config class")
+    cls = getattr(importlib.import_module(module), name, None)
+    if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+        raise ValueError(f"{TYPE_KEY}: {path!r} is not an axtorch config class")
+    return cls
 
 
 def _declared_dataclass(annotation: Any) -> type | None:

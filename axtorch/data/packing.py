@@ -106,7 +106,9 @@ def tokenize_documents(source: DocumentSource, tokenizer: Tokenizer) -> tuple[np
             lengths.extend(batch_lengths)
             progress.update(len(documents))
     if not lengths:
-        raise ValueError("data.source yielded no documents")
+        raise ConfigError(
+            "data.source", type(source).__name__, "a source that yields documents", reason="it yielded none"
+        )
     return np.concatenate(chunks), np.array(lengths, dtype=np.int64)
 
 
@@ -160,6 +162,13 @@ def _pack(
 ) -> None:
     """Tokenize and split the corpus into ``directory``; meta.json also records ``identity``."""
     tokens, lengths = tokenize_documents(source, tokenizer)
+    if (lengths <= 1).all():  # every document is only its end-of-document token
+        raise ConfigError(
+            "data.source",
+            type(cfg.source).__name__,
+            "a source whose documents contain text",
+            reason=f"its {len(lengths)} document(s) are empty",
+        )
     train, val, split = split_corpus(tokens, lengths, cfg.val_fraction, cfg.seed)
     write_file_atomically(directory / TRAIN_TOKENS_FILE, lambda file: np.save(file, train))
     write_file_atomically(directory / VAL_TOKENS_FILE, lambda file: np.save(file, val))

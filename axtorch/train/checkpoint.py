@@ -215,8 +215,17 @@ def load_model(path: Path, model: torch.nn.Module) -> None:
     index = read_index(path, MODEL)
     state = model.state_dict()
     missing, unexpected = sorted(set(state) - set(index)), sorted(set(index) - set(state))
-    if missing or unexpected:
-        raise KeyError(f"checkpoint {path} does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    reshaped = [
+        f"{name} {tuple(index[name]['shape'])} vs {tuple(target.shape)}"
+        for name, target in state.items()
+        if name in index and tuple(index[name]["shape"]) != tuple(target.shape)
+    ]
+    if missing or unexpected or reshaped:
+        raise CheckpointError(
+            f"checkpoint {path} does not fit the model: {len(missing)} missing {missing[:5]}, "
+            f"{len(unexpected)} unexpected {unexpected[:5]}, {len(reshaped)} of another shape "
+            f"(checkpoint vs model) {reshaped[:5]}"
+        )
     for name, target in state.items():
         load_into(target, path, index[name], name)
 
