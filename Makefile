@@ -24,10 +24,12 @@ check: $(VENV)/.axtorch-test
 test-newest: $(VENV)/.axtorch-test $(OLDEST_VENV)/.axtorch-xla
 	$(VENV)/bin/python -m pytest $(ARGS)
 
-# The same suite on torch 2.9.0, less the XLA tests (their workers already run on 2.9) and the
-# documented commands (they exercise the docs, not the torch version).
+# The same suite on torch 2.9.0, less the XLA tests (their workers already run on 2.9), the
+# documented commands (they exercise the docs, not the torch version) and the single-process
+# kill-and-goodput journeys (process handling, not torch; the torchrun preemption test stays).
 test-oldest: $(OLDEST_VENV)/.axtorch-xla
-	$(OLDEST_VENV)/bin/python -m pytest --ignore=tests/parallel/test_xla_backend.py --ignore=tests/docs $(ARGS)
+	$(OLDEST_VENV)/bin/python -m pytest --ignore=tests/parallel/test_xla_backend.py --ignore=tests/docs \
+		--ignore=tests/train/test_kill_and_resume.py --ignore=tests/train/test_goodput.py $(ARGS)
 
 # A wheel, installed into an empty environment, run from outside the repository.
 newcomer:

@@ -1,4 +1,6 @@
-# Sourced by the torchrun launchers: fills NPROC, OMP_NUM_THREADS and TORCHRUN when unset.
+# Sourced by the torchrun launchers: fills NPROC, OMP_NUM_THREADS, TORCHRUN and MAX_RESTARTS when unset.
+# MAX_RESTARTS: how often torchrun restarts a failed worker group (each restart resumes from the
+# newest valid checkpoint by itself; default 3).
 # NPROC_FALLBACK is the process count used when no GPU is listed.
 
 if [[ -z "${NPROC:-}" ]]; then
@@ -22,3 +24,5 @@ if [[ -z "${TORCHRUN:-}" ]]; then
     TORCHRUN=.venv/bin/torchrun
   fi
 fi
+
+MAX_RESTARTS=${MAX_RESTARTS:-3}

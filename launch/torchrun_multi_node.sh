@@ -52,6 +52,7 @@ fi
 exec "$TORCHRUN" \
   --nnodes "$NNODES" \
   --nproc-per-node "$NPROC" \
+  --max-restarts "$MAX_RESTARTS" \
   ${node_rank[@]+"${node_rank[@]}"} \
   --rdzv-id "$RDZV_ID" \
   --rdzv-backend "$RDZV_BACKEND" \

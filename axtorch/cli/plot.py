@@ -6,7 +6,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from axtorch.train.plot import DEFAULT_FILENAME, DEFAULT_METRICS, plot_runs
+from axtorch.train.plot import DEFAULT_FILENAME, DEFAULT_METRICS, plot_goodput, plot_runs
+
+GOODPUT_NAME = "goodput.png"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,13 +25,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--metrics", nargs="+", default=list(DEFAULT_METRICS), help="metric names, one subplot each")
     parser.add_argument("--title", help="figure title")
     parser.add_argument("--log-y", action="store_true", help="logarithmic y axes")
+    parser.add_argument(
+        "--goodput", action="store_true", help=f"the wall-time breakdown of one run instead (default: {GOODPUT_NAME})"
+    )
     args = parser.parse_args(argv)
 
     out = args.out
+    if args.goodput and len(args.run_dirs) != 1:
+        parser.error("--goodput draws one run directory")
     if out is None:
-        out = args.run_dirs[0] / DEFAULT_FILENAME if len(args.run_dirs) == 1 else Path(DEFAULT_FILENAME)
+        name = GOODPUT_NAME if args.goodput else DEFAULT_FILENAME
+        out = args.run_dirs[0] / name if len(args.run_dirs) == 1 else Path(name)
     try:
-        written = plot_runs(args.run_dirs, out, metrics=args.metrics, title=args.title, log_y=args.log_y)
+        if args.goodput:
+            written = plot_goodput(args.run_dirs[0], out)
+        else:
+            written = plot_runs(args.run_dirs, out, metrics=args.metrics, title=args.title, log_y=args.log_y)
     except (FileNotFoundError, ValueError) as error:
         print(f"axtorch-plot: error: {error}", file=sys.stderr)
         return 2

@@ -9,6 +9,7 @@ from pathlib import Path
 from matplotlib.figure import Figure
 from matplotlib.ticker import LogFormatter
 
+from axtorch.train.goodput import CATEGORIES, GOODPUT_FILE, read_attempts, run_totals
 from axtorch.train.metrics import METRICS_FILENAME, read_metrics
 
 DEFAULT_METRICS = ("train/loss", "eval/loss")
@@ -97,3 +98,42 @@ def _curves(runs: dict[str, list[dict]], metric: str) -> dict[str, tuple[list[in
             steps, values = zip(*points)
             curves[label] = (list(steps), list(values))
     return curves
+
+
+GOODPUT_COLOURS = {
+    "productive": "tab:green",
+    "startup": "tab:gray",
+    "compile": "tab:purple",
+    "redone": "tab:orange",
+    "eval": "tab:blue",
+    "checkpoint": "tab:cyan",
+    "lost": "tab:red",
+}
+
+
+def plot_goodput(run_dir: Path, out: Path) -> Path:
+    """One stacked bar of wall time per attempt of the run, and one for the whole run, by category."""
+    attempts = read_attempts(run_dir)
+    if not attempts:
+        raise FileNotFoundError(f"{run_dir} has no {GOODPUT_FILE}; was it trained by this axtorch?")
+    rows = [(f"attempt {a['attempt']}", a["seconds"]) for a in attempts]
+    totals = run_totals(attempts)
+    rows.append(("whole run", totals))
+    figure = Figure(figsize=(10, 1.5 + 0.5 * len(rows)), layout="constrained")
+    ax = figure.subplots()
+    for row, (_, seconds) in enumerate(rows):
+        left = 0.0
+        for category in ("lost", *(c for c in CATEGORIES if c != "lost")):  # lost time comes before an attempt
+            width = seconds[category]
+            ax.barh(row, width, left=left, color=GOODPUT_COLOURS[category], label=category if row == 0 else None)
+            left += width
+    ax.set_yticks(range(len(rows)), [label for label, _ in rows])
+    ax.invert_yaxis()
+    ax.set_xlabel("wall time (s)")
+    fraction = totals["productive"] / max(sum(totals.values()), 1e-9)
+    ax.set_title(f"goodput {fraction:.1%} of {sum(totals.values()):.0f} s ({Path(run_dir).resolve().name})")
+    ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize="small")
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(out, dpi=100)
+    return out

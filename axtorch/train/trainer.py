@@ -48,6 +48,7 @@ from axtorch.train.flops import (
     mfu,
     transformer_flops_per_token,
 )
+from axtorch.train.goodput import GoodputRecorder
 from axtorch.train.loss import LossInput
 from axtorch.train.metrics import MetricsLogger
 from axtorch.train.numerics import NonFiniteError, NonFiniteGuard
@@ -111,6 +112,7 @@ class Trainer:
     def __init__(self, config: ExperimentConfig, backend: Optional[Backend] = None):
         self.config = config
         self.run_dir = Path(config.run_dir)
+        self.goodput = GoodputRecorder(self.run_dir, enabled=False)  # starts the clock; enabled in fit()
         self.backend = backend or build_backend(config.backend, config.mesh, config.sharding, config.trainer.device)
         self.device = self.backend.device
         replicas = self.backend.data_parallel_size
@@ -250,11 +252,14 @@ class Trainer:
 
     def save_checkpoint(self) -> Optional[Path]:
         """Save (or start saving) a checkpoint of this step; None if it failed under the ``warn`` policy."""
+        started = time.perf_counter()
         try:
             return self.checkpointer.save(self.step, self.model, self.optimizer, self.trainer_state())
         except CheckpointError as error:
             self._save_failed(error)
             return None
+        finally:
+            self.goodput.add("checkpoint", time.perf_counter() - started)
 
     def _save_failed(self, error: CheckpointError) -> None:
         if self.config.trainer.on_save_error is SaveErrorPolicy.stop:
@@ -352,6 +357,8 @@ class Trainer:
             if self.backend.is_main_process:
                 print(f"resumed from {latest} at step {self.step}")
         self._prepare_run_dir()
+        goodput = self.goodput
+        goodput.enabled = self.backend.is_main_process
         initial_eval = final_eval = None
         last_checkpoint = latest
         main = self.backend.is_main_process
@@ -365,6 +372,9 @@ class Trainer:
         ):
             if self.step == 0:
                 initial_eval = self._evaluate_and_log(metrics, print)
+            if main:  # measured (on a CPU) before the clock for steps starts: part of start-up
+                _best_effort("finding the devices' peak FLOP/s", self.peak_flops)
+            goodput.start_training()
             progress = tqdm(
                 total=stop,
                 initial=self.step,
@@ -377,6 +387,8 @@ class Trainer:
             window_time = 0.0
             self.model.train()
             while self.step < stop:
+                fetched = time.perf_counter()
+                set_aside = goodput.seconds["eval"] + goodput.seconds["checkpoint"]
                 batch = next(self.train_batches)
                 started = time.perf_counter()
                 try:
@@ -403,6 +415,7 @@ class Trainer:
                 if metrics is not None and window and (self.step % trainer.log_every == 0 or self.step == stop):
                     logged = _best_effort("computing train metrics", self._window_metrics, window, window_time)
                     if logged:
+                        logged.update(_best_effort("recording goodput", goodput.write) or {})
                         _best_effort("logging metrics", metrics.log, self.step, logged)
                         progress.set_postfix(
                             loss=f"{logged['train/loss']:.3f}", tok_s=f"{logged['train/tokens_per_s']:.0f}"
@@ -415,6 +428,9 @@ class Trainer:
                 saved_now = self.step % trainer.checkpoint_every == 0 or self.step == stop
                 if saved_now:
                     last_checkpoint = self.save_checkpoint() or last_checkpoint
+                # The step's wall time, logging included, less its evaluation and checkpoint.
+                set_aside = goodput.seconds["eval"] + goodput.seconds["checkpoint"] - set_aside
+                goodput.step_done(self.step, time.perf_counter() - fetched - set_aside)
                 if preempted_by := preemption.agreed(self.backend):
                     if not saved_now:
                         last_checkpoint = self.save_checkpoint() or last_checkpoint
@@ -422,10 +438,13 @@ class Trainer:
             progress.close()
         if final_eval is None and preempted_by is None:  # resumed at (or past) the last step: report it
             final_eval = self.evaluate().get("eval/loss")
+        waiting = time.perf_counter()
         try:
             self.checkpointer.wait()
         except CheckpointError as error:
             self._save_failed(error)
+        goodput.add("checkpoint", time.perf_counter() - waiting)
+        _best_effort("recording goodput", goodput.write)
         if trainer.plot and main and preempted_by is None:
             _best_effort("plotting loss.png", plot_runs, [self.run_dir], self.run_dir / "loss.png")
         return TrainResult(self.run_dir, self.step, initial_eval, final_eval, last_checkpoint, preempted_by)
@@ -437,7 +456,9 @@ class Trainer:
 
     def _evaluate_and_log(self, metrics: Optional[MetricsLogger], say: Callable[[str], Any]) -> Optional[float]:
         """Evaluate, log and announce the held-out loss; None (said once) when there is no held-out data."""
+        started = time.perf_counter()
         evaluated = self.evaluate()
+        self.goodput.add("eval", time.perf_counter() - started)
         if metrics is None:
             return evaluated.get("eval/loss")
         if not evaluated:

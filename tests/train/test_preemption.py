@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
@@ -11,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from process_runs import logged_steps
 
 from axtorch.train.checkpoint import checkpoint_problems, list_checkpoints, read_model_tensors
 
@@ -36,18 +36,10 @@ def _command(run_dir: Path, cache: Path, launcher: list[str], *extra: str) -> li
     ]
 
 
-def _logged_steps(run_dir: Path) -> int:
-    try:
-        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    except FileNotFoundError:
-        return 0
-    return sum("train/loss" in json.loads(line) for line in lines if line.endswith("}"))
-
-
 def _interrupt(command: list[str], run_dir: Path, signal_number: int) -> subprocess.CompletedProcess:
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
-    while _logged_steps(run_dir) < 5 and process.poll() is None and time.monotonic() < deadline:
+    while logged_steps(run_dir) < 5 and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
     process.send_signal(signal_number)
     stdout, stderr = process.communicate(timeout=300)

@@ -1,0 +1,72 @@
+"""SIGKILL at random moments (mid-step, mid-checkpoint, mid-asynchronous save), several times a run:
+the run that finally completes has exactly the parameters of one that was never interrupted."""
+
+from __future__ import annotations
+
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from process_runs import logged_steps
+
+from axtorch.train.checkpoint import read_model_tensors
+
+pytestmark = pytest.mark.slow
+STEPS = 30
+
+
+def _overrides(run_dir: Path, cache: Path, *extra: str) -> list[str]:
+    return [
+        "experiment=debug",
+        f"run_dir={run_dir}",
+        f"data.cache_dir={cache}",
+        f"trainer.max_steps={STEPS}",
+        "trainer.checkpoint_every=2",
+        "trainer.keep_checkpoints=2",
+        "trainer.eval_every=100",
+        "trainer.log_every=1",
+        "trainer.progress_bar=false",
+        "trainer.plot=false",
+        *extra,
+    ]
+
+
+def _assert_equal_parameters(run_dir: Path, straight_dir: Path) -> None:
+    expected = read_model_tensors(straight_dir / "checkpoints" / f"step_{STEPS:08d}")
+    got = read_model_tensors(run_dir / "checkpoints" / f"step_{STEPS:08d}")
+    for name, tensor in expected.items():
+        assert torch.equal(tensor, got[name]), name
+
+
+@pytest.mark.parametrize("extra", [(), ("trainer.async_checkpoint=true",)], ids=["sync", "async"])
+def test_repeated_sigkills_then_a_resume_equal_an_uninterrupted_run(tmp_path, extra):
+    cache, run_dir = tmp_path / "cache", tmp_path / "run"
+    command = [sys.executable, "-m", "axtorch.train", *_overrides(run_dir, cache, *extra)]
+    subprocess.run(
+        [sys.executable, "-m", "axtorch.train", *_overrides(tmp_path / "straight", cache, *extra)],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
+    chance = random.Random(f"kills-{extra}")
+    kills = 0
+    while kills < 4:
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        reached = logged_steps(run_dir) + 2 + chance.randrange(4)  # a few steps into this attempt
+        deadline = time.monotonic() + 300
+        while logged_steps(run_dir) < reached and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(chance.uniform(0, 0.3))  # anywhere in a step, a save or an asynchronous write
+        if process.poll() is not None:
+            break  # finished before this kill
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+        kills += 1
+    assert kills >= 2
+    subprocess.run(command, check=True, capture_output=True, timeout=600)
+    _assert_equal_parameters(run_dir, tmp_path / "straight")
