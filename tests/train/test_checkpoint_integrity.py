@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import xxhash
+from process_runs import quiet_debug_run
 
 from axtorch.cli.ckpt import main as ckpt_main
 from axtorch.compose.experiment import load_experiment_config
@@ -23,18 +24,15 @@ from axtorch.train.trainer import Trainer
 
 
 def _overrides(run_dir: Path, cache: Path, *extra: str) -> list[str]:
-    return [
-        "experiment=debug",
-        f"run_dir={run_dir}",
-        f"data.cache_dir={cache}",
-        "trainer.progress_bar=false",
-        "trainer.plot=false",
+    return quiet_debug_run(
+        run_dir,
+        cache,
         "trainer.max_steps=15",
         "trainer.checkpoint_every=5",
         "trainer.eval_every=100",
         "trainer.log_every=5",
         *extra,
-    ]
+    )
 
 
 def _fit(run_dir: Path, cache: Path, *extra: str):

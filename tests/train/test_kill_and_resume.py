@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from process_runs import logged_steps
+from process_runs import logged_steps, quiet_debug_run
 
 from axtorch.train.checkpoint import read_model_tensors
 
@@ -21,19 +21,16 @@ STEPS = 30
 
 
 def _overrides(run_dir: Path, cache: Path, *extra: str) -> list[str]:
-    return [
-        "experiment=debug",
-        f"run_dir={run_dir}",
-        f"data.cache_dir={cache}",
+    return quiet_debug_run(
+        run_dir,
+        cache,
         f"trainer.max_steps={STEPS}",
         "trainer.checkpoint_every=2",
         "trainer.keep_checkpoints=2",
         "trainer.eval_every=100",
         "trainer.log_every=1",
-        "trainer.progress_bar=false",
-        "trainer.plot=false",
         *extra,
-    ]
+    )
 
 
 def _assert_equal_parameters(run_dir: Path, straight_dir: Path) -> None:

@@ -8,6 +8,8 @@ import textwrap
 import time
 from pathlib import Path
 
+from process_runs import quiet_debug_run
+
 from axtorch.compose.experiment import load_experiment_config
 from axtorch.train.trainer import Trainer
 from axtorch.train.watchdog import WATCHDOG_EXIT_CODE
@@ -31,17 +33,9 @@ trainer.fit()
 
 
 def _overrides(run_dir: Path, cache: Path, *extra: str) -> list[str]:
-    return [
-        "experiment=debug",
-        f"run_dir={run_dir}",
-        f"data.cache_dir={cache}",
-        "trainer.progress_bar=false",
-        "trainer.plot=false",
-        "trainer.max_steps=6",
-        "trainer.eval_every=100",
-        "trainer.watchdog_seconds=1",
-        *extra,
-    ]
+    return quiet_debug_run(
+        run_dir, cache, "trainer.max_steps=6", "trainer.eval_every=100", "trainer.watchdog_seconds=1", *extra
+    )
 
 
 def test_a_hang_dumps_every_stack_and_exits_for_the_launcher_to_restart(tmp_path, data_cache):
