@@ -10,10 +10,13 @@ table has no MFU: the trainer warns once and logs the other metrics.
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+from axtorch.train.flops import measure_matmul_peak_flops
 
 TERA = 1e12
 
@@ -62,3 +65,27 @@ def datasheet_peak_flops(device_name: str, dtype: torch.dtype) -> Optional[float
     """Peak FLOP/s of one chip named ``device_name`` for matmuls in ``dtype``; None if unknown."""
     chip = find_chip(device_name)
     return chip.for_dtype(dtype) if chip is not None else None
+
+
+def resolve_peak_flops(
+    configured: Optional[float], device_name: str, dtype: torch.dtype, num_devices: int, devices_per_process: int
+) -> Optional[float]:
+    """Summed peak FLOP/s of the ``num_devices`` devices that run a step; None where none is known.
+
+    ``configured`` (per device, ``trainer.peak_flops``) wins; a CPU's peak is measured and shared
+    by the devices one process drives (XLA's virtual CPU devices); any other chip's comes from
+    the table, and a chip the table lacks warns once.
+    """
+    per_device = configured
+    if per_device is None and device_name == "cpu":
+        per_device = measure_matmul_peak_flops(torch.device("cpu"), dtype) / devices_per_process
+    elif per_device is None:
+        per_device = datasheet_peak_flops(device_name, dtype)
+        if per_device is None:
+            warnings.warn(
+                f"no datasheet peak FLOP/s for device {device_name!r} in {dtype}, so train/mfu is "
+                "not logged; set trainer.peak_flops=<FLOP/s per device> to log it",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+    return None if per_device is None else per_device * num_devices

@@ -44,7 +44,6 @@ from axtorch.train.config import Precision, SaveErrorPolicy
 from axtorch.train.experiment import ExperimentConfig
 from axtorch.train.flops import (
     active_non_embedding_parameters,
-    measure_matmul_peak_flops,
     mfu,
     transformer_flops_per_token,
 )
@@ -53,7 +52,7 @@ from axtorch.train.loss import LossInput
 from axtorch.train.metrics import MetricsLogger
 from axtorch.train.numerics import NonFiniteError, NonFiniteGuard
 from axtorch.train.optimizer import build_optimizer
-from axtorch.train.peak_flops import datasheet_peak_flops
+from axtorch.train.peak_flops import resolve_peak_flops
 from axtorch.train.plot import plot_runs
 from axtorch.train.preemption import PreemptionWatch
 from axtorch.train.rng import capture_rng_state, restore_rng_state
@@ -160,8 +159,8 @@ class Trainer:
         self.tokens_per_step = trainer.batch_size * config.data.seq_len
         self.flops_per_token = self._flops_per_token()
         self.numerics = NonFiniteGuard(trainer.nonfinite, trainer.max_nonfinite_skips)
-        self._peak_flops: Optional[float] = None
-        self._peak_flops_known = False
+        #: Summed peak FLOP/s of the step's devices, found by the main process in fit(); None: no MFU.
+        self.peak_flops: Optional[float] = None
         self._said_no_held_out_data = False
         self.config_text = config_to_yaml(config)
         self.model_digest = config_digest(config_to_yaml(config.model))
@@ -188,31 +187,12 @@ class Trainer:
             model_cfg.tie_embeddings,
         )
 
-    def peak_flops(self) -> Optional[float]:
-        """Summed peak FLOP/s of the devices that run a step; None where no peak is known (no MFU).
-
-        ``trainer.peak_flops`` (per device) wins; a CPU's peak is measured, once, and shared by the
-        devices its process drives (XLA's virtual CPU devices); any other chip's comes from the
-        datasheet table. An unknown chip warns once.
-        """
-        if not self._peak_flops_known:
-            self._peak_flops_known = True
-            backend = self.backend
-            dtype = torch.bfloat16 if self.config.trainer.precision is Precision.bf16 else torch.float32
-            per_device = self.config.trainer.peak_flops
-            if per_device is None and backend.device_name == "cpu":
-                per_device = measure_matmul_peak_flops(torch.device("cpu"), dtype) / backend.devices_per_process
-            elif per_device is None:
-                per_device = datasheet_peak_flops(backend.device_name, dtype)
-                if per_device is None:
-                    warnings.warn(
-                        f"no datasheet peak FLOP/s for device {backend.device_name!r} in {dtype}, so train/mfu is "
-                        "not logged; set trainer.peak_flops=<FLOP/s per device> to log it",
-                        RuntimeWarning,
-                        stacklevel=2,
-                    )
-            self._peak_flops = None if per_device is None else per_device * backend.num_devices
-        return self._peak_flops
+    def _resolve_peak_flops(self) -> Optional[float]:
+        dtype = torch.bfloat16 if self.config.trainer.precision is Precision.bf16 else torch.float32
+        backend = self.backend
+        return resolve_peak_flops(
+            self.config.trainer.peak_flops, backend.device_name, dtype, backend.num_devices, backend.devices_per_process
+        )
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         enabled = self.config.trainer.precision is Precision.bf16
@@ -373,7 +353,7 @@ class Trainer:
             if self.step == 0:
                 initial_eval = self._evaluate_and_log(metrics, print)
             if main:  # measured (on a CPU) before the clock for steps starts: part of start-up
-                _best_effort("finding the devices' peak FLOP/s", self.peak_flops)
+                self.peak_flops = _best_effort("finding the devices' peak FLOP/s", self._resolve_peak_flops)
             goodput.start_training()
             progress = tqdm(
                 total=stop,
@@ -480,9 +460,8 @@ class Trainer:
             "train/tokens_per_s": tokens_per_s,
             "train/memory_gb": _peak_memory_gb(self.device),
         }
-        peak = _best_effort("finding the devices' peak FLOP/s", self.peak_flops)
-        if peak is not None:
-            logged["train/mfu"] = mfu(tokens_per_s, self.flops_per_token, peak)
+        if self.peak_flops is not None:
+            logged["train/mfu"] = mfu(tokens_per_s, self.flops_per_token, self.peak_flops)
         return logged
 
 

@@ -10,6 +10,7 @@ import torch
 
 from axtorch.compose.experiment import load_experiment_config
 from axtorch.parallel.single import SingleDeviceBackend
+from axtorch.train import peak_flops as peak_flops_module
 from axtorch.train import trainer as trainer_module
 from axtorch.train.flops import mfu
 from axtorch.train.peak_flops import datasheet_peak_flops, find_chip
@@ -124,7 +125,7 @@ def test_failing_tensorboard_plot_and_metrics_warn_and_training_goes_on(tmp_path
 
     monkeypatch.setattr(SummaryWriter, "add_scalar", broken)
     monkeypatch.setattr(trainer_module, "plot_runs", broken)
-    monkeypatch.setattr(trainer_module, "measure_matmul_peak_flops", broken)
+    monkeypatch.setattr(peak_flops_module, "measure_matmul_peak_flops", broken)
     result, train, messages = _fit(tmp_path, data_cache)
     assert result.step == 3 and result.final_eval_loss is not None
     assert [r["step"] for r in train] == [1, 2, 3]  # the JSONL record is complete without TensorBoard or MFU
