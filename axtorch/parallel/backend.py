@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from axtorch.models.causal_lm import CausalLM
+from axtorch.parallel.side_channel import Coordinator, GlooSideChannel
 from axtorch.parallel.tensor_shards import Piece, copy_into_local_block, owned_pieces
 
 
@@ -75,6 +76,13 @@ class Backend(Protocol):
 
     def owned_pieces(self, tensor: torch.Tensor) -> list[Piece]:
         """The blocks of ``tensor`` this process writes into a checkpoint."""
+
+    def side_channel(self) -> Coordinator:
+        """A coordinator for a background thread, independent of the training's collectives.
+
+        Asked for only when there are several processes, by all of them at the same point: it
+        creates a process group.
+        """
 
     def close(self) -> None:
         """Release communicators."""
@@ -142,3 +150,6 @@ class HostFedBackend:
 
     def owned_pieces(self, tensor: torch.Tensor) -> list[Piece]:
         return owned_pieces(tensor, self.rank)
+
+    def side_channel(self) -> Coordinator:
+        return GlooSideChannel()

@@ -63,7 +63,23 @@ def owned_piece(tensor: torch.Tensor, rank: int) -> Optional[Piece]:
     else:
         local = tensor
     _, offsets = local_region(tensor)
-    return Piece(local.detach().to("cpu", copy=True).contiguous(), tuple(tensor.shape), tuple(offsets))
+    return Piece(host_copy(local), tuple(tensor.shape), tuple(offsets))
+
+
+def host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous host copy that later updates of ``tensor`` cannot change.
+
+    From CUDA the copy goes into pinned memory without blocking; it is complete only after
+    ``torch.cuda.synchronize()``, which the caller runs once for all its copies. Pinned blocks come
+    from torch's caching host allocator, so each save reuses the memory of the one before.
+    """
+    tensor = tensor.detach()
+    if tensor.device.type == "cuda":
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        return host.copy_(tensor, non_blocking=True)
+    if tensor.device.type == "cpu":
+        return tensor.clone(memory_format=torch.contiguous_format)
+    return tensor.to("cpu").contiguous()
 
 
 def read_block(

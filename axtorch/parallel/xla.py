@@ -30,6 +30,7 @@ from axtorch.models.causal_lm import CausalLM
 from axtorch.parallel.backend import ec2_instance_type
 from axtorch.parallel.mesh import MeshConfig
 from axtorch.parallel.rules import PartitionSpec, ShardingConfig, resolve_activation_specs, resolve_parameter_specs
+from axtorch.parallel.side_channel import Coordinator, GlooSideChannel
 from axtorch.parallel.tensor_shards import Piece
 
 try:
@@ -173,6 +174,9 @@ class XlaBackend:
         gathered: list[Any] = [None] * self.world_size  # pragma: no cover - multi-host only
         dist.all_gather_object(gathered, obj)
         return gathered
+
+    def side_channel(self) -> Coordinator:
+        return GlooSideChannel()  # pragma: no cover - multi-host only
 
     def owned_pieces(self, tensor: torch.Tensor) -> list[Piece]:
         """One piece per distinct block held by this host's devices: no host gathers a whole tensor."""

@@ -17,19 +17,22 @@ ones; the manifest (``checkpoint_manifest``) lets a resume refuse one whose byte
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
 import threading
 import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Optional, Protocol
+from typing import Any, Optional, Protocol, TypeVar
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
+from axtorch.parallel.side_channel import Coordinator
 from axtorch.parallel.tensor_shards import Piece, load_into, owned_pieces, read_block
 from axtorch.train.checkpoint_manifest import (
     CheckpointError,
@@ -43,20 +46,17 @@ MODEL = "model"
 OPTIMIZER = "optimizer"
 TRAINER_STATE_FILE = "trainer_state.json"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+T = TypeVar("T")
 
 
-class Collective(Protocol):
-    """The little a multi-process save needs from a backend."""
-
-    rank: int
-    world_size: int
-
-    def barrier(self) -> None: ...
-
-    def all_gather_object(self, obj: Any) -> list[Any]: ...
+class Collective(Coordinator, Protocol):
+    """What a multi-process save needs from a backend."""
 
     def owned_pieces(self, tensor: torch.Tensor) -> list[Piece]:
         """The blocks of ``tensor`` that this process stores (none, its own, or one per local device)."""
+
+    def side_channel(self) -> Coordinator:
+        """A coordinator for the writer thread, apart from the training's collectives."""
 
 
 class LocalCollective:
@@ -71,6 +71,9 @@ class LocalCollective:
 
     def owned_pieces(self, tensor: torch.Tensor) -> list[Piece]:
         return owned_pieces(tensor, self.rank)
+
+    def side_channel(self) -> Coordinator:
+        return self
 
 
 def checkpoint_dir_name(step: int) -> str:
@@ -112,12 +115,9 @@ def _piece_key(name: str, piece: Piece, count: int) -> str:
     return name if count == 1 else f"{name}@{'_'.join(map(str, piece.offsets))}"
 
 
-def _write_pieces(directory: Path, prefix: str, pieces: dict[str, list[Piece]], collective: Collective) -> list[str]:
-    """Each process writes its pieces; the first writes the index describing all of them.
-
-    Returns the files this process wrote.
-    """
-    file = _shard_file(prefix, collective.rank, collective.world_size)
+def _write_own_pieces(directory: Path, prefix: str, pieces: dict[str, list[Piece]], rank: int, world_size: int):
+    """Write this process's pieces into its file; return their index entries (without the other ranks')."""
+    file = _shard_file(prefix, rank, world_size)
     stored: dict[str, torch.Tensor] = {}
     described: dict[str, dict[str, Any]] = {}
     for name, name_pieces in pieces.items():
@@ -135,19 +135,42 @@ def _write_pieces(directory: Path, prefix: str, pieces: dict[str, list[Piece]], 
             )
         described[name] = entry
     save_file(stored, directory / file, metadata={"format": "pt"})
-    everything = collective.all_gather_object(described)
-    if collective.rank != 0:
-        return [file]
+    return file, described
+
+
+def _write_index(directory: Path, prefix: str, parts: list[dict[str, dict[str, Any]]], world_size: int) -> str:
+    """Merge every process's entries into ``<prefix>.safetensors.index.json``; return its name."""
     tensors: dict[str, dict[str, Any]] = {}
-    for part in everything:
+    for part in parts:
         for name, info in part.items():
             entry = tensors.setdefault(name, {"shape": info["shape"], "dtype": info["dtype"], "pieces": []})
             entry["pieces"].extend(info["pieces"])
-    index: dict[str, Any] = {"metadata": {"format": "axtorch", "world_size": collective.world_size}, "tensors": tensors}
+    index: dict[str, Any] = {"metadata": {"format": "axtorch", "world_size": world_size}, "tensors": tensors}
     if all(len(e["pieces"]) == 1 and e["pieces"][0]["key"] == name for name, e in tensors.items()):
         index["weight_map"] = {name: e["pieces"][0]["file"] for name, e in sorted(tensors.items())}  # as HF
     (directory / index_file(prefix)).write_text(json.dumps(index, indent=1))
-    return [file, index_file(prefix)]
+    return index_file(prefix)
+
+
+def _agree(coordinator: Coordinator, what: str, action: Callable[[], T]) -> list[T]:
+    """Run ``action`` on every process and gather the results; if it failed anywhere, it fails everywhere.
+
+    Every process joins every gather, so a process whose disk is full raises like its peers
+    instead of leaving them waiting in a collective it never reaches.
+    """
+    result: Optional[T] = None
+    local_error: Optional[Exception] = None
+    try:
+        result = action()
+    except Exception as error:
+        local_error = error
+    said = None if local_error is None else f"{type(local_error).__name__}: {local_error}"
+    gathered = coordinator.all_gather_object((result, said))
+    failures = [(rank, message) for rank, (_, message) in enumerate(gathered) if message is not None]
+    if failures:
+        where = failures[0][1] if coordinator.world_size == 1 else "; ".join(f"rank {r}: {m}" for r, m in failures)
+        raise CheckpointError(f"{what}: {where}") from local_error
+    return [value for value, _ in gathered]
 
 
 def read_index(path: Path, prefix: str = MODEL) -> dict[str, dict[str, Any]]:
@@ -256,11 +279,16 @@ def load_optimizer(path: Path, optimizer: torch.optim.Optimizer) -> None:
 class Checkpointer:
     """Saves, verifies, prunes and finds checkpoints under one directory.
 
-    With one process a save may run in a background thread (``async_save``): tensors are first
-    copied to host memory, so training continues while the files are written. With several
-    processes every process writes its own pieces and saves are synchronous. A save that fails
-    (a full disk, a permission error) removes its partial directory and leaves every earlier
-    checkpoint as it was; the error reaches the caller as a ``CheckpointError``.
+    With ``async_save`` the training thread pays only for copying its tensors to host memory
+    (pinned, from CUDA); a background thread writes, seals and publishes them, coordinating with
+    the other processes over a side channel so the training's collectives go on meanwhile. A new
+    save first waits for the one in flight, and ``wait`` (which the trainer calls before it
+    returns) re-raises a background failure. The thread is not a daemon: the interpreter does not
+    exit with a save half written.
+
+    A save that fails on any process (a full disk, a permission error) fails on all of them,
+    removes its partial directory and leaves every earlier checkpoint as it was; the error
+    reaches the caller as a ``CheckpointError``.
 
     Retention keeps the newest ``keep`` checkpoints, plus every one whose step is a multiple of
     ``keep_every`` (when set); pruning runs only after a save succeeded, so the newest valid
@@ -279,9 +307,13 @@ class Checkpointer:
         self.keep = keep
         self.keep_every = keep_every
         self.collective = collective or LocalCollective()
-        self.async_save = async_save and self.collective.world_size == 1
+        self.async_save = async_save
+        # The writer's own coordinator: a background thread must not share the training's group.
+        several = async_save and self.collective.world_size > 1
+        self._writer: Coordinator = self.collective.side_channel() if several else self.collective
         self._pending: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
+        self._failed_path = root
 
     def latest_valid(self) -> Optional[Path]:
         """The newest checkpoint that verifies, as the first process finds it; every process agrees."""
@@ -304,8 +336,10 @@ class Checkpointer:
             MODEL: _pieces(model.state_dict(), self.collective),
             OPTIMIZER: _pieces(optimizer_tensors(optimizer), self.collective),
         }
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # the pinned host copies are complete from here on
         if self.async_save:
-            self._pending = threading.Thread(target=self._write, args=(path, pieces, state), name="axtorch-checkpoint")
+            self._pending = threading.Thread(target=self._write, args=(path, pieces, state), name=f"save {path.name}")
             self._pending.start()
         else:
             self._write(path, pieces, state)
@@ -319,6 +353,21 @@ class Checkpointer:
             self._pending = None
         self._raise_pending_error()
 
+    def poll(self) -> None:
+        """Re-raise the error of an asynchronous save that has already failed; never blocks."""
+        if self._pending is not None and not self._pending.is_alive():
+            self.wait()
+
+    @contextlib.contextmanager
+    def saves_finish_on_error(self) -> Iterator[None]:
+        """On an error, let a save in flight finish (it holds a good state) before the error propagates."""
+        try:
+            yield
+        except BaseException:
+            with contextlib.suppress(CheckpointError):
+                self.wait()
+            raise
+
     def load(self, path: Path, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> None:
         """Restore parameters (and optimizer state) in place; trainer state is read separately."""
         try:
@@ -329,34 +378,46 @@ class Checkpointer:
             raise CheckpointError(f"reading checkpoint {path} failed: {type(error).__name__}: {error}") from error
 
     def _write(self, path: Path, pieces: dict[str, dict[str, list[Piece]]], state: dict[str, Any]) -> None:
-        collective = self.collective
+        """Write into a hidden directory, seal every file, then publish it with one rename."""
+        writer = self._writer
+        rank, world_size = writer.rank, writer.world_size
         tmp = path.with_name(f".{path.name}.tmp")
-        try:
-            if collective.rank == 0:
+
+        def prepare() -> None:
+            if rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
                 tmp.mkdir(parents=True)
-            collective.barrier()
-            written = [
-                file
-                for prefix, prefix_pieces in pieces.items()
-                for file in _write_pieces(tmp, prefix, prefix_pieces, collective)
-            ]
-            if collective.rank == 0:
-                (tmp / TRAINER_STATE_FILE).write_text(json.dumps(state, indent=2))
-                written.append(TRAINER_STATE_FILE)
-            records = collective.all_gather_object(seal_files(tmp, written))
-            if collective.rank == 0:
-                write_manifest(tmp, {name: record for part in records for name, record in part.items()})
-                if path.exists():  # a re-save of the same step (e.g. the final step after a resume)
-                    shutil.rmtree(path)
-                os.replace(tmp, path)
-                fsync_directory(self.root)
-                self._prune()
-            collective.barrier()
+
+        def write_own() -> tuple[dict[str, dict[str, dict[str, Any]]], dict[str, dict[str, Any]]]:
+            described, files = {}, []
+            for prefix, prefix_pieces in pieces.items():
+                file, described[prefix] = _write_own_pieces(tmp, prefix, prefix_pieces, rank, world_size)
+                files.append(file)
+            return described, seal_files(tmp, files)
+
+        def publish(written: list[tuple[dict[str, Any], dict[str, Any]]]) -> None:
+            if rank != 0:
+                return
+            records = {name: record for _, part in written for name, record in part.items()}
+            shared = [_write_index(tmp, prefix, [d[prefix] for d, _ in written], world_size) for prefix in pieces]
+            (tmp / TRAINER_STATE_FILE).write_text(json.dumps(state, indent=2))
+            records |= seal_files(tmp, [*shared, TRAINER_STATE_FILE])
+            write_manifest(tmp, records)
+            if path.exists():  # a re-save of the same step (e.g. the final step after a resume)
+                shutil.rmtree(path)
+            os.replace(tmp, path)
+            fsync_directory(self.root)
+            self._prune()
+
+        try:
+            _agree(writer, "preparing the directory", prepare)
+            written = _agree(writer, "writing tensors", write_own)
+            _agree(writer, "publishing the checkpoint", lambda: publish(written))
         except BaseException as error:  # surfaced by wait() on the training thread
-            if collective.rank == 0:
+            if rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
             self._error = error
+            self._failed_path = path
 
     def _prune(self) -> None:
         for old in list_checkpoints(self.root)[: -self.keep]:
@@ -368,6 +429,7 @@ class Checkpointer:
     def _raise_pending_error(self) -> None:
         if self._error is not None:
             error, self._error = self._error, None
+            said = str(error) if isinstance(error, CheckpointError) else f"{type(error).__name__}: {error}"
             raise CheckpointError(
-                f"writing a checkpoint failed ({type(error).__name__}: {error}); earlier checkpoints are intact"
+                f"writing checkpoint {self._failed_path.name} failed ({said}); earlier checkpoints are intact"
             ) from error

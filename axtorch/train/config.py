@@ -42,7 +42,8 @@ class TrainerConfig:
     keep_checkpoints: int = 3
     #: Also keep, for good, every checkpoint whose step is a multiple of this (None: none).
     keep_every: Optional[int] = None
-    async_checkpoint: bool = False
+    #: Write checkpoints in a background thread; training pays only for the copy to host memory.
+    async_checkpoint: bool = True
     #: What a failed save (a full disk, a permission error) does to the run.
     on_save_error: SaveErrorPolicy = SaveErrorPolicy.stop
     #: What a non-finite loss or gradient norm does: drop that update, or save and stop.

@@ -241,6 +241,13 @@ class Trainer:
         finally:
             self.goodput.add("checkpoint", time.perf_counter() - started)
 
+    def _settle_saves(self, block: bool) -> None:
+        """Apply ``on_save_error`` to a failed background save (``block``: wait for the one in flight)."""
+        try:
+            self.checkpointer.wait() if block else self.checkpointer.poll()
+        except CheckpointError as error:
+            self._save_failed(error)
+
     def _save_failed(self, error: CheckpointError) -> None:
         if self.config.trainer.on_save_error is SaveErrorPolicy.stop:
             raise CheckpointError(f"step {self.step}: {error}; stopping (trainer.on_save_error=stop)") from error
@@ -346,6 +353,7 @@ class Trainer:
         preempted_by = None
         watchdog = Watchdog(trainer.watchdog_seconds, trainer.watchdog_action, self.run_dir, self.backend.rank)
         with (
+            self.checkpointer.saves_finish_on_error(),
             PreemptionWatch() as preemption,
             watchdog,
             metrics_logger or contextlib.nullcontext() as metrics,
@@ -380,6 +388,7 @@ class Trainer:
                     raise NonFiniteError(f"{error}; saved the last good state at step {self.step}") from error
                 window_time += time.perf_counter() - started
                 watchdog.step_done()
+                self._settle_saves(block=False)  # a background save that failed stops the run now
                 if result.get("train/skipped_update"):
                     self._log_event(
                         metrics,
@@ -419,10 +428,7 @@ class Trainer:
         if final_eval is None and preempted_by is None:  # resumed at (or past) the last step: report it
             final_eval = self.evaluate().get("eval/loss")
         waiting = time.perf_counter()
-        try:
-            self.checkpointer.wait()
-        except CheckpointError as error:
-            self._save_failed(error)
+        self._settle_saves(block=True)
         goodput.add("checkpoint", time.perf_counter() - waiting)
         _best_effort("recording goodput", goodput.write)
         if trainer.plot and main and preempted_by is None:

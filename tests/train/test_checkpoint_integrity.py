@@ -171,10 +171,12 @@ def _fail_saving_at_step(monkeypatch, step: int) -> None:
     monkeypatch.setattr(checkpoint_module, "save_file", save_file)
 
 
-def test_a_full_disk_stops_the_run_and_leaves_earlier_checkpoints_intact(tmp_path, data_cache, monkeypatch):
+@pytest.mark.parametrize("saving", ["true", "false"], ids=["async", "sync"])
+def test_a_full_disk_stops_the_run_and_leaves_earlier_checkpoints_intact(tmp_path, data_cache, monkeypatch, saving):
     _fail_saving_at_step(monkeypatch, 10)
-    with pytest.raises(CheckpointError, match=r"step 10: .*No space left on device.*earlier checkpoints are intact"):
-        _fit(tmp_path / "run", data_cache)
+    expected = r"writing checkpoint step_00000010 failed .*No space left on device.*earlier checkpoints are intact"
+    with pytest.raises(CheckpointError, match=expected):
+        _fit(tmp_path / "run", data_cache, f"trainer.async_checkpoint={saving}")
     checkpoints = tmp_path / "run" / "checkpoints"
     assert [p.name for p in checkpoints.iterdir()] == ["step_00000005"]  # no partial directory left behind
     assert checkpoint_problems(checkpoints / "step_00000005") == []

@@ -1,8 +1,10 @@
-"""SIGKILL at random moments (mid-step, mid-checkpoint, mid-asynchronous save), several times a run:
-the run that finally completes has exactly the parameters of one that was never interrupted."""
+"""SIGKILL at random moments (mid-step, mid-checkpoint, mid-asynchronous save), several times a run,
+on one device and under torchrun: the run that finally completes has exactly the parameters of one
+that was never interrupted."""
 
 from __future__ import annotations
 
+import os
 import random
 import signal
 import subprocess
@@ -40,20 +42,30 @@ def _assert_equal_parameters(run_dir: Path, straight_dir: Path) -> None:
         assert torch.equal(tensor, got[name]), name
 
 
-@pytest.mark.parametrize("extra", [(), ("trainer.async_checkpoint=true",)], ids=["sync", "async"])
-def test_repeated_sigkills_then_a_resume_equal_an_uninterrupted_run(tmp_path, extra):
+TORCHRUN = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node", "2"]
+LAUNCHES = {
+    "sync": ([sys.executable], ("trainer.async_checkpoint=false",)),
+    "async": ([sys.executable], ("trainer.async_checkpoint=true",)),
+    "torchrun_async": (TORCHRUN, ("backend=native", "mesh.fsdp=2", "sharding=fsdp", "trainer.async_checkpoint=true")),
+}
+
+
+@pytest.mark.parametrize("launch", list(LAUNCHES))
+def test_repeated_sigkills_then_a_resume_equal_an_uninterrupted_run(tmp_path, launch):
+    launcher, extra = LAUNCHES[launch]
     cache, run_dir = tmp_path / "cache", tmp_path / "run"
-    command = [sys.executable, "-m", "axtorch.train", *_overrides(run_dir, cache, *extra)]
+    command = [*launcher, "-m", "axtorch.train", *_overrides(run_dir, cache, *extra)]
     subprocess.run(
-        [sys.executable, "-m", "axtorch.train", *_overrides(tmp_path / "straight", cache, *extra)],
+        [*launcher, "-m", "axtorch.train", *_overrides(tmp_path / "straight", cache, *extra)],
         check=True,
         capture_output=True,
         timeout=600,
     )
-    chance = random.Random(f"kills-{extra}")
+    chance = random.Random(f"kills-{launch}")
     kills = 0
     while kills < 4:
-        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        # A session of its own: the kill takes torchrun and its workers at once, as a lost node would.
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
         reached = logged_steps(run_dir) + 2 + chance.randrange(4)  # a few steps into this attempt
         deadline = time.monotonic() + 300
         while logged_steps(run_dir) < reached and process.poll() is None and time.monotonic() < deadline:
@@ -61,7 +73,7 @@ def test_repeated_sigkills_then_a_resume_equal_an_uninterrupted_run(tmp_path, ex
         time.sleep(chance.uniform(0, 0.3))  # anywhere in a step, a save or an asynchronous write
         if process.poll() is not None:
             break  # finished before this kill
-        process.send_signal(signal.SIGKILL)
+        os.killpg(process.pid, signal.SIGKILL)
         process.wait()
         kills += 1
     assert kills >= 2
