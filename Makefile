@@ -22,13 +22,13 @@ check: $(VENV)/.axtorch-test
 	$(VENV)/bin/mypy axtorch
 
 test-newest: $(VENV)/.axtorch-test $(OLDEST_VENV)/.axtorch-xla
-	$(VENV)/bin/python -m pytest $(ARGS)
+	$(VENV)/bin/python -m pytest --durations=15 $(ARGS)
 
 # The same suite on torch 2.9.0, less the XLA tests (their workers already run on 2.9), the
 # documented commands (they exercise the docs, not the torch version) and the single-process
 # kill-and-goodput journeys (process handling, not torch; the torchrun preemption test stays).
 test-oldest: $(OLDEST_VENV)/.axtorch-xla
-	$(OLDEST_VENV)/bin/python -m pytest --ignore=tests/parallel/test_xla_backend.py --ignore=tests/docs \
+	$(OLDEST_VENV)/bin/python -m pytest --durations=15 --ignore=tests/parallel/test_xla_backend.py --ignore=tests/docs \
 		--ignore=tests/train/test_kill_and_resume.py --ignore=tests/train/test_goodput.py $(ARGS)
 
 # A wheel, installed into an empty environment, run from outside the repository.

@@ -1,8 +1,7 @@
 # Sourced by the torchrun launchers: fills NPROC, OMP_NUM_THREADS, TORCHRUN and MAX_RESTARTS when unset.
-# MAX_RESTARTS: how often torchrun restarts a failed worker group in place; each restart resumes from
-# the newest valid checkpoint by itself. Default 0: a config error must fail at once, and here
-# (torch 2.13, gloo on CPU) restarted workers hung in init_process_group; set it on clusters where
-# in-place restarts work, or restart the whole command (Slurm requeue, Kubernetes pod restarts).
+# MAX_RESTARTS: how often torchrun restarts a failed worker group in place (default 3); each restart
+# resumes from the newest valid checkpoint by itself. A config error fails every attempt the same
+# way, so it is reported MAX_RESTARTS + 1 times before torchrun gives up.
 # NPROC_FALLBACK is the process count used when no GPU is listed.
 
 if [[ -z "${NPROC:-}" ]]; then
@@ -27,4 +26,4 @@ if [[ -z "${TORCHRUN:-}" ]]; then
   fi
 fi
 
-MAX_RESTARTS=${MAX_RESTARTS:-0}
+MAX_RESTARTS=${MAX_RESTARTS:-3}

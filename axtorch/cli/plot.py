@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from axtorch.train.goodput import breakdown_table, read_attempts
 from axtorch.train.plot import DEFAULT_FILENAME, DEFAULT_METRICS, plot_goodput, plot_runs
 
 GOODPUT_NAME = "goodput.png"
@@ -39,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.goodput:
             written = plot_goodput(args.run_dirs[0], out)
+            print(breakdown_table(read_attempts(args.run_dirs[0])), "(seconds)")
         else:
             written = plot_runs(args.run_dirs, out, metrics=args.metrics, title=args.title, log_y=args.log_y)
     except (FileNotFoundError, ValueError) as error:

@@ -25,6 +25,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.constants import default_pg_timeout
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
@@ -47,7 +48,7 @@ class NativeBackend(HostFedBackend):
         if not dist.is_initialized():
             # gloo on CPU, NCCL on CUDA; for another device type (e.g. TorchNeuron's) torch picks
             # the process-group backend that device registered (untested here).
-            dist.init_process_group(backend={"cpu": "gloo", "cuda": "nccl"}.get(device_type))
+            _init_process_group({"cpu": "gloo", "cuda": "nccl"}.get(device_type))
         self.sizes = mesh.resolve(dist.get_world_size(), "mesh")
         if any(slices > 1 for slices in mesh.resolve_dcn(self.sizes).values()):
             raise ConfigError(
@@ -193,6 +194,29 @@ class NativeBackend(HostFedBackend):
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _init_process_group(backend: Optional[str]) -> None:
+    """Join the job's process group, on store keys of this torchrun attempt only.
+
+    torchrun's workers share its rendezvous store, which outlives an in-place restart
+    (``--max-restarts``) with the previous attempt's gloo and NCCL addresses still in it: a
+    restarted worker that read one would connect to a dead process. A per-attempt key prefix
+    keeps the attempts apart. Outside torchrun's shared store, torch's own env:// setup is used.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend=backend)
+        return
+    shared = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=default_pg_timeout
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(
+        backend=backend,
+        store=dist.PrefixStore(f"axtorch/attempt_{attempt}", shared),
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+    )
 
 
 def _distribute(module: nn.Module, mesh: DeviceMesh, *, weight_dim: int, bias, inputs, outputs) -> None:

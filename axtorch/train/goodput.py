@@ -39,6 +39,22 @@ def run_totals(attempts: list[dict[str, Any]]) -> dict[str, float]:
     return {category: sum(a["seconds"][category] for a in attempts) for category in CATEGORIES}
 
 
+def breakdown_table(attempts: list[dict[str, Any]]) -> str:
+    """Seconds per category for each attempt and the whole run, as a Markdown table."""
+    rows = [(f"attempt {a['attempt']}", a["seconds"]) for a in attempts]
+    totals = run_totals(attempts)
+    rows.append(("whole run", totals))
+    lines = [
+        "| | " + " | ".join(CATEGORIES) + " | wall | goodput |",
+        "|---" * (len(CATEGORIES) + 3) + "|",
+    ]
+    for label, seconds in rows:
+        wall = sum(seconds[c] for c in CATEGORIES)
+        cells = " | ".join(f"{seconds[c]:.1f}" for c in CATEGORIES)
+        lines.append(f"| {label} | {cells} | {wall:.1f} | {seconds['productive'] / max(wall, 1e-9):.1%} |")
+    return "\n".join(lines)
+
+
 class GoodputRecorder:
     """Attributes this attempt's wall time; ``write`` records it (main process only)."""
 

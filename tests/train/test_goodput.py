@@ -27,7 +27,7 @@ def _run_until(command: list[str], run_dir: Path, step: int, signal_number: int)
     process.wait(timeout=300)
 
 
-def test_a_sigterm_and_a_sigkill_leave_a_goodput_record_that_adds_up(tmp_path):
+def test_a_sigterm_and_a_sigkill_leave_a_goodput_record_that_adds_up(tmp_path, capsys):
     run_dir = tmp_path / "run"
     command = [
         sys.executable,
@@ -63,5 +63,11 @@ def test_a_sigterm_and_a_sigkill_leave_a_goodput_record_that_adds_up(tmp_path):
     assert set(last) >= {f"goodput/{c}_s" for c in CATEGORIES}
     assert 0 < last["goodput/fraction"] < 1
 
+    capsys.readouterr()
     assert plot_main([str(run_dir), "--goodput"]) == 0
     assert (run_dir / "goodput.png").stat().st_size > 10_000
+    table = capsys.readouterr().out.splitlines()
+    assert [row.split("|")[1].strip() for row in table[2:5]] == ["attempt 0", "attempt 1", "attempt 2"]
+    whole = table[5].split("|")
+    assert whole[1].strip() == "whole run"
+    assert float(whole[-3]) == pytest.approx(sum(totals.values()), abs=0.1)

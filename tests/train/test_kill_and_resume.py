@@ -79,3 +79,39 @@ def test_repeated_sigkills_then_a_resume_equal_an_uninterrupted_run(tmp_path, la
     assert kills >= 2
     subprocess.run(command, check=True, capture_output=True, timeout=600)
     _assert_equal_parameters(run_dir, tmp_path / "straight")
+
+
+def test_the_torchrun_launcher_restarts_a_killed_worker_and_the_run_ends_exact(tmp_path):
+    """One worker dies (SIGKILL) under launch/torchrun_single_node.sh: torchrun restarts the group in
+    place, the restarted workers resume from the newest checkpoint, and the run exits 0 with the
+    parameters of an uninterrupted run."""
+    launcher = Path(__file__).resolve().parents[2] / "launch" / "torchrun_single_node.sh"
+    env = {**os.environ, "NPROC": "2", "TORCHRUN": TORCHRUN[0]}
+    parallel = LAUNCHES["torchrun_async"][1]
+    cache = tmp_path / "cache"
+    straight = subprocess.run(
+        [str(launcher), *_overrides(tmp_path / "straight", cache, *parallel)], capture_output=True, env=env, timeout=600
+    )
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    process = subprocess.Popen(
+        [str(launcher), *_overrides(run_dir, cache, *parallel)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 300
+    while logged_steps(run_dir) < 7 and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    # torchrun starts its workers as `python -u -m axtorch.train ...`; the newest is rank 1.
+    workers = subprocess.run(
+        ["pgrep", "-f", f" -u -m axtorch[.]train .*run_dir={run_dir} "], capture_output=True, text=True
+    )
+    victim = max(int(pid) for pid in workers.stdout.split())
+    os.kill(victim, signal.SIGKILL)
+    stdout, stderr = process.communicate(timeout=600)
+    assert process.returncode == 0, stderr[-3000:]
+    assert "resumed from" in stdout, "the restarted workers did not resume from a checkpoint"
+    _assert_equal_parameters(run_dir, tmp_path / "straight")
