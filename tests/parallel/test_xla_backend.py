@@ -8,8 +8,10 @@ import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,7 @@ import torch
 from debug_runs import STEPS, debug_overrides, train_losses, train_on_one_device
 
 from axtorch.compose.experiment import load_experiment_config
-from axtorch.train.checkpoint import read_index, read_model_tensors
+from axtorch.train.checkpoint import checkpoint_problems, list_checkpoints, read_index, read_model_tensors
 from axtorch.train.metrics import read_metrics
 from axtorch.train.trainer import Trainer
 
@@ -178,3 +180,27 @@ def test_expert_parallel_moe_matches_one_device_with_experts_split_over_the_expe
     assert len(experts) == 6  # gate, up and down of 2 layers
     for name, entry in experts.items():  # [8 experts, 64, 64]: 4 whole experts and half the rows per device
         assert entry["shards"] == [[4, 32, 64]] * 4, name
+
+
+@pytest.mark.slow
+def test_a_sigterm_under_xla_finishes_the_step_saves_and_exits_0(tmp_path):
+    """One host, 4 devices (fsdp=4): the signal ends the run at a step boundary with a valid checkpoint."""
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    run_dir = tmp_path / "run"
+    overrides = debug_overrides(run_dir, tmp_path / "cache", "mesh.fsdp=4", "sharding=fsdp", "trainer.max_steps=500")
+    command = [str(XLA_PYTHON), "-m", "axtorch.train", "backend=xla", *overrides]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 600
+    while process.poll() is None and time.monotonic() < deadline:
+        if metrics.exists() and len(train_losses(run_dir)) >= 3:  # compiled, and past a few steps
+            break
+        time.sleep(0.2)
+    process.send_signal(signal.SIGTERM)
+    stdout, stderr = process.communicate(timeout=300)
+    assert process.returncode == 0, stdout[-2000:] + stderr[-2000:]
+    said = next(line for line in stdout.splitlines() if line.startswith("preempted by SIGTERM at step "))
+    step = int(said.removeprefix("preempted by SIGTERM at step ").split(":")[0])
+    assert 3 <= step < 500
+    checkpoint = list_checkpoints(run_dir / "checkpoints")[-1]
+    assert checkpoint.name == f"step_{step:08d}" and checkpoint_problems(checkpoint) == []
