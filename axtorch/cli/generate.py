@@ -1,10 +1,13 @@
-"""``axtorch-generate``: load a checkpoint and continue a prompt.
+"""``axtorch-generate``: continue prompts with a trained run, a GGUF file or an HF directory.
 
     axtorch-generate checkpoint=runs/quickstart prompt="def main(" max_new_tokens=64
     axtorch-generate checkpoint=runs/quickstart/checkpoints/step_00000250 prompt="import " sampling.temperature=0.8
+    axtorch-generate gguf=SmolLM2-135M-Instruct.Q4_1.gguf chat=true prompt="What is a tensor?"
+    axtorch-generate hf=path/to/hf_dir prompts_file=prompts.txt sampling.temperature=0.7 sampling.min_p=0.05
 
 ``checkpoint`` is a checkpoint directory or a run directory (its newest checkpoint is used); the
-model config and tokenizer come from the run directory the checkpoint belongs to.
+model config and tokenizer come from the run directory the checkpoint belongs to. One prompt
+streams its text as it is decoded; a prompts file (one prompt per line) is decoded as one batch.
 """
 
 from __future__ import annotations
@@ -12,9 +15,10 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 import torch
-from omegaconf import MISSING, OmegaConf
+from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from axtorch.compose.experiment import check_keys_exist
@@ -23,6 +27,7 @@ from axtorch.config.serialize import config_from_yaml, to_object
 from axtorch.data.tokenizer import Tokenizer
 from axtorch.infer.generate import generate
 from axtorch.infer.sampling import SamplingConfig
+from axtorch.models.causal_lm import CausalLM
 from axtorch.parallel.single import resolve_device
 from axtorch.train.checkpoint import checkpoint_problems, newest_valid_checkpoint, read_model_tensors
 from axtorch.train.checkpoint_manifest import CheckpointError
@@ -32,12 +37,33 @@ from axtorch.train.trainer import CONFIG_FILE, TOKENIZER_FILE
 
 @dataclass
 class GenerateConfig:
-    checkpoint: str = MISSING
-    prompt: str = MISSING
+    #: Exactly one source: an axtorch run or checkpoint directory, a GGUF file, or an HF directory.
+    checkpoint: Optional[str] = None
+    gguf: Optional[str] = None
+    hf: Optional[str] = None
+    #: One prompt, or a file of prompts, one per line, decoded together as one batch.
+    prompt: Optional[str] = None
+    prompts_file: Optional[str] = None
     max_new_tokens: int = 64
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    #: Strings that end a row (its text is cut before them), besides the end-of-sequence token.
+    stop: list[str] = field(default_factory=list)
+    #: Wrap each prompt as a user message in the model's chat template.
+    chat: bool = False
     seed: int = 0
     device: str = "auto"
+
+    def validate(self) -> None:
+        sources = [key for key in ("checkpoint", "gguf", "hf") if getattr(self, key)]
+        if len(sources) != 1:
+            raise ConfigError(
+                "checkpoint|gguf|hf", sources or None, "exactly one of checkpoint=DIR, gguf=FILE or hf=DIR"
+            )
+        if (self.prompt is None) == (self.prompts_file is None):
+            raise ConfigError("prompt|prompts_file", self.prompt or self.prompts_file, "exactly one of the two")
+        if self.max_new_tokens < 1:
+            raise ConfigError("max_new_tokens", self.max_new_tokens, "a positive integer")
+        self.sampling.validate("sampling")
 
 
 def resolve_checkpoint(path: Path) -> tuple[Path, Path]:
@@ -54,7 +80,7 @@ def resolve_checkpoint(path: Path) -> tuple[Path, Path]:
     return checkpoint, path
 
 
-def load_model(checkpoint: Path, device: torch.device):
+def load_model(checkpoint: Path, device: torch.device) -> tuple[CausalLM, Tokenizer]:
     """The trained model and its tokenizer, rebuilt from the run directory's config.yaml."""
     checkpoint, run_dir = resolve_checkpoint(checkpoint)
     config = config_from_yaml((run_dir / CONFIG_FILE).read_text(), ExperimentConfig)
@@ -63,6 +89,37 @@ def load_model(checkpoint: Path, device: torch.device):
     model.load_state_dict(read_model_tensors(checkpoint), strict=True, assign=True)
     tokenizer = Tokenizer.load(run_dir / TOKENIZER_FILE, config.data.tokenizer.eos_token)
     return model.to(device).eval(), tokenizer
+
+
+def load_source(config: GenerateConfig, device: torch.device) -> tuple[CausalLM, Tokenizer, Optional[str]]:
+    """(model, tokenizer, chat template or None) from the source the config names."""
+    if config.checkpoint:
+        return (*load_model(Path(config.checkpoint), device), None)
+    if config.gguf:
+        from axtorch.interop.gguf import chat_template, from_gguf
+
+        model, _, tokenizer = from_gguf(config.gguf)
+        return model.to(device).eval(), tokenizer, chat_template(config.gguf)
+    from axtorch.interop.hf import from_hf, hf_tokenizer
+
+    model, _ = from_hf(str(config.hf))
+    tokenizer, template = hf_tokenizer(str(config.hf))
+    return model.to(device).eval(), tokenizer, template
+
+
+def render_chat(template: Optional[str], prompt: str, tokenizer: Tokenizer) -> str:
+    """``prompt`` as one user message in the model's chat template, ready for the assistant's reply."""
+    if template is None:
+        raise ConfigError("chat", True, "false for this model", reason="its tokenizer has no chat template")
+    import jinja2
+
+    environment = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+    return environment.from_string(template).render(
+        messages=[{"role": "user", "content": prompt}],
+        add_generation_prompt=True,
+        eos_token=tokenizer.decode([tokenizer.eos_id]),
+        bos_token="",
+    )
 
 
 def parse_args(argv: list[str]) -> GenerateConfig:
@@ -77,28 +134,49 @@ def parse_args(argv: list[str]) -> GenerateConfig:
             "values of the declared types",
             reason=str(error).splitlines()[0],
         ) from error
-    config.sampling.validate("sampling")
+    config.validate()
     return config
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
         config = parse_args(sys.argv[1:] if argv is None else argv)
-        model, tokenizer = load_model(Path(config.checkpoint), resolve_device(config.device, "device"))
-    except (ConfigError, CheckpointError) as error:
+        prompts = [config.prompt] if config.prompt is not None else _read_prompts(Path(str(config.prompts_file)))
+        model, tokenizer, template = load_source(config, resolve_device(config.device, "device"))
+        if config.chat:
+            prompts = [render_chat(template, prompt, tokenizer) for prompt in prompts]
+    except (ConfigError, CheckpointError, ValueError, OSError) as error:
         print(f"axtorch-generate: {error}", file=sys.stderr)
         return 2
-    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(config.seed)
-    ids = generate(
+    stream = None
+    if len(prompts) == 1:  # one prompt: its text appears as it is decoded
+        print(prompts[0], end="", flush=True)
+        stream = lambda _, text: print(text, end="", flush=True)  # noqa: E731
+    results = generate(
         model,
-        tokenizer.encode(config.prompt),
-        config.max_new_tokens,
-        config.sampling,
-        eos_id=tokenizer.eos_id,
-        generator=generator,
+        tokenizer,
+        prompts,
+        max_new_tokens=config.max_new_tokens,
+        sampling=config.sampling,
+        stop=config.stop,
+        seeds=[config.seed + row for row in range(len(prompts))],
+        stream=stream,
+        sync_every=1 if stream else 8,
     )
-    print(config.prompt + tokenizer.decode(ids))
+    if stream:
+        print()
+        return 0
+    for index, (prompt, result) in enumerate(zip(prompts, results)):
+        print(f"--- prompt {index} ({result.finish_reason}, {len(result.token_ids)} new tokens)")
+        print(prompt + result.text)
     return 0
+
+
+def _read_prompts(path: Path) -> list[str]:
+    prompts = [line for line in path.read_text().splitlines() if line.strip()]
+    if not prompts:
+        raise ConfigError("prompts_file", str(path), "a file with one prompt per line", reason="it holds none")
+    return prompts
 
 
 if __name__ == "__main__":

@@ -1,51 +1,237 @@
-"""Autoregressive generation with a preallocated KV cache: one forward per new token."""
+"""Batched autoregressive generation with the training modules and a preallocated KV cache.
+
+Prompts of different lengths share one batch, right-padded: the cache stores every token at its
+own position, and the causal mask lets a position see only earlier ones, so a row never attends
+to its padding (a row's first decoded tokens overwrite those slots before any query reaches
+them). Each decode step is one forward of ``[B, 1]`` tokens with per-row positions on the device;
+nothing in it reads the device, so shapes stay static and GPU work queues ahead. The host looks at
+the tokens only every ``sync_every`` steps, to stop rows (end of sequence, stop strings) and to
+stream text.
+"""
 
 from __future__ import annotations
 
-from typing import Optional
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass
+from typing import Optional, Protocol, Union
 
 import torch
 
-from axtorch.infer.sampling import SamplingConfig, sample_next_token
+from axtorch.infer.sampling import SamplingConfig, apply_penalties, sample_next_token
 from axtorch.models.causal_lm import CausalLM, CausalLMInput
+
+#: A prompt as text, or as token ids.
+Prompt = Union[str, Sequence[int]]
+
+
+class Tokenizer(Protocol):
+    """What generation needs of a tokenizer (``axtorch.data.tokenizer.Tokenizer`` has it)."""
+
+    @property
+    def eos_id(self) -> int: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+@dataclass
+class Generation:
+    """One prompt's continuation (the prompt itself excluded)."""
+
+    text: str
+    token_ids: list[int]
+    #: "eos" (a stop token id), "stop" (a stop string), or "length" (``max_new_tokens`` reached).
+    finish_reason: str
+
+
+@dataclass
+class TokenChunk:
+    """Tokens decoded since the previous chunk, per row, and which rows have met a stop token."""
+
+    tokens: list[list[int]]
+    stopped: list[bool]
 
 
 @torch.no_grad()
-def generate(
+def decode_tokens(
     model: CausalLM,
-    prompt_ids: list[int],
+    prompts: Sequence[Sequence[int]],
     max_new_tokens: int,
     sampling: SamplingConfig,
     *,
-    eos_id: Optional[int] = None,
-    generator: Optional[torch.Generator] = None,
-) -> list[int]:
-    """Continue ``prompt_ids``; stops after ``max_new_tokens`` or at ``eos_id`` (not returned)."""
-    if not prompt_ids:
-        raise ValueError("the prompt must contain at least one token")
-    total = len(prompt_ids) + max_new_tokens
+    stop_token_ids: Sequence[int] = (),
+    seeds: Optional[Sequence[int]] = None,
+    sync_every: int = 8,
+) -> Generator[TokenChunk, None, None]:
+    """Decode every prompt at once; yield the new tokens every ``sync_every`` steps and at the end.
+
+    Rows go on decoding after their stop token (their later tokens are to be ignored) until the
+    consumer stops iterating or ``max_new_tokens`` is reached. Row ``b`` samples from a generator
+    seeded with ``seeds[b]`` (default: its index), so its tokens do not depend on the other rows.
+    """
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt must contain at least one token")
+    if max_new_tokens < 1 or sync_every < 1:
+        raise ValueError(f"max_new_tokens ({max_new_tokens}) and sync_every ({sync_every}) must be positive")
+    lengths = [len(p) for p in prompts]
+    total = max(lengths) + max_new_tokens
     if total > model.config.max_seq_len:
         raise ValueError(
-            f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
+            f"the longest prompt ({max(lengths)} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
             f"model.max_seq_len={model.config.max_seq_len}"
         )
     parameter = next(model.parameters())
+    device, batch, vocab = parameter.device, len(prompts), model.config.vocab_size
+    seeds = list(range(batch)) if seeds is None else list(seeds)
+    if len(seeds) != batch:
+        raise ValueError(f"{len(seeds)} seeds for {batch} prompts")
     was_training = model.training
     model.eval()
-    caches = model.allocate_kv_caches(1, total, dtype=parameter.dtype, device=parameter.device)
-    ids = torch.tensor([prompt_ids], device=parameter.device)
-    logits = model(CausalLMInput(input_ids=ids, kv_caches=caches)).logits[:, -1]
-    generated: list[int] = []
-    for position in range(len(prompt_ids), total):
-        token = sample_next_token(logits, sampling, generator)
-        if eos_id is not None and int(token) == eos_id:
+    try:
+        caches = model.allocate_kv_caches(batch, total, dtype=parameter.dtype, device=device)
+        ids = torch.zeros(batch, max(lengths), dtype=torch.long)
+        seen = torch.zeros(batch, vocab, dtype=torch.bool)
+        for row, prompt in enumerate(prompts):
+            ids[row, : len(prompt)] = torch.as_tensor(prompt)
+            seen[row, torch.as_tensor(prompt)] = True
+        ids, seen = ids.to(device), seen.to(device)
+        next_position = torch.tensor(lengths, device=device)[:, None]
+        logits = model(CausalLMInput(input_ids=ids, kv_caches=caches)).logits
+        logits = logits[torch.arange(batch, device=device), next_position[:, 0] - 1]
+        generated_counts = torch.zeros(batch, vocab, device=device)
+        stop_ids = torch.tensor(sorted(set(stop_token_ids)), dtype=torch.long, device=device)
+        stopped = torch.zeros(batch, dtype=torch.bool, device=device)
+        generators = None
+        if sampling.temperature > 0:
+            generators = [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
+        pending: list[torch.Tensor] = []
+        for step in range(max_new_tokens):
+            if sampling.penalised:
+                logits = apply_penalties(logits, sampling, seen, generated_counts)
+            token = sample_next_token(logits, sampling, generators)
+            stopped |= torch.isin(token, stop_ids)
+            pending.append(token)
+            last = step + 1 == max_new_tokens
+            if last or len(pending) == sync_every:
+                yield TokenChunk(torch.stack(pending, dim=1).tolist(), stopped.tolist())  # the host reads here
+                pending = []
+            if last:
+                break
+            if sampling.penalised:
+                generated_counts.scatter_add_(1, token[:, None], torch.ones_like(generated_counts[:, :1]))
+                seen.scatter_(1, token[:, None], True)
+            step_input = CausalLMInput(input_ids=token[:, None], positions=next_position, kv_caches=caches)
+            logits = model(step_input).logits[:, -1]
+            next_position = next_position + 1
+    finally:
+        model.train(was_training)
+
+
+def generate_ids(
+    model: CausalLM,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    sampling: Optional[SamplingConfig] = None,
+    *,
+    stop_token_ids: Sequence[int] = (),
+    seeds: Optional[Sequence[int]] = None,
+) -> list[list[int]]:
+    """Each prompt's new token ids, up to (not including) its first stop token; no tokenizer needed."""
+    rows: list[list[int]] = [[] for _ in prompts]
+    for chunk in decode_tokens(
+        model, prompts, max_new_tokens, sampling or SamplingConfig(), stop_token_ids=stop_token_ids, seeds=seeds
+    ):
+        for row, new in zip(rows, chunk.tokens):
+            row.extend(new)
+        if all(chunk.stopped):
             break
-        generated.append(int(token))
-        if position + 1 == total:
+    stops = set(stop_token_ids)
+    return [row[: next((i for i, token in enumerate(row) if token in stops), len(row))] for row in rows]
+
+
+class _Row:
+    """The host's view of one row: its tokens and text so far, and why it ended."""
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.text = ""
+        self.streamed = 0
+        self.finish_reason: Optional[str] = None
+
+
+def generate(
+    model: CausalLM,
+    tokenizer: Tokenizer,
+    prompts: Sequence[Prompt],
+    *,
+    max_new_tokens: int,
+    sampling: Optional[SamplingConfig] = None,
+    stop: Sequence[str] = (),
+    stop_token_ids: Sequence[int] = (),
+    seeds: Optional[Sequence[int]] = None,
+    stream: Optional[Callable[[int, str], None]] = None,
+    sync_every: int = 8,
+) -> list[Generation]:
+    """Continue every prompt (text or token ids) in one batch; each row stops on its own.
+
+    A row ends at the tokenizer's end-of-sequence token or one of ``stop_token_ids`` (not
+    included), at the first of the ``stop`` strings (the text is cut before it), or after
+    ``max_new_tokens``. ``stream(row, text)`` receives each row's new text as it is decoded,
+    holding back what could still turn out to be the start of a stop string.
+    """
+    sampling = sampling or SamplingConfig()
+    encoded = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+    stop_ids = {tokenizer.eos_id, *stop_token_ids}
+    rows = [_Row() for _ in encoded]
+    chunks = decode_tokens(
+        model,
+        encoded,
+        max_new_tokens,
+        sampling,
+        stop_token_ids=sorted(stop_ids),
+        seeds=seeds,
+        sync_every=sync_every,
+    )
+    for chunk in chunks:
+        for index, (row, new) in enumerate(zip(rows, chunk.tokens)):
+            if row.finish_reason is None:
+                _extend(row, new, stop_ids, tokenizer, stop)
+                if stream is not None:
+                    _stream(index, row, stop, stream)
+        if all(row.finish_reason is not None for row in rows):
+            chunks.close()
             break
-        step = CausalLMInput(
-            input_ids=token[:, None], positions=torch.full((1, 1), position, device=ids.device), kv_caches=caches
-        )
-        logits = model(step).logits[:, -1]
-    model.train(was_training)
-    return generated
+    for index, row in enumerate(rows):
+        if row.finish_reason is None:
+            row.finish_reason = "length"
+            if stream is not None:
+                _stream(index, row, stop, stream)  # what was held back
+    return [Generation(row.text, row.ids, str(row.finish_reason)) for row in rows]
+
+
+def _extend(row: _Row, new: list[int], stop_ids: set[int], tokenizer: Tokenizer, stop: Sequence[str]) -> None:
+    for token in new:
+        if token in stop_ids:
+            row.finish_reason = "eos"
+            break
+        row.ids.append(token)
+    row.text = tokenizer.decode(row.ids)
+    found = [i for i in (row.text.find(s) for s in stop) if i >= 0]
+    if found:
+        cut = min(found)
+        row.text = row.text[:cut]
+        row.finish_reason = "stop"
+        while len(row.ids) > 1 and len(tokenizer.decode(row.ids[:-1])) >= cut:  # drop tokens past the cut
+            row.ids.pop()
+
+
+def _stream(index: int, row: _Row, stop: Sequence[str], stream: Callable[[int, str], None]) -> None:
+    ready = len(row.text)
+    if row.finish_reason is None:
+        ready -= max((len(s) - 1 for s in stop), default=0)  # a stop string may still be forming
+        while ready > row.streamed and row.text[ready - 1] == "\ufffd":  # a character still missing bytes
+            ready -= 1
+    if ready > row.streamed:
+        stream(index, row.text[row.streamed : ready])
+        row.streamed = ready

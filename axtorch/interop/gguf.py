@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 import tokenizers
 import torch
@@ -69,6 +69,14 @@ def from_gguf(
     attention = config.decoder.layer.attention
     tensors = _hf_tensors(reader, attention.num_heads, attention.resolved_kv_heads())
     return llama_model_from_hf_tensors(config, tensors, dtype), config, tokenizer
+
+
+def chat_template(path: str | os.PathLike[str]) -> Optional[str]:
+    """The Jinja chat template a GGUF file carries (``tokenizer.chat_template``), or None."""
+    from gguf import GGUFReader
+
+    template = _metadata(GGUFReader(path), "tokenizer.chat_template", None)
+    return str(template) if template is not None else None
 
 
 def _metadata(reader: GGUFReader, key: str, default: Any = _REQUIRED) -> Any:

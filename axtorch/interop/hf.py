@@ -13,12 +13,14 @@ import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
+import tokenizers
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from axtorch.data.tokenizer import Tokenizer
 from axtorch.interop.hf_gpt2 import (
     gpt2_config_from_hf,
     gpt2_config_to_hf,
@@ -49,6 +51,30 @@ _TensorWriter = Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]]
 #: family, whose config mapping names the types it supports.
 _READERS: dict[str, tuple[_ConfigReader, _ModelReader]] = {"gpt2": (gpt2_config_from_hf, gpt2_model_from_hf_tensors)}
 _LLAMA_READERS = (llama_config_from_hf, llama_model_from_hf_tensors)
+
+
+def hf_tokenizer(directory: str | os.PathLike[str]) -> tuple[Tokenizer, Optional[str]]:
+    """An HF directory's ``tokenizer.json`` with its end-of-sequence token, and its chat template (or None).
+
+    Both come from ``tokenizer_config.json`` (``eos_token``, ``chat_template``); without an
+    ``eos_token`` there, ``config.json``'s ``eos_token_id`` names it.
+    """
+    directory = Path(directory)
+    if not (directory / "tokenizer.json").is_file():
+        raise ValueError(f"{directory} has no tokenizer.json")
+    settings_file = directory / "tokenizer_config.json"
+    settings = json.loads(settings_file.read_text()) if settings_file.is_file() else {}
+    eos = settings.get("eos_token")
+    if isinstance(eos, dict):
+        eos = eos.get("content")
+    if eos is None:
+        inner = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
+        eos_id = json.loads((directory / CONFIG_FILE).read_text()).get("eos_token_id")
+        eos = inner.id_to_token(eos_id[0] if isinstance(eos_id, list) else eos_id) if eos_id is not None else None
+    if eos is None:
+        raise ValueError(f"{directory}: neither tokenizer_config.json nor config.json names an end-of-sequence token")
+    template = settings.get("chat_template")
+    return Tokenizer.load(directory / "tokenizer.json", eos), template if isinstance(template, str) else None
 
 
 def from_hf(directory: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> tuple[CausalLM, CausalLMConfig]:

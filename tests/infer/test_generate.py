@@ -1,3 +1,6 @@
+"""Generation with the training modules: cached decoding equals full forwards, batches equal rows
+alone, rows stop on their own, sampling rules, greedy parity with transformers, and the CLI."""
+
 import subprocess
 import sys
 
@@ -5,45 +8,188 @@ import pytest
 import torch
 
 from axtorch.compose.experiment import load_experiment_config
-from axtorch.infer.generate import generate
-from axtorch.infer.sampling import SamplingConfig, sample_next_token
+from axtorch.data.tokenizer import train_byte_level_bpe
+from axtorch.infer.generate import generate, generate_ids
+from axtorch.infer.sampling import SamplingConfig, apply_penalties, sample_next_token
+from axtorch.interop.hf_llama import hf_to_axtorch_state_dict, llama_config_from_hf
 from axtorch.models import CausalLMInput
 from axtorch.train.trainer import Trainer, build_model
 
+MODELS = {
+    "dense": ["experiment=debug"],
+    "sliding_window": ["experiment=debug", "model=mistral_tiny", "model.decoder.layer.attention.mask.window=5"],
+    "moe": ["experiment=debug", "model=mixtral_tiny"],
+    "alibi": ["experiment=debug", "model/position=alibi"],
+}
 
-def test_greedy_generation_with_cache_equals_repeated_full_forward():
-    config = load_experiment_config(["experiment=debug"])
-    model = build_model(config, torch.device("cpu")).eval()
+
+def _model(overrides):
+    torch.manual_seed(0)
+    return build_model(load_experiment_config(overrides), torch.device("cpu")).eval()
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_cached_decoding_gives_the_logits_of_a_full_forward(kind):
+    model = _model(MODELS[kind])
+    tokens = torch.randint(0, 500, (2, 16), generator=torch.Generator().manual_seed(1))
+    full = model(CausalLMInput(input_ids=tokens)).logits
+    caches = model.allocate_kv_caches(2, 16, dtype=torch.float32, device=torch.device("cpu"))
+    with torch.no_grad():
+        prefill = model(CausalLMInput(input_ids=tokens[:, :6], kv_caches=caches)).logits
+        steps = [
+            model(
+                CausalLMInput(input_ids=tokens[:, i : i + 1], positions=torch.full((2, 1), i), kv_caches=caches)
+            ).logits
+            for i in range(6, 16)
+        ]
+    torch.testing.assert_close(torch.cat([prefill, *steps], dim=1), full, atol=2e-5, rtol=1e-4)
+
+
+PROMPTS = [[5, 17, 3, 99, 4, 8, 21], [7], [42, 43, 44, 45]]
+
+
+@pytest.mark.parametrize("kind", ["dense", "sliding_window", "moe"])
+def test_a_batch_of_prompts_of_different_lengths_decodes_as_each_prompt_alone(kind):
+    model = _model(MODELS[kind])
+    batched = generate_ids(model, PROMPTS, 12)
+    alone = [generate_ids(model, [prompt], 12)[0] for prompt in PROMPTS]
+    assert batched == alone
+    assert all(len(row) == 12 for row in batched)
+
+
+def test_seeded_sampling_is_reproducible_per_row_whatever_the_batch():
+    model = _model(MODELS["dense"])
+    sampling = SamplingConfig(temperature=1.0, top_k=50, top_p=0.95, repetition_penalty=1.2)
+    batched = generate_ids(model, PROMPTS, 10, sampling, seeds=[11, 12, 13])
+    alone = [generate_ids(model, [p], 10, sampling, seeds=[seed])[0] for p, seed in zip(PROMPTS, [11, 12, 13])]
+    assert batched == alone
+    assert generate_ids(model, PROMPTS, 10, sampling, seeds=[11, 12, 14])[:2] == batched[:2]
+    assert generate_ids(model, PROMPTS, 10, sampling, seeds=[99, 12, 13])[0] != batched[0]
+
+
+def test_greedy_decoding_equals_a_full_forward_per_token():
+    model = _model(MODELS["dense"])
     prompt = [5, 17, 3, 99]
-    generated = generate(model, prompt, 12, SamplingConfig())
+    generated = generate_ids(model, [prompt], 12)[0]
     ids = list(prompt)
     for _ in range(12):
-        logits = model(CausalLMInput(input_ids=torch.tensor([ids]))).logits
-        ids.append(int(logits[0, -1].argmax()))
+        ids.append(int(model(CausalLMInput(input_ids=torch.tensor([ids]))).logits[0, -1].argmax()))
     assert generated == ids[len(prompt) :]
+
+
+def test_each_row_stops_at_its_own_stop_token():
+    model = _model(MODELS["dense"])
+    free = generate_ids(model, PROMPTS, 12)
+    stop = free[1][4]  # row 1's fifth token
+    stopped = generate_ids(model, PROMPTS, 12, stop_token_ids=[stop])
+    for row, tokens in zip(free, stopped):
+        assert tokens == row[: row.index(stop)] if stop in row else tokens == row
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    text = "def main():\n    return 0\n" * 50 + "the quick brown fox jumps over the lazy dog\n" * 50
+    return train_byte_level_bpe(iter([text]), 300, "<|endoftext|>")
+
+
+def test_stop_strings_cut_the_text_and_streaming_delivers_it_exactly(tokenizer):
+    model = _model([*MODELS["dense"], f"model.vocab_size={tokenizer.vocab_size}"])
+    prompts = ["def main", "the quick"]
+    free = generate(model, tokenizer, prompts, max_new_tokens=16, sync_every=3)
+    assert [g.finish_reason for g in free] == ["length", "length"]
+    stop = free[0].text[6:9]
+    streamed = ["", ""]
+
+    def stream(row, text):
+        streamed[row] += text
+
+    cut = generate(model, tokenizer, prompts, max_new_tokens=16, stop=[stop], stream=stream, sync_every=3)
+    assert cut[0].text == free[0].text[: free[0].text.index(stop)] and cut[0].finish_reason == "stop"
+    assert tokenizer.decode(cut[0].token_ids).startswith(cut[0].text)
+    assert streamed == [g.text for g in cut]
+
+
+def test_greedy_generation_equals_transformers_generate():
+    transformers = pytest.importorskip("transformers")
+    hf_config = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    hf_model = transformers.LlamaForCausalLM(hf_config).eval()
+    ours = llama_config_from_hf(hf_config).build()
+    ours.load_state_dict(hf_to_axtorch_state_dict(hf_model.state_dict(), tie_embeddings=False))
+    ours.eval()
+    ids = generate_ids(ours, PROMPTS, 10)
+    for prompt, row in zip(PROMPTS, ids):
+        expected = hf_model.generate(
+            torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0
+        )[0, len(prompt) :].tolist()
+        assert row == expected
 
 
 def test_top_k_sampling_only_draws_from_the_k_best():
     logits = torch.tensor([[0.0, 5.0, 4.0, -1.0, 3.0]])
-    generator = torch.Generator().manual_seed(0)
-    draws = {int(sample_next_token(logits, SamplingConfig(temperature=2.0, top_k=2), generator)) for _ in range(200)}
-    assert draws == {1, 2}
+    generators = [torch.Generator().manual_seed(0)]
+    config = SamplingConfig(temperature=2.0, top_k=2)
+    assert {int(sample_next_token(logits, config, generators)) for _ in range(200)} == {1, 2}
 
 
 def test_top_p_keeps_the_token_that_crosses_p():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
-    generator = torch.Generator().manual_seed(0)
-    draws = {int(sample_next_token(logits, SamplingConfig(temperature=1.0, top_p=0.7), generator)) for _ in range(300)}
-    assert draws == {0, 1}
+    generators = [torch.Generator().manual_seed(0)]
+    config = SamplingConfig(temperature=1.0, top_p=0.7)
+    assert {int(sample_next_token(logits, config, generators)) for _ in range(300)} == {0, 1}
+
+
+def test_min_p_drops_tokens_below_a_fraction_of_the_best():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    generators = [torch.Generator().manual_seed(0)]
+    config = SamplingConfig(temperature=1.0, min_p=0.5)
+    assert {int(sample_next_token(logits, config, generators)) for _ in range(300)} == {0, 1}
+
+
+def test_sampling_draws_tokens_with_their_probabilities():
+    probabilities = torch.tensor([0.6, 0.3, 0.1])
+    generators = [torch.Generator().manual_seed(0)]
+    draws = torch.stack(
+        [sample_next_token(probabilities.log()[None], SamplingConfig(temperature=1.0), generators) for _ in range(4000)]
+    )
+    frequencies = torch.bincount(draws[:, 0], minlength=3) / 4000
+    torch.testing.assert_close(frequencies, probabilities, atol=0.03, rtol=0)
+
+
+def test_penalties_follow_hf_repetition_and_openai_frequency_presence_rules():
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
+    seen = torch.tensor([[True, True, False, False]])
+    counts = torch.tensor([[0.0, 0.0, 3.0, 0.0]])
+    config = SamplingConfig(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
+    expected = torch.tensor([[1.0, -4.0, 1.0 - 1.5 - 0.25, 0.5]])
+    torch.testing.assert_close(apply_penalties(logits, config, seen, counts), expected)
+    hf = pytest.importorskip("transformers").RepetitionPenaltyLogitsProcessor(2.0)
+    only_repetition = SamplingConfig(repetition_penalty=2.0)
+    torch.testing.assert_close(
+        apply_penalties(logits, only_repetition, seen, counts), hf(torch.tensor([[0, 1]]), logits.clone())
+    )
 
 
 def test_generation_refuses_to_run_past_the_model_length():
-    model = build_model(load_experiment_config(["experiment=debug"]), torch.device("cpu"))
+    model = _model(MODELS["dense"])
     with pytest.raises(ValueError, match="max_seq_len=256"):
-        generate(model, [1] * 250, 10, SamplingConfig())
+        generate_ids(model, [[1] * 250], 10)
 
 
-def test_generate_command_continues_a_prompt_from_a_trained_run(tmp_path, data_cache):
+def _generate_command(*arguments: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "axtorch.generate", *arguments], capture_output=True, text=True)
+
+
+def test_generate_command_continues_prompts_from_a_trained_run(tmp_path, data_cache):
     config = load_experiment_config(
         [
             "experiment=debug",
@@ -54,30 +200,18 @@ def test_generate_command_continues_a_prompt_from_a_trained_run(tmp_path, data_c
         ]
     )
     Trainer(config).fit()
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "axtorch.generate",
-            f"checkpoint={tmp_path / 'run'}",
-            "prompt=import os",
-            "max_new_tokens=8",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    assert result.stdout.startswith("import os") and len(result.stdout.rstrip("\n")) > len("import os")
-    bad = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "axtorch.generate",
-            f"checkpoint={tmp_path / 'run'}",
-            "prompt=x",
-            "sampling.temprature=1",
-        ],
-        capture_output=True,
-        text=True,
-    )
-    assert bad.returncode == 2 and "did you mean sampling.temperature" in bad.stderr
+    run = f"checkpoint={tmp_path / 'run'}"
+    one = _generate_command(run, "prompt=import os", "max_new_tokens=8")
+    assert one.returncode == 0, one.stderr[-2000:]
+    assert one.stdout.startswith("import os") and len(one.stdout.rstrip("\n")) > len("import os")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("import os\ndef main(\n")
+    batch = _generate_command(run, f"prompts_file={prompts}", "max_new_tokens=6", "sampling.temperature=0.8")
+    assert batch.returncode == 0, batch.stderr[-2000:]
+    assert batch.stdout.count("--- prompt ") == 2 and "\nimport os" in batch.stdout and "\ndef main(" in batch.stdout
+    misspelt = _generate_command(run, "prompt=x", "sampling.temprature=1")
+    assert misspelt.returncode == 2 and "did you mean sampling.temperature" in misspelt.stderr
+    no_template = _generate_command(run, "prompt=x", "chat=true")
+    assert no_template.returncode == 2 and "has no chat template" in no_template.stderr
+    two_sources = _generate_command(run, "gguf=model.gguf", "prompt=x")
+    assert two_sources.returncode == 2 and "exactly one of checkpoint=DIR, gguf=FILE or hf=DIR" in two_sources.stderr

@@ -107,13 +107,18 @@ def test_tokenization_equals_transformers_gguf_tokenizer(ours, smollm2_gguf):
     assert tokenizer.encode(text) == reference(text, add_special_tokens=False)["input_ids"]
 
 
-def test_logits_and_weights_equal_transformers_gguf_loader(ours, smollm2_gguf):
+@pytest.fixture(scope="module")
+def reference(smollm2_gguf):
+    """The same file, as transformers loads it."""
     pytest.importorskip("accelerate", reason="transformers needs accelerate to load GGUF files")
     transformers = pytest.importorskip("transformers")
-    model, _, tokenizer = ours
-    reference = transformers.AutoModelForCausalLM.from_pretrained(
+    return transformers.AutoModelForCausalLM.from_pretrained(
         smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32
     ).eval()
+
+
+def test_logits_and_weights_equal_transformers_gguf_loader(ours, reference):
+    model, _, tokenizer = ours
 
     hf_weights = reference.state_dict()  # same dequantisation, and Q/K rows back in rotate-half order
     for name, tensor in model.state_dict().items():
@@ -129,13 +134,37 @@ def test_logits_and_weights_equal_transformers_gguf_loader(ours, smollm2_gguf):
     assert torch.equal(actual.argmax(-1), expected.argmax(-1))
 
 
+def test_batched_greedy_generation_equals_transformers_generate(ours, reference):
+    model, _, tokenizer = ours
+    prompts = [PROMPT, "def fibonacci(n):", "Once upon a time, in a small village,"]
+    ours_batched = generate(model, tokenizer, prompts, max_new_tokens=10)
+    for prompt, result in zip(prompts, ours_batched):
+        ids = torch.tensor([tokenizer.encode(prompt)])
+        expected = reference.generate(ids, max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0)
+        expected_ids = expected[0, ids.shape[1] :].tolist()
+        stop = expected_ids.index(tokenizer.eos_id) if tokenizer.eos_id in expected_ids else len(expected_ids)
+        assert result.token_ids == expected_ids[:stop], prompt
+
+
+def test_generate_command_chats_with_the_gguf(smollm2_gguf):
+    question = "What is the capital of France?"
+    command = [sys.executable, "-m", "axtorch.generate", f"gguf={smollm2_gguf}", "chat=true", f"prompt={question}"]
+    result = subprocess.run([*command, "max_new_tokens=12"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rendered_prompt = f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
+    assert rendered_prompt in result.stdout
+    answer = result.stdout.split(rendered_prompt, 1)[1]
+    print(f"{question!r} -> {answer!r}")
+    assert answer.strip()
+
+
 def test_greedy_continuation_names_paris(ours, smollm2_gguf):
     import gguf
 
     model, _, tokenizer = ours
     add_bos = gguf.GGUFReader(smollm2_gguf).fields["tokenizer.ggml.add_bos_token"].contents()
     assert add_bos is False  # so the prompt is the text's tokens alone
-    continuation = tokenizer.decode(generate(model, tokenizer.encode(PROMPT), 8, SamplingConfig()))
+    continuation = generate(model, tokenizer, [PROMPT], max_new_tokens=8, sampling=SamplingConfig())[0].text
     print(f"{PROMPT!r} -> {continuation!r}")
     assert continuation.startswith(" Paris")
 

@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 
 transformers = pytest.importorskip("transformers")
 
-from axtorch.infer.generate import generate
+from axtorch.infer.generate import generate_ids
 from axtorch.infer.sampling import SamplingConfig
 from axtorch.interop import from_hf, to_hf
 from axtorch.interop.hf_gpt2 import gpt2_config_from_hf
@@ -115,7 +115,7 @@ def test_kv_cache_greedy_generation_equals_repeated_full_forward(tmp_path, hf_gp
     model.eval()
     prompt = [5, 17, 3, 90]
 
-    generated = generate(model, prompt, 20, SamplingConfig())
+    generated = generate_ids(model, [prompt], 20, SamplingConfig())[0]
 
     ids = list(prompt)
     for _ in range(20):
