@@ -9,6 +9,7 @@ also runs under ``@hydra.main`` (for multirun and launchers) and uses ``check_ov
 from __future__ import annotations
 
 import difflib
+import functools
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -65,8 +66,9 @@ def _compose(overrides: Sequence[str]) -> DictConfig:
         return compose(PRIMARY_CONFIG, overrides=list(overrides))
 
 
-def _config_groups(overrides: Sequence[str]) -> set[str]:
-    """Every config group: axtorch's (``model``, ``model/ffn``, ...) and those of users' own directories."""
+@functools.cache
+def _package_config_groups() -> frozenset[str]:
+    """axtorch's own config groups (``model``, ``model/ffn``, ...): fixed for the process's lifetime."""
     register_configs()
     GlobalHydra.instance().clear()
     with initialize_config_module(CONFIG_MODULE, version_base=None):
@@ -78,6 +80,12 @@ def _config_groups(overrides: Sequence[str]) -> set[str]:
             for name in loader.list_groups(parent):
                 groups.add(f"{parent}/{name}" if parent else name)
                 pending.append(f"{parent}/{name}" if parent else name)
+    return frozenset(groups)
+
+
+def _config_groups(overrides: Sequence[str]) -> set[str]:
+    """Every config group: axtorch's and those of users' own directories."""
+    groups = set(_package_config_groups())
     for directory in _user_config_dirs(overrides):
         groups |= {str(d.relative_to(directory)) for d in directory.rglob("*") if d.is_dir() and any(d.glob("*.yaml"))}
     return groups
@@ -150,8 +158,15 @@ def compose_experiment_config(overrides: Sequence[str] = (), config_dirs: Sequen
     """
     overrides = [*overrides, *search_path_override(config_dirs)]
     try:
-        check_overrides(overrides)
-        return _compose(overrides)
+        try:
+            composed = _compose(overrides)
+        except (HydraException, OmegaConfBaseException):
+            check_overrides(overrides)  # an unknown key gets its own message, with the closest valid keys
+            raise
+        # Hydra refuses an unknown key by itself, unless a + or ++ adds it: check those strictly.
+        if any(override.startswith(("+", "~")) for override in overrides):
+            check_overrides(overrides)
+        return composed
     except OverrideParseException as error:
         key, _, value = error.override.partition("=")
         raise ConfigError(
