@@ -26,6 +26,7 @@ from axtorch.config.errors import ConfigError
 from axtorch.config.serialize import config_from_yaml, to_object
 from axtorch.data.tokenizer import Tokenizer
 from axtorch.infer.generate import generate
+from axtorch.infer.quantize import quantize_int8
 from axtorch.infer.sampling import SamplingConfig
 from axtorch.models.causal_lm import CausalLM
 from axtorch.parallel.single import resolve_device
@@ -50,6 +51,8 @@ class GenerateConfig:
     stop: list[str] = field(default_factory=list)
     #: Wrap each prompt as a user message in the model's chat template.
     chat: bool = False
+    #: "int8": int8 weights for the attention projections and the output head (CPU only).
+    quantize: Optional[str] = None
     seed: int = 0
     device: str = "auto"
 
@@ -63,6 +66,8 @@ class GenerateConfig:
             raise ConfigError("prompt|prompts_file", self.prompt or self.prompts_file, "exactly one of the two")
         if self.max_new_tokens < 1:
             raise ConfigError("max_new_tokens", self.max_new_tokens, "a positive integer")
+        if self.quantize not in (None, "int8"):
+            raise ConfigError("quantize", self.quantize, "null or int8")
         self.sampling.validate("sampling")
 
 
@@ -145,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         model, tokenizer, template = load_source(config, resolve_device(config.device, "device"))
         if config.chat:
             prompts = [render_chat(template, prompt, tokenizer) for prompt in prompts]
+        if config.quantize == "int8":
+            model = quantize_int8(model)
     except (ConfigError, CheckpointError, ValueError, OSError) as error:
         print(f"axtorch-generate: {error}", file=sys.stderr)
         return 2

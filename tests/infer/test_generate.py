@@ -10,8 +10,10 @@ import torch
 from axtorch.compose.experiment import load_experiment_config
 from axtorch.data.tokenizer import train_byte_level_bpe
 from axtorch.infer.generate import generate, generate_ids
+from axtorch.infer.quantize import quantize_int8
 from axtorch.infer.sampling import SamplingConfig, apply_penalties, sample_next_token
 from axtorch.interop.hf_llama import hf_to_axtorch_state_dict, llama_config_from_hf
+from axtorch.layers.linear import Linear
 from axtorch.models import CausalLMInput
 from axtorch.train.trainer import Trainer, build_model
 
@@ -134,6 +136,18 @@ def test_greedy_generation_equals_transformers_generate():
         assert row == expected
 
 
+def test_int8_weights_keep_the_logits_close_and_decode():
+    model = _model(MODELS["dense"])
+    tokens = torch.randint(0, 500, (2, 12), generator=torch.Generator().manual_seed(2))
+    expected = model(CausalLMInput(input_ids=tokens)).logits
+    quantized = quantize_int8(_model(MODELS["dense"]), skip=())
+    assert not any(isinstance(m, Linear) for m in quantized.modules())
+    got = quantized(CausalLMInput(input_ids=tokens)).logits
+    relative = (got - expected).norm() / expected.norm()
+    assert relative < 0.05, relative
+    assert [len(row) for row in generate_ids(quantized, PROMPTS, 5)] == [5, 5, 5]
+
+
 def test_top_k_sampling_only_draws_from_the_k_best():
     logits = torch.tensor([[0.0, 5.0, 4.0, -1.0, 3.0]])
     generators = [torch.Generator().manual_seed(0)]
@@ -209,6 +223,8 @@ def test_generate_command_continues_prompts_from_a_trained_run(tmp_path, data_ca
     batch = _generate_command(run, f"prompts_file={prompts}", "max_new_tokens=6", "sampling.temperature=0.8")
     assert batch.returncode == 0, batch.stderr[-2000:]
     assert batch.stdout.count("--- prompt ") == 2 and "\nimport os" in batch.stdout and "\ndef main(" in batch.stdout
+    int8 = _generate_command(run, "prompt=import os", "max_new_tokens=4", "quantize=int8")
+    assert int8.returncode == 0 and int8.stdout.startswith("import os"), int8.stderr[-2000:]
     misspelt = _generate_command(run, "prompt=x", "sampling.temprature=1")
     assert misspelt.returncode == 2 and "did you mean sampling.temperature" in misspelt.stderr
     no_template = _generate_command(run, "prompt=x", "chat=true")
