@@ -18,6 +18,7 @@ from axtorch.data.sources import (
     PythonStdlibSourceConfig,
     TextFilesSourceConfig,
 )
+from axtorch.layers.attention_kernel import SoftcappedKernelConfig
 from axtorch.layers.attention_mask import CausalMaskConfig, SlidingWindowMaskConfig
 from axtorch.layers.feed_forward import Activation, GatedFeedForwardConfig, MLPFeedForwardConfig
 from axtorch.layers.mixture_of_experts import MixtureOfExpertsConfig
@@ -71,6 +72,11 @@ CHOICES: dict[str, tuple[str, dict[str, Any]]] = {
     "model/mask": (
         "model.decoder.layer.attention.mask",
         {"causal": CausalMaskConfig(), "sliding_window": SlidingWindowMaskConfig()},
+    ),
+    # How attention turns scores into outputs; sdpa is the default (kernel None).
+    "model/attention_kernel": (
+        "model.decoder.layer.attention",
+        {"sdpa": {"kernel": None}, "softcapped": {"kernel": SoftcappedKernelConfig()}},
     ),
     "model/norm_placement": (
         "model.decoder.layer.residual",

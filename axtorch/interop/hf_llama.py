@@ -30,6 +30,7 @@ from axtorch.interop.hf_moe import (
     mixture_of_experts_to_hf,
 )
 from axtorch.layers.attention import AttentionConfig
+from axtorch.layers.attention_kernel import SdpaKernelConfig
 from axtorch.layers.attention_mask import CausalMaskConfig, MaskConfig, SlidingWindowMaskConfig
 from axtorch.layers.feed_forward import Activation, GatedFeedForwardConfig
 from axtorch.layers.linear import LinearConfig
@@ -391,8 +392,8 @@ def llama_config_to_hf(config: CausalLMConfig) -> dict[str, Any]:
         f"norm placement {layer.residual} (they are pre-norm, without residual dropout)",
     )
     _require(
-        attention.softmax_scale is None and attention.logit_softcap is None,
-        f"attention softmax_scale={attention.softmax_scale}, logit_softcap={attention.logit_softcap} "
+        attention.softmax_scale is None and type(attention.kernel) in (type(None), SdpaKernelConfig),
+        f"attention softmax_scale={attention.softmax_scale}, kernel={type(attention.kernel).__name__} "
         "(they scale by 1/sqrt(head_dim) and do not cap)",
     )
     window = attention.mask.window if type(attention.mask) is SlidingWindowMaskConfig else None

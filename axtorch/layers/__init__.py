@@ -1,6 +1,13 @@
 """Layers: each an ``nn.Module`` built from its own config dataclass (``config.build(...)``)."""
 
 from axtorch.layers.attention import AttentionConfig, AttentionInput, AttentionOutput, GroupedQueryAttention
+from axtorch.layers.attention_kernel import (
+    AttentionKernelConfig,
+    SdpaKernel,
+    SdpaKernelConfig,
+    SoftcappedKernel,
+    SoftcappedKernelConfig,
+)
 from axtorch.layers.attention_mask import (
     CausalMask,
     CausalMaskConfig,
@@ -76,6 +83,7 @@ __all__ = [
     "AlibiPositionBias",
     "AttentionConfig",
     "AttentionInput",
+    "AttentionKernelConfig",
     "AttentionOutput",
     "CausalMask",
     "CausalMaskConfig",
@@ -129,8 +137,12 @@ __all__ = [
     "RouterOutput",
     "SandwichNormResidual",
     "SandwichNormResidualConfig",
+    "SdpaKernel",
+    "SdpaKernelConfig",
     "SlidingWindowMask",
     "SlidingWindowMaskConfig",
+    "SoftcappedKernel",
+    "SoftcappedKernelConfig",
     "TransformerLayer",
     "TransformerLayerConfig",
     "TransformerLayerInput",

@@ -2,13 +2,10 @@
 
 Behaviour comes from children named in the config: the projections (``LinearConfig``), the
 optional per-head query and key norms (``NormConfig``), the position encoding
-(``PositionConfig``) and the mask (``MaskConfig``). MHA, GQA and MQA are the
-same class: ``num_kv_heads`` equal to, a divisor of, or 1 against ``num_heads``.
-
-Scores go through ``scaled_dot_product_attention`` (fused kernels) unless a logit soft cap is
-set: SDPA has no hook between q.k and the softmax, so soft-capping computes the scores
-explicitly (``soft_capped_attention``). A position encoding's score bias (ALiBi) needs no such
-path: it joins the mask as an additive float ``attn_mask``.
+(``PositionConfig``), the mask (``MaskConfig``) and the kernel that turns scores into outputs
+(``AttentionKernelConfig``: SDPA, soft-capped, ...). MHA, GQA and MQA are the same class:
+``num_kv_heads`` equal to, a divisor of, or 1 against ``num_heads``. A position encoding's
+score bias (ALiBi) joins the mask as an additive float mask, which every kernel takes.
 """
 
 from __future__ import annotations
@@ -17,11 +14,11 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from omegaconf import MISSING
 from torch import nn
 
 from axtorch.config.errors import ConfigError
+from axtorch.layers.attention_kernel import AttentionKernelConfig, SdpaKernelConfig
 from axtorch.layers.attention_mask import MaskConfig
 from axtorch.layers.kv_cache import KVCache
 from axtorch.layers.linear import LinearConfig
@@ -49,10 +46,9 @@ class AttentionConfig:
     #: Factor on q.k before the softmax; None means ``1 / sqrt(head_dim)``. Gemma sets
     #: ``query_pre_attn_scalar ** -0.5``, which differs from that when head_dim does.
     softmax_scale: Optional[float] = None
-    #: Soft cap on the attention scores, ``cap * tanh(scores / cap)`` before the mask and softmax
-    #: (Gemma 2), so that no logit leaves (-cap, cap); None means none. Capped attention computes
-    #: the [B, H, S, S] scores explicitly instead of through the fused kernels.
-    logit_softcap: Optional[float] = None
+    #: How scores become outputs: SDPA's fused kernels, a soft-capped kernel (Gemma 2), ...;
+    #: None means SDPA (``model/attention_kernel=`` chooses one on the command line).
+    kernel: Optional[AttentionKernelConfig] = None
 
     def resolved_kv_heads(self) -> int:
         return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
@@ -87,8 +83,8 @@ class AttentionConfig:
             raise ConfigError(
                 f"{key}.softmax_scale", self.softmax_scale, "a positive number, or null for 1/sqrt(head_dim)"
             )
-        if self.logit_softcap is not None and not self.logit_softcap > 0:
-            raise ConfigError(f"{key}.logit_softcap", self.logit_softcap, "a positive number, or null for no cap")
+        if self.kernel is not None:
+            self.kernel.validate(f"{key}.kernel")
 
     def build(self, dim: int) -> GroupedQueryAttention:
         return GroupedQueryAttention(self, dim)
@@ -122,6 +118,7 @@ class GroupedQueryAttention(nn.Module):
         self.key_norm = _build_optional_norm(config.key_norm, self.head_dim)
         self.position = config.position.build(self.head_dim)
         self.mask = config.mask.build()
+        self.kernel = (config.kernel or SdpaKernelConfig()).build()
 
     def allocate_kv_cache(self, batch_size: int, max_len: int, *, dtype: torch.dtype, device: torch.device) -> KVCache:
         return KVCache.allocate(batch_size, self.num_kv_heads, max_len, self.head_dim, dtype=dtype, device=device)
@@ -150,53 +147,28 @@ class GroupedQueryAttention(nn.Module):
                 f"the position encoding biases {bias.shape[1]} heads but this attention holds {q.shape[1]}: "
                 "an encoding that differs between heads cannot run on a tensor-parallel subset of them"
             )
-        cap = self.config.logit_softcap
-        # A plain causal mask over a whole sequence lets SDPA use its fused causal kernels.
-        fused_causal = inputs.kv_cache is None and self.mask.is_plain_causal and bias is None and cap is None
+        # A plain causal mask over a whole sequence lets a fusing kernel apply it itself.
+        fused_causal = (
+            inputs.kv_cache is None and self.mask.is_plain_causal and bias is None and self.kernel.fuses_causal_mask
+        )
         mask: Optional[torch.Tensor] = None
         if not fused_causal:
             allowed = self.mask(inputs.positions, key_positions)
             # With a bias, an additive float mask: the bias where allowed, -inf elsewhere.
             mask = allowed if bias is None else bias.to(q.dtype).masked_fill(~allowed, float("-inf"))
-        dropout_p = self.config.dropout if self.training else 0.0
         with activation_name("attention_context"):
-            if cap is None:
-                out = F.scaled_dot_product_attention(
-                    q,
-                    k,
-                    v,
-                    attn_mask=mask,
-                    is_causal=fused_causal,
-                    dropout_p=dropout_p,
-                    scale=self.config.softmax_scale,
-                    enable_gqa=q.shape[1] != k.shape[1],
-                )
-            else:
-                assert mask is not None  # a soft cap rules out the fused kernels, so the mask was built
-                scale = self.head_dim**-0.5 if self.config.softmax_scale is None else self.config.softmax_scale
-                out = soft_capped_attention(q, k, v, mask, scale=scale, cap=cap, dropout_p=dropout_p)
+            out = self.kernel(
+                q,
+                k,
+                v,
+                mask=mask,
+                causal=fused_causal,
+                scale=self.config.softmax_scale,
+                dropout_p=self.config.dropout if self.training else 0.0,
+            )
         out = out.transpose(1, 2).reshape(batch, seq, -1)
         with activation_name("attention_output"):
             return AttentionOutput(hidden_states=self.o_proj(out), kv_cache=inputs.kv_cache)
-
-
-def soft_capped_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, *, scale: float, cap: float, dropout_p: float
-) -> torch.Tensor:
-    """SDPA's result with the scores soft-capped: ``softmax(mask(cap * tanh(scale * q.k / cap))) v``.
-
-    q [B, Hq, Sq, D]; k, v [B, Hkv, Sk, D] with Hkv dividing Hq (GQA); ``mask`` as SDPA's
-    ``attn_mask``: boolean (True where attention is allowed) or additive float, broadcastable to
-    [B, Hq, Sq, Sk]. Scores are computed in q's dtype and the softmax in float32, as HF's eager
-    Gemma 2 attention does. ``dropout_p`` applies as given (pass 0 in evaluation).
-    """
-    groups = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    scores = torch.matmul(q, k.transpose(-2, -1)) * scale
-    scores = cap * torch.tanh(scores / cap)
-    scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(F.dropout(weights, p=dropout_p), v)
 
 
 def _build_optional_norm(config: Optional[NormConfig], dim: int) -> nn.Module:

@@ -8,17 +8,18 @@ import torch
 from axtorch.compose.experiment import load_experiment_config
 from axtorch.config.errors import ConfigError
 from axtorch.layers import AlibiConfig, AttentionConfig, AttentionInput, CausalMaskConfig, KVCache
+from axtorch.layers.attention_kernel import SdpaKernelConfig, SoftcappedKernelConfig
 from axtorch.layers.init import initialize_parameters
 from axtorch.layers.position import alibi_slopes
 
 
-def _attention(num_heads=4, num_kv_heads=None, dim=32, logit_softcap=None):
+def _attention(num_heads=4, num_kv_heads=None, dim=32, cap=None):
     config = AttentionConfig(
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         position=AlibiConfig(),
         mask=CausalMaskConfig(),
-        logit_softcap=logit_softcap,
+        kernel=SdpaKernelConfig() if cap is None else SoftcappedKernelConfig(cap=cap),
     )
     torch.manual_seed(0)
     module = config.build(dim)
@@ -73,7 +74,7 @@ def _reference(attention, x, positions, cap=None):
 @pytest.mark.parametrize("cap", [None, 2.0], ids=["sdpa", "soft_capped"])
 @pytest.mark.parametrize("num_kv_heads", [4, 2])
 def test_attention_adds_the_linear_bias_to_the_scores(cap, num_kv_heads):
-    attention = _attention(num_heads=4, num_kv_heads=num_kv_heads, logit_softcap=cap)
+    attention = _attention(num_heads=4, num_kv_heads=num_kv_heads, cap=cap)
     x = torch.randn(2, 7, 32, dtype=torch.float64)
     positions = _positions(2, 7)
     with torch.no_grad():

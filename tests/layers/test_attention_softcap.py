@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from axtorch.compose.experiment import load_experiment_config
 from axtorch.config.errors import ConfigError
 from axtorch.layers import AttentionConfig, AttentionInput, CausalMaskConfig, KVCache, RotaryEmbeddingConfig
-from axtorch.layers.attention import soft_capped_attention
+from axtorch.layers.attention_kernel import SoftcappedKernel, SoftcappedKernelConfig
 from axtorch.layers.attention_mask import SlidingWindowMaskConfig
 from axtorch.layers.init import initialize_parameters
 
@@ -57,7 +57,7 @@ def _reference(attention, x, positions, *, cap, scale):
 
 @pytest.mark.parametrize("softmax_scale", [None, 0.05])
 def test_soft_capped_attention_matches_a_hand_reference(softmax_scale):
-    attention = _attention(logit_softcap=3.0, softmax_scale=softmax_scale).double()
+    attention = _attention(kernel=SoftcappedKernelConfig(cap=3.0), softmax_scale=softmax_scale).double()
     with torch.no_grad():
         attention.q_proj.weight.mul_(20.0)  # scores well beyond the cap, so that it matters
     x = torch.randn(2, 6, 32, dtype=torch.float64)
@@ -83,7 +83,7 @@ def test_the_cap_bounds_the_logits_of_huge_dot_products():
     k = torch.linspace(-1e4, 1e4, 32, dtype=torch.float64).view(1, 1, 4, 8)
     v = torch.eye(4, 8, dtype=torch.float64).view(1, 1, 4, 8)  # each key's value is one-hot: out = weights
     allowed = torch.ones(4, 4, dtype=torch.bool)
-    weights = soft_capped_attention(q, k, v, allowed, scale=1.0, cap=cap, dropout_p=0.0)[0, 0, :, :4]
+    weights = SoftcappedKernel(cap)(q, k, v, mask=allowed, causal=False, scale=1.0, dropout_p=0.0)[0, 0, :, :4]
     assert torch.isfinite(weights).all()
     torch.testing.assert_close(weights.sum(-1), torch.ones(4, dtype=torch.float64))
     # Every logit lies in (-cap, cap): no weight exceeds another by more than exp(2 cap).
@@ -96,7 +96,7 @@ def test_soft_capped_attention_takes_an_additive_float_mask_like_sdpa():
     q, k, v = (torch.randn(2, 4, 5, 8, dtype=torch.float64) for _ in range(3))
     bias = torch.randn(2, 4, 5, 5, dtype=torch.float64).masked_fill(torch.ones(5, 5).triu(1).bool(), float("-inf"))
     huge_cap = 1e9  # tanh is the identity at this scale: the result is plain attention
-    out = soft_capped_attention(q, k, v, bias, scale=0.3, cap=huge_cap, dropout_p=0.0)
+    out = SoftcappedKernel(huge_cap)(q, k, v, mask=bias, causal=False, scale=0.3, dropout_p=0.0)
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=0.3))
 
 
@@ -115,7 +115,7 @@ def _attention_before_soft_capping(attention, x, positions):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_without_a_cap_outputs_are_bit_identical_to_before(mask, dtype):
     attention = _attention(mask=mask).to(dtype)
-    assert attention.config.logit_softcap is None and attention.config.softmax_scale is None
+    assert type(attention.kernel).__name__ == "SdpaKernel" and attention.config.softmax_scale is None
     x = torch.randn(2, 6, 32, dtype=dtype)
     with torch.no_grad():
         out = attention(AttentionInput(x, _positions(2, 6))).hidden_states
@@ -123,7 +123,7 @@ def test_without_a_cap_outputs_are_bit_identical_to_before(mask, dtype):
 
 
 def test_soft_capped_kv_cache_decoding_equals_the_full_forward():
-    attention = _attention(logit_softcap=1.5).double().eval()
+    attention = _attention(kernel=SoftcappedKernelConfig(cap=1.5)).double().eval()
     x = torch.randn(2, 7, 32, dtype=torch.float64)
     with torch.no_grad():
         full = attention(AttentionInput(x, _positions(2, 7))).hidden_states
@@ -136,7 +136,7 @@ def test_soft_capped_kv_cache_decoding_equals_the_full_forward():
 
 
 def test_attention_dropout_applies_on_the_soft_capped_path_in_training_only():
-    attention = _attention(logit_softcap=3.0, dropout=0.5)
+    attention = _attention(kernel=SoftcappedKernelConfig(cap=3.0), dropout=0.5)
     x = torch.randn(1, 6, 32)
     with torch.no_grad():
         evaluation = [attention.eval()(AttentionInput(x, _positions(1, 6))).hidden_states for _ in range(2)]
@@ -145,11 +145,19 @@ def test_attention_dropout_applies_on_the_soft_capped_path_in_training_only():
     assert not torch.allclose(*training)
 
 
-@pytest.mark.parametrize(
-    "override", ["logit_softcap=0", "logit_softcap=-30.0", "softmax_scale=0", "softmax_scale=-0.1"]
-)
+@pytest.mark.parametrize("override", ["kernel.cap=0", "kernel.cap=-30.0", "softmax_scale=0", "softmax_scale=-0.1"])
 def test_non_positive_cap_or_scale_is_a_config_error_naming_the_key(override):
     with pytest.raises(ConfigError) as info:
-        load_experiment_config([f"model.decoder.layer.attention.{override}"])
+        load_experiment_config(["model/attention_kernel=softcapped", f"model.decoder.layer.attention.{override}"])
     assert info.value.key == f"model.decoder.layer.attention.{override.split('=')[0]}"
     assert "positive" in info.value.allowed
+
+
+def test_the_kernel_is_chosen_from_the_command_line():
+    config = load_experiment_config(
+        ["model/attention_kernel=softcapped", "model.decoder.layer.attention.kernel.cap=30"]
+    )
+    attention = config.model.build().decoder.layers[0].attention
+    assert isinstance(attention.kernel, SoftcappedKernel) and attention.kernel.cap == 30.0
+    with pytest.raises(ConfigError, match="sdpa"):
+        load_experiment_config(["model/attention_kernel=flash9"])

@@ -172,7 +172,7 @@ def test_residual_dropout_out_of_range_is_a_config_error_naming_the_key():
         ["model/norm_placement=post"],
         ["model/norm_placement=sandwich"],
         ["model.decoder.layer.residual.dropout=0.1"],
-        ["model.decoder.layer.attention.logit_softcap=50.0"],
+        ["model/attention_kernel=softcapped"],
     ],
     ids=lambda o: o[0],
 )
