@@ -59,6 +59,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--compile", action="store_true", help="compile axtorch's decode step (both modes)")
     parser.add_argument("--text", type=Path, default=Path(sysconfig.get_path("stdlib")) / "LICENSE.txt")
     parser.add_argument("--text-tokens", type=int, default=1024)
     parser.add_argument(
@@ -81,12 +82,12 @@ def main() -> None:
     new = args.new_tokens
 
     def run_ours(prompts: list[str]) -> list[list[int]]:
-        return generate_ids(ours, [tokenizer.encode(p) for p in prompts], new)
+        return generate_ids(ours, [tokenizer.encode(p) for p in prompts], new, compile=args.compile)
 
     int8 = quantize_int8(from_gguf(args.gguf)[0], skip=args.int8_skip)
 
     def run_int8(prompts: list[str]) -> list[list[int]]:
-        return generate_ids(int8, [tokenizer.encode(p) for p in prompts], new)
+        return generate_ids(int8, [tokenizer.encode(p) for p in prompts], new, compile=args.compile)
 
     text_ids = torch.tensor([tokenizer.encode(args.text.read_text())[: args.text_tokens]])
     perplexities = {"fp32": perplexity(ours, text_ids), "int8": perplexity(int8, text_ids)}

@@ -53,6 +53,8 @@ class GenerateConfig:
     chat: bool = False
     #: "int8": int8 weights for the attention projections and the output head (CPU only).
     quantize: Optional[str] = None
+    #: Compile the decode step (torch.compile; CUDA graphs on a GPU): slow to start, faster per token.
+    compile: bool = False
     seed: int = 0
     device: str = "auto"
 
@@ -169,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         seeds=[config.seed + row for row in range(len(prompts))],
         stream=stream,
         sync_every=1 if stream else 8,
+        compile=config.compile,
     )
     if stream:
         print()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
-from typing import Optional, Protocol, Union
+from typing import Optional, Protocol, Union, cast
 
 import torch
 
@@ -63,12 +63,15 @@ def decode_tokens(
     stop_token_ids: Sequence[int] = (),
     seeds: Optional[Sequence[int]] = None,
     sync_every: int = 8,
+    compile: bool = False,
 ) -> Generator[TokenChunk, None, None]:
     """Decode every prompt at once; yield the new tokens every ``sync_every`` steps and at the end.
 
     Rows go on decoding after their stop token (their later tokens are to be ignored) until the
     consumer stops iterating or ``max_new_tokens`` is reached. Row ``b`` samples from a generator
     seeded with ``seeds[b]`` (default: its index), so its tokens do not depend on the other rows.
+    ``compile`` runs the decode step through ``torch.compile`` (static shapes, so it compiles once
+    per batch size; on CUDA with ``mode="reduce-overhead"``, i.e. CUDA graphs); the prefill stays eager.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt must contain at least one token")
@@ -105,6 +108,10 @@ def decode_tokens(
         generators = None
         if sampling.temperature > 0:
             generators = [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
+        decode_step = model
+        if compile:
+            mode = "reduce-overhead" if device.type == "cuda" else None
+            decode_step = cast(CausalLM, torch.compile(model, dynamic=False, mode=mode))
         pending: list[torch.Tensor] = []
         for step in range(max_new_tokens):
             if sampling.penalised:
@@ -122,7 +129,7 @@ def decode_tokens(
                 generated_counts.scatter_add_(1, token[:, None], torch.ones_like(generated_counts[:, :1]))
                 seen.scatter_(1, token[:, None], True)
             step_input = CausalLMInput(input_ids=token[:, None], positions=next_position, kv_caches=caches)
-            logits = model(step_input).logits[:, -1]
+            logits = decode_step(step_input).logits[:, -1]
             next_position = next_position + 1
     finally:
         model.train(was_training)
@@ -136,12 +143,15 @@ def generate_ids(
     *,
     stop_token_ids: Sequence[int] = (),
     seeds: Optional[Sequence[int]] = None,
+    compile: bool = False,
 ) -> list[list[int]]:
     """Each prompt's new token ids, up to (not including) its first stop token; no tokenizer needed."""
     rows: list[list[int]] = [[] for _ in prompts]
-    for chunk in decode_tokens(
-        model, prompts, max_new_tokens, sampling or SamplingConfig(), stop_token_ids=stop_token_ids, seeds=seeds
-    ):
+    sampling = sampling or SamplingConfig()
+    chunks = decode_tokens(
+        model, prompts, max_new_tokens, sampling, stop_token_ids=stop_token_ids, seeds=seeds, compile=compile
+    )
+    for chunk in chunks:
         for row, new in zip(rows, chunk.tokens):
             row.extend(new)
         if all(chunk.stopped):
@@ -172,6 +182,7 @@ def generate(
     seeds: Optional[Sequence[int]] = None,
     stream: Optional[Callable[[int, str], None]] = None,
     sync_every: int = 8,
+    compile: bool = False,
 ) -> list[Generation]:
     """Continue every prompt (text or token ids) in one batch; each row stops on its own.
 
@@ -192,6 +203,7 @@ def generate(
         stop_token_ids=sorted(stop_ids),
         seeds=seeds,
         sync_every=sync_every,
+        compile=compile,
     )
     for chunk in chunks:
         for index, (row, new) in enumerate(zip(rows, chunk.tokens)):

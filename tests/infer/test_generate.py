@@ -69,6 +69,14 @@ def test_seeded_sampling_is_reproducible_per_row_whatever_the_batch():
     assert generate_ids(model, PROMPTS, 10, sampling, seeds=[99, 12, 13])[0] != batched[0]
 
 
+@pytest.mark.slow
+def test_a_compiled_decode_step_gives_the_eager_tokens():
+    model = _model(MODELS["dense"])
+    sampling = SamplingConfig(temperature=0.8, top_k=40)
+    eager = generate_ids(model, PROMPTS, 8, sampling, seeds=[1, 2, 3])
+    assert generate_ids(model, PROMPTS, 8, sampling, seeds=[1, 2, 3], compile=True) == eager
+
+
 def test_greedy_decoding_equals_a_full_forward_per_token():
     model = _model(MODELS["dense"])
     prompt = [5, 17, 3, 99]
