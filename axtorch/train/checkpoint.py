@@ -354,8 +354,13 @@ class Checkpointer:
         self._raise_pending_error()
 
     def poll(self) -> None:
-        """Re-raise the error of an asynchronous save that has already failed; never blocks."""
-        if self._pending is not None and not self._pending.is_alive():
+        """Re-raise the error of an asynchronous save that has already failed; never blocks.
+
+        With several processes it does nothing: each would see its writer end at a different
+        step, and one stopping while the others train on would hang them. Their common error
+        surfaces at the next ``save`` or ``wait``, which every process reaches at the same step.
+        """
+        if self.collective.world_size == 1 and self._pending is not None and not self._pending.is_alive():
             self.wait()
 
     @contextlib.contextmanager
