@@ -180,6 +180,9 @@ class XlaBackend:
 
     def owned_pieces(self, tensor: torch.Tensor) -> list[Piece]:
         """One piece per distinct block held by this host's devices: no host gathers a whole tensor."""
+        # The step's program runs asynchronously after sync(); a shard read while it is in flight is an
+        # error, not a wait (a full-tensor .cpu() would wait). Waiting is free once the step has finished.
+        xm.wait_device_ops()
         wrapped = xs.wrap_if_sharded(tensor)
         if not isinstance(wrapped, xs.XLAShardedTensor):
             return [Piece(tensor.detach().cpu().contiguous(), tuple(tensor.shape), (0,) * tensor.dim())]
