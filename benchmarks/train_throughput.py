@@ -17,9 +17,8 @@ import torch
 import transformers
 
 from axtorch.interop.hf_llama import hf_to_axtorch_state_dict, llama_config_from_hf
-from axtorch.models import CausalLMInput
 from axtorch.train.flops import measure_matmul_peak_flops, mfu, transformer_flops_per_token
-from axtorch.train.loss import CrossEntropyLossConfig, LossInput
+from axtorch.train.loss import CrossEntropyLossConfig, forward_with_loss
 
 REFERENCE = dict(
     vocab_size=8192,
@@ -51,9 +50,8 @@ def hf_step(model, batch):
 def make_axtorch_step():
     loss_fn = CrossEntropyLossConfig().build()
 
-    def step(model, batch):
-        logits = model(CausalLMInput(input_ids=batch["input_ids"])).logits
-        return loss_fn(LossInput(logits, batch["labels"])).loss
+    def step(model, batch):  # as the trainer runs it: the head fused with the loss (loss.chunk_size)
+        return forward_with_loss(model, loss_fn, batch["input_ids"], batch["labels"])[0].loss
 
     return step
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Optional, cast
 
@@ -57,13 +58,18 @@ class CausalLMInput:
     positions: Optional[torch.Tensor] = None
     #: One cache per layer for incremental decoding (see ``CausalLM.allocate_kv_caches``).
     kv_caches: Optional[list[KVCache]] = None
+    #: Called as ``head_fn(final hidden states, head weight, head bias)`` in place of the output
+    #: head, for a loss fused with it (``CrossEntropyLoss.head_fn``). It runs inside this forward,
+    #: where FSDP holds the head's parameters whole; its tensors come back as ``head_output``.
+    head_fn: Optional[Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], tuple[torch.Tensor, ...]]] = None
 
 
 @dataclass
 class CausalLMOutput:
-    logits: torch.Tensor  # [B, S, vocab_size]
+    logits: Optional[torch.Tensor]  # [B, S, vocab_size]; None when ``head_fn`` was given
     aux_loss: Optional[torch.Tensor] = None
     kv_caches: Optional[list[KVCache]] = None
+    head_output: Optional[tuple[torch.Tensor, ...]] = None
 
 
 # A pytree node, so that FSDP2 finds the logits to hook backward on (see TransformerLayerOutput).
@@ -94,11 +100,24 @@ class CausalLM(nn.Module):
         initialize_parameters(self)
 
     def allocate_kv_caches(
-        self, batch_size: int, max_len: int, *, dtype: torch.dtype, device: torch.device
+        self,
+        batch_size: int,
+        max_len: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_write: Optional[int] = None,
     ) -> list[KVCache]:
+        """One cache per layer for positions below ``max_len``.
+
+        Given ``max_write``, the most tokens any one forward writes (the prompt, then 1), a
+        sliding-window layer keeps a ring of ``window + max_write - 1`` slots rather than ``max_len``.
+        """
         return [
             # ModuleList iterates as plain nn.Module; the decoder's layers are all TransformerLayers.
-            cast(TransformerLayer, layer).attention.allocate_kv_cache(batch_size, max_len, dtype=dtype, device=device)
+            cast(TransformerLayer, layer).attention.allocate_kv_cache(
+                batch_size, max_len, dtype=dtype, device=device, max_write=max_write
+            )
             for layer in self.decoder.layers
         ]
 
@@ -112,6 +131,10 @@ class CausalLM(nn.Module):
             hidden = hidden + self.position_embedding(positions)
         hidden = F.dropout(hidden, self.config.embedding_dropout, self.training)
         decoded = self.decoder(DecoderInput(hidden, positions, inputs.kv_caches))
+        if inputs.head_fn is not None:
+            head = self.embedding if self.lm_head is None else self.lm_head
+            head_output = inputs.head_fn(decoded.hidden_states, head.weight, getattr(head, "bias", None))
+            return CausalLMOutput(None, decoded.aux_loss, decoded.kv_caches, head_output=head_output)
         if self.lm_head is None:
             logits = self.embedding.attend(decoded.hidden_states)
         else:

@@ -1,7 +1,9 @@
-"""Next-token cross-entropy with an ignore index and optional z-loss."""
+"""Next-token cross-entropy with an ignore index and optional z-loss, from logits or fused with the head."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional
 
@@ -10,6 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from axtorch.config.errors import ConfigError
+from axtorch.models.causal_lm import CausalLMInput
+from axtorch.train.head_cross_entropy import head_cross_entropy
 
 IGNORE_INDEX = -100
 
@@ -19,22 +23,34 @@ class CrossEntropyLossConfig:
     ignore_index: int = IGNORE_INDEX
     #: Weight of the z-loss ``mean(logsumexp(logits)^2)`` (PaLM uses 1e-4); 0 disables it.
     z_loss_weight: float = 0.0
+    #: Tokens per chunk of the fused output head and cross-entropy, so that the whole
+    #: [tokens, vocab] logits never exist (see ``head_cross_entropy``); null computes whole logits.
+    chunk_size: Optional[int] = 256
 
     def validate(self, key: str = "loss") -> None:
         if self.z_loss_weight < 0:
             raise ConfigError(f"{key}.z_loss_weight", self.z_loss_weight, "a non-negative float")
+        if self.chunk_size is not None and self.chunk_size <= 0:
+            raise ConfigError(f"{key}.chunk_size", self.chunk_size, "a positive number of tokens, or null")
 
     def build(self) -> CrossEntropyLoss:
         return CrossEntropyLoss(self)
 
 
+#: ``(final hidden states [B, S, D], head weight [V, D], head bias [V] or None) -> (loss, cross_entropy, z_loss)``.
+HeadLossFn = Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], tuple[torch.Tensor, ...]]
+
+
 @dataclass
 class LossInput:
-    logits: torch.Tensor  # [B, S, V]
+    logits: Optional[torch.Tensor]  # [B, S, V]; None when ``fused`` holds the losses
     labels: torch.Tensor  # [B, S], IGNORE_INDEX where no loss is taken
     #: Divide summed losses by this many tokens instead of the tokens in this batch. Gradient
     #: accumulation and data parallelism pass the global count so that every token weighs the same.
     num_target_tokens: Optional[torch.Tensor] = None
+    #: ``(loss, cross_entropy, z_loss)`` already taken with the head by the function that
+    #: ``CrossEntropyLoss.head_fn`` gave the model.
+    fused: Optional[tuple[torch.Tensor, ...]] = None
 
 
 @dataclass
@@ -52,10 +68,53 @@ class CrossEntropyLoss(nn.Module):
         super().__init__()
         self.config = config
 
+    def head_fn(self, labels: torch.Tensor, num_target_tokens: Optional[torch.Tensor] = None) -> Optional[HeadLossFn]:
+        """The loss for the model to take with its output head (``CausalLMInput.head_fn``); None without chunking.
+
+        It must run inside the model's forward: only there are the head's parameters whole
+        under FSDP.
+        """
+        if self.config.chunk_size is None:
+            return None
+        labels = labels.flatten()
+        normalizer = num_target_tokens if num_target_tokens is not None else (labels != self.config.ignore_index).sum()
+        return functools.partial(
+            self._fused,
+            labels=labels,
+            normalizer=normalizer.clamp(min=1),
+        )
+
+    def _fused(
+        self,
+        hidden_states: torch.Tensor,
+        weight: torch.Tensor,
+        bias: Optional[torch.Tensor],
+        *,
+        labels: torch.Tensor,
+        normalizer: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
+        assert self.config.chunk_size is not None
+        return head_cross_entropy(
+            hidden_states.flatten(0, -2),
+            weight,
+            bias,
+            labels,
+            ignore_index=self.config.ignore_index,
+            z_loss_weight=self.config.z_loss_weight,
+            normalizer=normalizer,
+            chunk_size=self.config.chunk_size,
+        )
+
     def forward(self, inputs: LossInput) -> LossOutput:
+        labels = inputs.labels.flatten()
+        if inputs.fused is not None:
+            loss, cross_entropy, z_loss = inputs.fused
+            num_tokens = (labels != self.config.ignore_index).sum()
+            return LossOutput(loss=loss, cross_entropy=cross_entropy, z_loss=z_loss, num_tokens=num_tokens)
+        if inputs.logits is None:
+            raise ValueError("LossInput needs logits, or the fused losses that the model took with head_fn")
         logits = inputs.logits.flatten(0, -2)
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        labels = inputs.labels.flatten()
         valid = labels != self.config.ignore_index
         num_tokens = valid.sum()
         normalizer = (inputs.num_target_tokens if inputs.num_target_tokens is not None else num_tokens).clamp(min=1)
@@ -69,3 +128,20 @@ class CrossEntropyLoss(nn.Module):
         return LossOutput(
             loss=cross_entropy + z_loss, cross_entropy=cross_entropy, z_loss=z_loss, num_tokens=num_tokens
         )
+
+
+def forward_with_loss(
+    model: nn.Module,
+    loss_fn: CrossEntropyLoss,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    num_target_tokens: Optional[torch.Tensor] = None,
+) -> tuple[LossOutput, Optional[torch.Tensor]]:
+    """A causal LM's forward and its loss: ``(loss, the model's aux loss)``.
+
+    With ``loss.chunk_size`` set the head runs fused with the loss inside the model's forward;
+    otherwise the model returns whole logits and the loss reads them.
+    """
+    output = model(CausalLMInput(input_ids, head_fn=loss_fn.head_fn(labels, num_target_tokens)))
+    loss = loss_fn(LossInput(output.logits, labels, num_target_tokens, fused=output.head_output))
+    return loss, output.aux_loss

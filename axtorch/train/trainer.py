@@ -34,7 +34,7 @@ from axtorch.interop.pretrained import (
     pretrained_tokenizer_path,
 )
 from axtorch.layers.init import initial_parameter_values
-from axtorch.models.causal_lm import CausalLM, CausalLMInput
+from axtorch.models.causal_lm import CausalLM
 from axtorch.parallel.backend import Backend, materialize
 from axtorch.parallel.factory import build_backend
 from axtorch.parallel.single import SingleDeviceBackend
@@ -48,7 +48,7 @@ from axtorch.train.flops import (
     transformer_flops_per_token,
 )
 from axtorch.train.goodput import GoodputRecorder
-from axtorch.train.loss import LossInput
+from axtorch.train.loss import forward_with_loss
 from axtorch.train.metrics import MetricsLogger
 from axtorch.train.numerics import NonFiniteError, NonFiniteGuard
 from axtorch.train.optimizer import build_optimizer
@@ -283,14 +283,13 @@ class Trainer:
         total_loss = torch.zeros((), device=self.device)
         for mb in micro_batches:
             with self._autocast():
-                output = self.model(CausalLMInput(input_ids=mb["input_ids"]))
-                loss = self.loss_fn(LossInput(output.logits, mb["labels"], num_target_tokens=num_targets))
+                loss, aux_loss = forward_with_loss(self.model, self.loss_fn, mb["input_ids"], mb["labels"], num_targets)
                 objective = loss.loss
-                if output.aux_loss is not None:
+                if aux_loss is not None:
                     # A mean over this replica's tokens, unlike the loss (its share of a global sum):
                     # divided by the replicas that the gradient averaging below sums over, the
                     # replicas' aux losses enter as their mean.
-                    objective = objective + output.aux_loss / (len(micro_batches) * self.backend.gradient_divisor)
+                    objective = objective + aux_loss / (len(micro_batches) * self.backend.gradient_divisor)
             (objective * self.backend.gradient_divisor).backward()
             total_loss += loss.cross_entropy.detach()
         grad_norm = self.backend.clip_grad_norm(list(self.model.parameters()), self.config.optim.grad_clip_norm)
@@ -318,8 +317,7 @@ class Trainer:
         for batch in self.data.val_batches(self.config.trainer.batch_size, self.config.trainer.eval_batches):
             for mb in self._micro_batches(batch):
                 with self._autocast():
-                    output = self.model(CausalLMInput(input_ids=mb["input_ids"]))
-                    loss = self.loss_fn(LossInput(output.logits, mb["labels"]))
+                    loss, _ = forward_with_loss(self.model, self.loss_fn, mb["input_ids"], mb["labels"])
                 sums += torch.stack([loss.cross_entropy.double() * loss.num_tokens, loss.num_tokens.double()])
         self.model.train()
         total, tokens = self.backend.all_reduce_sum(sums).tolist()

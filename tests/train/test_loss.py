@@ -1,9 +1,10 @@
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 
-from axtorch.train.loss import IGNORE_INDEX, CrossEntropyLossConfig, LossInput
+from axtorch.train.loss import IGNORE_INDEX, CrossEntropyLossConfig, LossInput, forward_with_loss
 
 
 def test_cross_entropy_ignores_masked_tokens():
@@ -42,3 +43,69 @@ def test_bf16_logits_are_reduced_in_float32():
     logits = torch.randn(1, 4, 5).bfloat16()
     out = CrossEntropyLossConfig().build()(LossInput(logits, torch.zeros(1, 4, dtype=torch.long)))
     assert out.loss.dtype == torch.float32 and math.isfinite(float(out.loss))
+
+
+def _losses_and_grads(chunk_size, *, z_loss_weight, bias, tied, num_targets=None):
+    """The loss and the gradients of every parameter, from a tiny model with the head fused or not."""
+    from axtorch.compose.experiment import load_experiment_config
+
+    torch.manual_seed(0)
+    overrides = ["experiment=debug", "model.decoder.num_layers=1", f"model.tie_embeddings={tied}"]
+    model = load_experiment_config([*overrides, f"model.lm_head.bias={bias}"]).model.build()
+    model.init_weights()
+    ids = torch.randint(0, model.config.vocab_size, (3, 11))
+    labels = torch.randint(0, model.config.vocab_size, (3, 11))
+    labels[0, :4] = IGNORE_INDEX
+    loss_fn = CrossEntropyLossConfig(z_loss_weight=z_loss_weight, chunk_size=chunk_size).build()
+    loss, _ = forward_with_loss(model, loss_fn, ids, labels, num_targets)
+    (loss.loss * 3.0).backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    return loss, grads
+
+
+@pytest.mark.parametrize("tied, bias, z_loss_weight", [(False, False, 0.0), (False, True, 1e-2), (True, False, 1e-2)])
+@pytest.mark.parametrize("chunk_size", [1, 7, 64])
+def test_the_fused_head_and_loss_give_the_losses_and_gradients_of_whole_logits(chunk_size, tied, bias, z_loss_weight):
+    expected, expected_grads = _losses_and_grads(None, z_loss_weight=z_loss_weight, bias=bias, tied=tied)
+    got, grads = _losses_and_grads(chunk_size, z_loss_weight=z_loss_weight, bias=bias, tied=tied)
+    for field in ("loss", "cross_entropy", "z_loss", "num_tokens"):
+        torch.testing.assert_close(getattr(got, field), getattr(expected, field), rtol=1e-6, atol=1e-7)
+    assert grads.keys() == expected_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_the_fused_loss_divides_by_the_global_token_count():
+    count = torch.tensor(50)
+    expected, expected_grads = _losses_and_grads(None, z_loss_weight=0.0, bias=False, tied=False, num_targets=count)
+    got, grads = _losses_and_grads(5, z_loss_weight=0.0, bias=False, tied=False, num_targets=count)
+    torch.testing.assert_close(got.loss, expected.loss)
+    torch.testing.assert_close(grads["lm_head.weight"], expected_grads["lm_head.weight"], rtol=1e-5, atol=1e-7)
+
+
+def test_the_fused_loss_under_no_grad_computes_no_gradients():
+    from axtorch.train.head_cross_entropy import head_cross_entropy
+
+    hidden, weight = torch.randn(6, 4, requires_grad=True), torch.randn(9, 4, requires_grad=True)
+    labels = torch.tensor([1, 2, IGNORE_INDEX, 4, 5, 8])
+    with torch.no_grad():
+        loss, cross_entropy, _ = head_cross_entropy(
+            hidden,
+            weight,
+            None,
+            labels,
+            ignore_index=IGNORE_INDEX,
+            z_loss_weight=0.0,
+            normalizer=torch.tensor(5),
+            chunk_size=4,
+        )
+    expected = F.cross_entropy(hidden @ weight.T, labels, ignore_index=IGNORE_INDEX)
+    torch.testing.assert_close(cross_entropy, expected)
+    assert not loss.requires_grad
+
+
+def test_a_chunk_size_that_is_not_positive_is_refused():
+    from axtorch.config.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"loss\.chunk_size"):
+        CrossEntropyLossConfig(chunk_size=0).validate()

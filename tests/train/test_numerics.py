@@ -35,16 +35,16 @@ def _trainer(run_dir: Path, cache: Path, *extra: str) -> Trainer:
 
 def _poison(trainer: Trainer, bad_steps: set[int]) -> None:
     """Make the loss NaN during the given (1-based) steps, as a diverging model or a bad batch would."""
-    compute = trainer.loss_fn
+    compute = trainer.loss_fn.forward
 
-    def loss_fn(inputs):
+    def forward(inputs):
         output = compute(inputs)
         if trainer.step + 1 in bad_steps:
             output.loss = output.loss * float("nan")
             output.cross_entropy = output.cross_entropy * float("nan")
         return output
 
-    trainer.loss_fn = loss_fn
+    trainer.loss_fn.forward = forward
 
 
 def _records(run_dir: Path) -> list[dict]:

@@ -1,0 +1,123 @@
+"""Output head and cross-entropy fused, chunk by chunk over tokens (Liger's fused linear cross-entropy).
+
+At a large vocabulary the ``[tokens, vocab]`` logits, their float32 copy and their gradient are a
+training step's largest tensors. Here each chunk of tokens is projected, its loss and its
+gradients with respect to the hidden states and the head are computed at once, and the chunk's
+logits are dropped: memory holds one chunk's logits, never all of them, and no matmul is
+recomputed in the backward pass (which only scales the stored gradients).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+class _HeadCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,  # [N, D]
+        weight: torch.Tensor,  # [V, D]
+        bias: Optional[torch.Tensor],  # [V]
+        labels: torch.Tensor,  # [N]
+        ignore_index: int,
+        z_loss_weight: float,
+        normalizer: torch.Tensor,  # scalar: the losses are sums divided by it
+        chunk_size: int,
+        with_grads: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        ce_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        z_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_hidden = torch.empty_like(hidden) if with_grads else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if with_grads else None
+        grad_bias = (
+            torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device)
+            if with_grads and bias is not None
+            else None
+        )
+        # In-place accumulation needs one dtype; under autocast the chunk's matmuls run in lower precision.
+        accumulate_in_place = hidden.dtype == torch.float32 and not torch.is_autocast_enabled(hidden.device.type)
+        scale = 1.0 / normalizer.float()
+        for start in range(0, hidden.shape[0], chunk_size):
+            rows = hidden[start : start + chunk_size]
+            targets = labels[start : start + chunk_size]
+            logits = torch.nn.functional.linear(rows, weight, bias).float()
+            valid = targets != ignore_index
+            safe_targets = torch.where(valid, targets, 0)
+            target_logits = logits.gather(1, safe_targets.unsqueeze(1)).squeeze(1)
+            # Softmax in place: one [chunk, vocab] buffer, no temporaries of its size.
+            row_max = logits.amax(1, keepdim=True)
+            probs = logits.sub_(row_max).exp_()
+            sums = probs.sum(1, keepdim=True)
+            log_z = (row_max + sums.log()).squeeze(1)
+            ce_sum += torch.where(valid, log_z - target_logits, 0.0).sum()
+            if z_loss_weight > 0:
+                z_sum += torch.where(valid, log_z.square(), 0.0).sum()
+            if grad_hidden is None or grad_weight is None:
+                continue  # no gradients wanted
+            # d(ce + w * log_z^2)/d logits = softmax * (1 + 2 w log_z) - one_hot(target), per valid row.
+            probs.div_(sums)
+            if z_loss_weight > 0:
+                probs.mul_((1.0 + 2.0 * z_loss_weight * log_z).unsqueeze(1))
+            probs.scatter_add_(1, safe_targets.unsqueeze(1), torch.full_like(log_z, -1.0).unsqueeze(1))
+            grad_logits = probs.mul_((valid * scale).unsqueeze(1)).to(rows.dtype)
+            grad_hidden[start : start + chunk_size] = grad_logits @ weight.to(rows.dtype)
+            if accumulate_in_place:
+                grad_weight.addmm_(grad_logits.t(), rows)
+            else:
+                grad_weight += (grad_logits.t() @ rows).float()
+            if grad_bias is not None:
+                grad_bias += grad_logits.sum(0)
+        # Held on ctx, not saved: backward hands them on as the gradients themselves, and with no
+        # other reference left autograd adopts them instead of copying (the head's gradient is large).
+        ctx.grads = (grad_hidden, grad_weight, grad_bias)
+        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        cross_entropy, z_loss = ce_sum * scale, z_loss_weight * z_sum * scale
+        ctx.mark_non_differentiable(cross_entropy, z_loss)
+        return cross_entropy + z_loss, cross_entropy, z_loss
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: torch.Tensor, *_unused: Any) -> tuple[Optional[torch.Tensor], ...]:
+        grad_hidden, grad_weight, grad_bias = ctx.grads
+        del ctx.grads
+        weight_dtype, bias_dtype = ctx.dtypes
+        grads = (
+            grad_hidden.mul_(grad_loss.to(grad_hidden.dtype)),
+            grad_weight.mul_(grad_loss).to(weight_dtype),
+            None if grad_bias is None else grad_bias.mul_(grad_loss).to(bias_dtype),
+        )
+        return (*grads, None, None, None, None, None, None)
+
+
+def head_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    labels: torch.Tensor,
+    *,
+    ignore_index: int,
+    z_loss_weight: float,
+    normalizer: torch.Tensor,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(loss, cross_entropy, z_loss)`` of ``linear(hidden, weight, bias)`` against ``labels``.
+
+    Each is a sum over the valid tokens divided by ``normalizer``.
+
+    ``hidden`` is ``[N, D]`` and ``labels`` ``[N]``. Only ``loss`` is differentiable. A head
+    sharded by tensor parallelism (a DTensor) is gathered whole here: its gradient returns
+    through the gather, sharded again.
+    """
+    if isinstance(weight, DTensor):
+        weight = weight.full_tensor()
+    if isinstance(bias, DTensor):
+        bias = bias.full_tensor()
+    with_grads = torch.is_grad_enabled() and (
+        hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    )
+    return _HeadCrossEntropy.apply(
+        hidden, weight, bias, labels, ignore_index, z_loss_weight, normalizer, chunk_size, with_grads
+    )
