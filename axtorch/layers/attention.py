@@ -120,8 +120,26 @@ class GroupedQueryAttention(nn.Module):
         self.mask = config.mask.build()
         self.kernel = (config.kernel or SdpaKernelConfig()).build()
 
-    def allocate_kv_cache(self, batch_size: int, max_len: int, *, dtype: torch.dtype, device: torch.device) -> KVCache:
-        return KVCache.allocate(batch_size, self.num_kv_heads, max_len, self.head_dim, dtype=dtype, device=device)
+    def allocate_kv_cache(
+        self,
+        batch_size: int,
+        max_len: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_write: Optional[int] = None,
+    ) -> KVCache:
+        """A full cache, or a ring of the mask's window when ``max_write`` bounds the tokens per call."""
+        return KVCache.allocate(
+            batch_size,
+            self.num_kv_heads,
+            max_len,
+            self.head_dim,
+            dtype=dtype,
+            device=device,
+            window=self.mask.window,
+            max_write=max_write,
+        )
 
     def forward(self, inputs: AttentionInput) -> AttentionOutput:
         x = inputs.hidden_states

@@ -8,6 +8,7 @@ are masked by the same comparison).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from omegaconf import MISSING
@@ -51,6 +52,9 @@ def position_distance(query_positions: torch.Tensor, key_positions: torch.Tensor
 class AttentionMask(nn.Module):
     """What attention asks of a mask: called with query and key positions, a boolean [B, 1, Sq, Sk]."""
 
+    #: How many positions back a query can see, itself included; None when unbounded. A KV cache
+    #: for a bounded mask keeps only that many recent positions (a ring, see ``KVCache``).
+    window: Optional[int] = None
     #: True when, for a full sequence with positions 0..S-1, the mask is plain causal, which lets
     #: attention use the fused ``is_causal`` kernels instead of materialising the mask.
     is_plain_causal: bool
@@ -75,7 +79,7 @@ class SlidingWindowMask(AttentionMask):
         super().__init__()
         if config.window <= 0:
             raise ValueError(f"sliding-window mask needs a positive window, got window={config.window}")
-        self.window = config.window
+        self.window: int = config.window
 
     def forward(self, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
         """Boolean [B, 1, Sq, Sk] mask, True where attention is allowed."""

@@ -3,20 +3,28 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 
 @dataclass
 class KVCache:
-    """Preallocated keys and values, indexed by absolute position.
+    """Preallocated keys and values, with the absolute position held in each slot.
 
-    ``keys`` and ``values`` are [B, H_kv, max_len, head_dim]. A step writes its new keys at its
-    positions; shapes never change, which keeps decoding friendly to compiled graphs (XLA).
+    ``keys`` and ``values`` are [B, H_kv, slots, head_dim]. A full cache has one slot per position.
+    A ring cache, for attention that sees only the last ``window`` positions, writes position
+    ``p`` to slot ``p % slots``, so its memory stays bounded however long decoding runs. Shapes
+    never change, which keeps decoding friendly to compiled graphs (XLA, CUDA graphs).
     """
 
     keys: torch.Tensor
     values: torch.Tensor
+    #: [B, slots] the absolute position whose keys each slot holds. Slots not yet written hold
+    #: their own index, a position still in every query's future, so masks exclude them.
+    slot_positions: torch.Tensor
+    #: The window of a ring cache; None for a full cache.
+    window: Optional[int] = None
 
     @classmethod
     def allocate(
@@ -28,12 +36,31 @@ class KVCache:
         *,
         dtype: torch.dtype,
         device: torch.device,
+        window: Optional[int] = None,
+        max_write: Optional[int] = None,
     ) -> KVCache:
-        shape = (batch_size, num_kv_heads, max_len, head_dim)
-        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        """A cache for positions below ``max_len``, written at most ``max_write`` tokens at a time.
+
+        With a ``window``, ``window + max_write - 1`` slots suffice (when fewer than ``max_len``):
+        after any write, every key that the write's queries can see is still held.
+        """
+        slots = max_len
+        if window is not None and max_write is not None and window + max_write - 1 < max_len:
+            slots = window + max_write - 1
+        else:
+            window = None  # as many slots as positions: a plain full cache
+        shape = (batch_size, num_kv_heads, slots, head_dim)
+        slot_positions = torch.arange(slots, device=device).expand(batch_size, -1).clone()
+        return cls(
+            torch.zeros(shape, dtype=dtype, device=device),
+            torch.zeros(shape, dtype=dtype, device=device),
+            slot_positions,
+            window,
+        )
 
     @property
     def max_len(self) -> int:
+        """The number of slots (for a full cache, the number of positions)."""
         return self.keys.shape[2]
 
     def update(
@@ -41,15 +68,24 @@ class KVCache:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``keys``/``values`` [B, H_kv, S, D] at ``positions`` [B, S]; return the whole cache.
 
-        Positions must lie below ``max_len``: the caller that sized the cache checks its lengths
-        on the host, so that a decode step never reads the device.
+        A full cache needs positions below ``max_len``: the caller that sized it checks its
+        lengths on the host, so that a decode step never reads the device. A ring cache needs
+        each write's positions to be consecutive, and S no more than it was sized for.
         """
-        index = positions[:, None, :, None].expand_as(keys)
+        slots = positions
+        if self.window is not None:
+            if keys.shape[2] > self.max_len - self.window + 1:
+                raise ValueError(
+                    f"a ring KV cache of {self.max_len} slots for window {self.window} takes at most "
+                    f"{self.max_len - self.window + 1} tokens per call, got {keys.shape[2]}"
+                )
+            slots = positions % self.max_len
+            self.slot_positions.scatter_(1, slots, positions)
+        index = slots[:, None, :, None].expand_as(keys)
         self.keys.scatter_(2, index, keys.to(self.keys.dtype))
         self.values.scatter_(2, index, values.to(self.values.dtype))
         return self.keys, self.values
 
     def key_positions(self) -> torch.Tensor:
-        """[B, max_len] absolute position of every cache slot."""
-        batch = self.keys.shape[0]
-        return torch.arange(self.max_len, device=self.keys.device).expand(batch, -1)
+        """[B, slots] absolute position of every cache slot."""
+        return self.slot_positions
