@@ -56,6 +56,7 @@ class GenerateConfig:
     #: Compile the decode step (torch.compile; CUDA graphs on a GPU): slow to start, faster per token.
     compile: bool = False
     seed: int = 0
+    #: auto, cpu, cuda[:N], or xla: this host's XLA device, each decode step one compiled program.
     device: str = "auto"
 
     def validate(self) -> None:
@@ -68,6 +69,13 @@ class GenerateConfig:
             raise ConfigError("prompt|prompts_file", self.prompt or self.prompts_file, "exactly one of the two")
         if self.max_new_tokens < 1:
             raise ConfigError("max_new_tokens", self.max_new_tokens, "a positive integer")
+        if self.device == "xla" and self.sampling.temperature > 0:
+            raise ConfigError(
+                "sampling.temperature",
+                self.sampling.temperature,
+                "0 (greedy) with device=xla",
+                reason="seeded per-row sampling needs torch.Generator, which torch_xla lacks",
+            )
         if self.quantize not in (None, "int8"):
             raise ConfigError("quantize", self.quantize, "null or int8")
         self.sampling.validate("sampling")
@@ -149,12 +157,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = parse_args(sys.argv[1:] if argv is None else argv)
         prompts = [config.prompt] if config.prompt is not None else _read_prompts(Path(str(config.prompts_file)))
-        model, tokenizer, template = load_source(config, resolve_device(config.device, "device"))
+        step_boundary = None
+        if config.device == "xla":
+            from axtorch.parallel.xla import decode_device  # imports torch_xla: only when asked for
+
+            device, step_boundary = decode_device()
+        else:
+            device = resolve_device(config.device, "device")
+        model, tokenizer, template = load_source(config, device)
         if config.chat:
             prompts = [render_chat(template, prompt, tokenizer) for prompt in prompts]
         if config.quantize == "int8":
             model = quantize_int8(model)
-    except (ConfigError, CheckpointError, ValueError, OSError) as error:
+    except (ConfigError, CheckpointError, ValueError, OSError, ImportError) as error:
         print(f"axtorch-generate: {error}", file=sys.stderr)
         return 2
     stream = None
@@ -172,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         stream=stream,
         sync_every=1 if stream else 8,
         compile=config.compile,
+        step_boundary=step_boundary,
     )
     if stream:
         print()

@@ -64,6 +64,7 @@ def decode_tokens(
     seeds: Optional[Sequence[int]] = None,
     sync_every: int = 8,
     compile: bool = False,
+    step_boundary: Optional[Callable[[], None]] = None,
 ) -> Generator[TokenChunk, None, None]:
     """Decode every prompt at once; yield the new tokens every ``sync_every`` steps and at the end.
 
@@ -72,6 +73,9 @@ def decode_tokens(
     seeded with ``seeds[b]`` (default: its index), so its tokens do not depend on the other rows.
     ``compile`` runs the decode step through ``torch.compile`` (static shapes, so it compiles once
     per batch size; on CUDA with ``mode="reduce-overhead"``, i.e. CUDA graphs); the prefill stays eager.
+    ``step_boundary`` is called after the prefill and after each decode step: on XLA it is
+    ``torch_xla.sync``, which cuts the lazy graph there, so that every decode step is the same
+    fixed-shape program, compiled once (``axtorch.parallel.xla.decode_device``).
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt must contain at least one token")
@@ -86,13 +90,16 @@ def decode_tokens(
         )
     parameter = next(model.parameters())
     device, batch, vocab = parameter.device, len(prompts), model.config.vocab_size
+    if sampling.temperature > 0 and device.type == "xla":
+        raise ValueError("on XLA decode greedily (temperature=0): per-row seeded sampling needs torch.Generator")
     seeds = list(range(batch)) if seeds is None else list(seeds)
     if len(seeds) != batch:
         raise ValueError(f"{len(seeds)} seeds for {batch} prompts")
     was_training = model.training
     model.eval()
     try:
-        caches = model.allocate_kv_caches(batch, total, dtype=parameter.dtype, device=device)
+        # The prompts are written in one call, then one token per call: sliding-window layers keep rings.
+        caches = model.allocate_kv_caches(batch, total, dtype=parameter.dtype, device=device, max_write=max(lengths))
         ids = torch.zeros(batch, max(lengths), dtype=torch.long)
         seen = torch.zeros(batch, vocab, dtype=torch.bool)
         for row, prompt in enumerate(prompts):
@@ -102,6 +109,8 @@ def decode_tokens(
         next_position = torch.tensor(lengths, device=device)[:, None]
         logits = model(CausalLMInput(input_ids=ids, kv_caches=caches)).logits
         logits = logits[torch.arange(batch, device=device), next_position[:, 0] - 1]
+        if step_boundary is not None:
+            step_boundary()
         generated_counts = torch.zeros(batch, vocab, device=device)
         stop_ids = torch.tensor(sorted(set(stop_token_ids)), dtype=torch.long, device=device)
         stopped = torch.zeros(batch, dtype=torch.bool, device=device)
@@ -131,6 +140,8 @@ def decode_tokens(
             step_input = CausalLMInput(input_ids=token[:, None], positions=next_position, kv_caches=caches)
             logits = decode_step(step_input).logits[:, -1]
             next_position = next_position + 1
+            if step_boundary is not None:
+                step_boundary()
     finally:
         model.train(was_training)
 
@@ -144,12 +155,20 @@ def generate_ids(
     stop_token_ids: Sequence[int] = (),
     seeds: Optional[Sequence[int]] = None,
     compile: bool = False,
+    step_boundary: Optional[Callable[[], None]] = None,
 ) -> list[list[int]]:
     """Each prompt's new token ids, up to (not including) its first stop token; no tokenizer needed."""
     rows: list[list[int]] = [[] for _ in prompts]
     sampling = sampling or SamplingConfig()
     chunks = decode_tokens(
-        model, prompts, max_new_tokens, sampling, stop_token_ids=stop_token_ids, seeds=seeds, compile=compile
+        model,
+        prompts,
+        max_new_tokens,
+        sampling,
+        stop_token_ids=stop_token_ids,
+        seeds=seeds,
+        compile=compile,
+        step_boundary=step_boundary,
     )
     for chunk in chunks:
         for row, new in zip(rows, chunk.tokens):
@@ -183,6 +202,7 @@ def generate(
     stream: Optional[Callable[[int, str], None]] = None,
     sync_every: int = 8,
     compile: bool = False,
+    step_boundary: Optional[Callable[[], None]] = None,
 ) -> list[Generation]:
     """Continue every prompt (text or token ids) in one batch; each row stops on its own.
 
@@ -204,6 +224,7 @@ def generate(
         seeds=seeds,
         sync_every=sync_every,
         compile=compile,
+        step_boundary=step_boundary,
     )
     for chunk in chunks:
         for index, (row, new) in enumerate(zip(rows, chunk.tokens)):

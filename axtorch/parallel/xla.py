@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import math
+from collections.abc import Callable
 from typing import Any, Optional
 
 import numpy as np
@@ -231,6 +232,16 @@ def scan_decoder_layers(
     carry = (hidden_states, positions.float(), aux_loss)
     hidden_states, _, aux_loss = scan_layers(steps, carry, partition_fn=partition)
     return hidden_states, aux_loss
+
+
+def decode_device() -> tuple[torch.device, Callable[[], None]]:
+    """This host's XLA device, and the graph cut that makes each decode step one program.
+
+    Passed as ``step_boundary`` to ``axtorch.infer.generate``: cut after every step, the steps'
+    graphs are identical (static shapes, positions on the device), so XLA compiles the decode
+    step once and reuses it; uncut, the lazy graph would grow across steps, a new program each time.
+    """
+    return torch_xla.device(), torch_xla.sync
 
 
 def xla_device_name() -> str:
