@@ -1,0 +1,32 @@
+"""The single-GPU benchmark script runs end to end; on a machine without a GPU, on the CPU at its smallest."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_gpu_benchmark_script_runs_on_the_cpu_and_prints_its_table():
+    command = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "gpu_train.py"),
+        *("--device", "cpu", "--model", "llama_debug", "--seq-len", "16", "--batch", "2"),
+        *("--steps", "1", "--repeats", "1", "--no-compile"),
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("llama_debug: seq 16, batch 2, fp32, eager")
+    assert [line.split(" | ")[0] for line in lines[3:5]] == ["| axtorch", "| hf_transformers"]
+    assert lines[-1].startswith("ratio axtorch / hf_transformers: ")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="here the script would run its whole benchmark")
+def test_asking_for_a_gpu_where_there_is_none_says_so():
+    command = [sys.executable, str(ROOT / "benchmarks" / "gpu_train.py"), "--device", "cuda"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode != 0 and "no CUDA device here" in result.stderr
