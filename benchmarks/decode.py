@@ -12,9 +12,11 @@ axtorch with ``axtorch.infer.generate_ids`` (right-padded batch, KV cache), tran
 ``generate`` (left-padded batch with an attention mask, its default dynamic cache). The two take
 turns within each repeat; the table reports the median. Tokens/s counts new tokens only, and
 the time includes the prompt's prefill. "same tokens" counts rows whose tokens agree between
-axtorch (fp32) and transformers. The int8 mode (``quantize_int8``: int8 weights, activations
-quantized per call) is reported beside them, with the perplexity of both modes on a real text
-(by default the running Python's LICENSE.txt, present on every machine).
+axtorch and transformers. axtorch runs three ways: fp32 with torch's linear; fp32 "packed"
+(``pack_linears``: oneDNN's blocked weight layout, what ``axtorch-generate`` does on a CPU);
+and int8 (``quantize_int8``, then the layers it skips packed: ``axtorch-generate quantize=int8``).
+The perplexity of each on a real text (by default the running Python's LICENSE.txt, present on
+every machine) is printed above the table.
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ from pathlib import Path
 import torch
 import transformers
 
+from axtorch.infer.cpu_weights import DEFAULT_SKIP, pack_linears, quantize_int8
 from axtorch.infer.generate import generate_ids
-from axtorch.infer.quantize import DEFAULT_SKIP, quantize_int8
 from axtorch.interop import from_gguf
 from axtorch.models import CausalLMInput
 
@@ -81,16 +83,18 @@ def main() -> None:
         hf_tokenizer.pad_token = hf_tokenizer.eos_token
     new = args.new_tokens
 
-    def run_ours(prompts: list[str]) -> list[list[int]]:
-        return generate_ids(ours, [tokenizer.encode(p) for p in prompts], new, compile=args.compile)
+    # The CLI's defaults on a CPU: packed fp32 weights, and with quantize=int8 packed fp32 where int8 is skipped.
+    models = {
+        "fp32": ours,
+        "packed": pack_linears(from_gguf(args.gguf)[0]),
+        "int8": pack_linears(quantize_int8(from_gguf(args.gguf)[0], skip=args.int8_skip)),
+    }
 
-    int8 = quantize_int8(from_gguf(args.gguf)[0], skip=args.int8_skip)
-
-    def run_int8(prompts: list[str]) -> list[list[int]]:
-        return generate_ids(int8, [tokenizer.encode(p) for p in prompts], new, compile=args.compile)
+    def runner(model):
+        return lambda prompts: generate_ids(model, [tokenizer.encode(p) for p in prompts], new, compile=args.compile)
 
     text_ids = torch.tensor([tokenizer.encode(args.text.read_text())[: args.text_tokens]])
-    perplexities = {"fp32": perplexity(ours, text_ids), "int8": perplexity(int8, text_ids)}
+    perplexities = {name: perplexity(model, text_ids) for name, model in models.items()}
 
     def run_theirs(prompts: list[str]) -> list[list[int]]:
         batch = hf_tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
@@ -105,11 +109,15 @@ def main() -> None:
     print(f"int8 mode leaves in fp32: {args.int8_skip or 'nothing'}")
     print(f"perplexity on {args.text.name} ({args.text_tokens} tokens): ", end="")
     print(", ".join(f"{name} {value:.3f}" for name, value in perplexities.items()))
-    print("| batch | axtorch tok/s | axtorch int8 tok/s | transformers tok/s | ratio | int8 ratio | same tokens |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| batch | axtorch fp32 tok/s | fp32 packed tok/s | int8 tok/s | transformers tok/s "
+        "| fp32 ratio | packed ratio | int8 ratio | same tokens (fp32 / packed) |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     for batch in args.batches:
         prompts = (PROMPTS * batch)[:batch]
-        runs = {"axtorch": run_ours, "axtorch_int8": run_int8, "transformers": run_theirs}
+        runs = {name: runner(model) for name, model in models.items()}
+        runs["transformers"] = run_theirs
         seconds: dict[str, list[float]] = {name: [] for name in runs}
         outputs = {}
         order = list(runs)
@@ -120,11 +128,11 @@ def main() -> None:
                 seconds[name].append(time.perf_counter() - started)
             order.reverse()
         speed = {name: batch * new / statistics.median(s) for name, s in seconds.items()}
-        same = sum(a == b for a, b in zip(outputs["axtorch"], outputs["transformers"]))
+        same = [sum(a == b for a, b in zip(outputs[name], outputs["transformers"])) for name in ("fp32", "packed")]
+        ratios = " | ".join(f"{speed[name] / speed['transformers']:.2f}x" for name in models)
         print(
-            f"| {batch} | {speed['axtorch']:.1f} | {speed['axtorch_int8']:.1f} | {speed['transformers']:.1f} | "
-            f"{speed['axtorch'] / speed['transformers']:.2f}x | {speed['axtorch_int8'] / speed['transformers']:.2f}x | "
-            f"{same}/{batch} |"
+            f"| {batch} | {speed['fp32']:.1f} | {speed['packed']:.1f} | {speed['int8']:.1f} | "
+            f"{speed['transformers']:.1f} | {ratios} | {same[0]}/{batch} / {same[1]}/{batch} |"
         )
 
 

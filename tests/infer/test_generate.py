@@ -9,8 +9,8 @@ import torch
 
 from axtorch.compose.experiment import load_experiment_config
 from axtorch.data.tokenizer import train_byte_level_bpe
+from axtorch.infer.cpu_weights import PackedLinear, pack_linears, quantize_int8
 from axtorch.infer.generate import generate, generate_ids
-from axtorch.infer.quantize import quantize_int8
 from axtorch.infer.sampling import SamplingConfig, apply_penalties, sample_next_token
 from axtorch.interop.hf_llama import hf_to_axtorch_state_dict, llama_config_from_hf
 from axtorch.layers.linear import Linear
@@ -173,6 +173,29 @@ def test_int8_weights_keep_the_logits_close_and_decode():
     relative = (got - expected).norm() / expected.norm()
     assert relative < 0.05, relative
     assert [len(row) for row in generate_ids(quantized, PROMPTS, 5)] == [5, 5, 5]
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_packed_fp32_weights_give_the_logits_and_the_greedy_tokens(kind):
+    model = _model(MODELS[kind])
+    tokens = torch.randint(0, 500, (2, 12), generator=torch.Generator().manual_seed(2))
+    expected = model(CausalLMInput(input_ids=tokens)).logits
+    greedy = generate_ids(model, PROMPTS, 12)
+    packed = pack_linears(_model(MODELS[kind]))
+    assert not any(isinstance(m, Linear) for m in packed.modules())
+    assert isinstance(packed.lm_head, PackedLinear)
+    torch.testing.assert_close(packed(CausalLMInput(input_ids=tokens)).logits, expected, atol=1e-5, rtol=1e-5)
+    assert generate_ids(packed, PROMPTS, 12) == greedy
+
+
+def test_packing_after_int8_keeps_the_int8_layers_and_packs_the_rest():
+    model = pack_linears(quantize_int8(_model(MODELS["dense"])))
+    kinds = {type(m).__name__ for name, m in model.named_modules() if name.endswith("proj") or name == "lm_head"}
+    assert {type(model.lm_head).__name__, type(model.decoder.layers[0].feed_forward.up_proj).__name__} == {
+        "Int8Linear",
+        "PackedLinear",
+    }
+    assert kinds == {"Int8Linear", "PackedLinear"}
 
 
 def test_top_k_sampling_only_draws_from_the_k_best():
