@@ -18,22 +18,17 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
-from axtorch.compose.experiment import check_keys_exist
+from axtorch.cli.key_values import parse_key_values
 from axtorch.config.errors import ConfigError
-from axtorch.config.serialize import config_from_yaml, to_object
 from axtorch.data.tokenizer import Tokenizer
 from axtorch.infer.cpu_weights import pack_linears, quantize_int8
 from axtorch.infer.generate import generate
 from axtorch.infer.sampling import SamplingConfig
 from axtorch.models.causal_lm import CausalLM
 from axtorch.parallel.single import resolve_device
-from axtorch.train.checkpoint import checkpoint_problems, newest_valid_checkpoint, read_model_tensors
 from axtorch.train.checkpoint_manifest import CheckpointError
-from axtorch.train.experiment import ExperimentConfig
-from axtorch.train.trainer import CONFIG_FILE, TOKENIZER_FILE
+from axtorch.train.trained_model import load_trained_model
 
 
 @dataclass
@@ -84,35 +79,10 @@ class GenerateConfig:
         self.sampling.validate("sampling")
 
 
-def resolve_checkpoint(path: Path) -> tuple[Path, Path]:
-    """(checkpoint directory, run directory) for a checkpoint or run directory; only a verified checkpoint."""
-    if (path / "model.safetensors.index.json").is_file():
-        if problems := checkpoint_problems(path):
-            raise CheckpointError(f"checkpoint {path} failed verification: {'; '.join(problems[:3])}")
-        return path, path.parent.parent
-    checkpoint = newest_valid_checkpoint(path / "checkpoints")
-    if checkpoint is None:
-        raise ConfigError(
-            "checkpoint", str(path), "a run directory with checkpoints/ or a checkpoints/step_* directory"
-        )
-    return checkpoint, path
-
-
-def load_model(checkpoint: Path, device: torch.device) -> tuple[CausalLM, Tokenizer]:
-    """The trained model and its tokenizer, rebuilt from the run directory's config.yaml."""
-    checkpoint, run_dir = resolve_checkpoint(checkpoint)
-    config = config_from_yaml((run_dir / CONFIG_FILE).read_text(), ExperimentConfig)
-    with torch.device("meta"):
-        model = config.model.build()
-    model.load_state_dict(read_model_tensors(checkpoint), strict=True, assign=True)
-    tokenizer = Tokenizer.load(run_dir / TOKENIZER_FILE, config.data.tokenizer.eos_token)
-    return model.to(device).eval(), tokenizer
-
-
 def load_source(config: GenerateConfig, device: torch.device) -> tuple[CausalLM, Tokenizer, Optional[str]]:
     """(model, tokenizer, chat template or None) from the source the config names."""
     if config.checkpoint:
-        return (*load_model(Path(config.checkpoint), device), None)
+        return (*load_trained_model(Path(config.checkpoint), device), None)
     if config.gguf:
         from axtorch.interop.gguf import chat_template, from_gguf
 
@@ -141,17 +111,7 @@ def render_chat(template: Optional[str], prompt: str, tokenizer: Tokenizer) -> s
 
 
 def parse_args(argv: list[str]) -> GenerateConfig:
-    schema = OmegaConf.structured(GenerateConfig)
-    check_keys_exist(schema, argv)
-    try:
-        config = to_object(OmegaConf.merge(schema, OmegaConf.from_dotlist(argv)), GenerateConfig)
-    except OmegaConfBaseException as error:
-        raise ConfigError(
-            getattr(error, "full_key", "?") or "?",
-            argv,
-            "values of the declared types",
-            reason=str(error).splitlines()[0],
-        ) from error
+    config = parse_key_values(argv, GenerateConfig)
     config.validate()
     return config
 

@@ -7,11 +7,12 @@ file is what the trainer copies into the run directory for generation and export
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
@@ -53,6 +54,10 @@ class Tokenizer:
         """Write atomically, so a crash never leaves a half-written file that a later run would load."""
         serialized = self._inner.to_str(pretty=True).encode("utf-8")
         write_file_atomically(Path(path), lambda file: file.write(serialized))
+
+    def description(self) -> dict[str, Any]:
+        """The ``tokenizers`` JSON description: model, vocabulary, merges, pre-tokenizer, added tokens."""
+        return json.loads(self._inner.to_str())
 
     # Special tokens are never added: packing appends EOS itself, and decode is the exact inverse.
     def encode(self, text: str) -> list[int]:

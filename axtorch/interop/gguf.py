@@ -1,4 +1,4 @@
-"""Load llama.cpp GGUF files of the ``llama`` architecture: model, config and tokenizer.
+"""Load llama.cpp GGUF files of the ``llama`` architecture: model, config and tokenizer (``gguf_export`` writes them).
 
 A GGUF file is translated into the HF Llama representation (config dict, parameter names,
 rotate-half Q/K rows) and built by ``hf_llama``, so one code path maps onto axtorch. What GGUF
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from gguf import GGUFReader
 
 _LAYER_TENSOR = re.compile(r"blk\.(?P<i>\d+)\.(?P<name>\w+)\.(?P<suffix>weight|bias)$")
-_LAYER_NAMES = {
+LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
@@ -36,7 +36,7 @@ _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
-_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 #: ``tokenizer.ggml.pre`` -> pre-tokenizers that run before GPT-2's byte-level regex split, as in
 #: llama.cpp (``smollm`` splits every digit off first; HF SmolLM2 uses the same ``Digits`` step).
@@ -125,11 +125,11 @@ def _hf_config(reader: GGUFReader) -> dict[str, Any]:
 
 def _hf_name(gguf_name: str) -> str:
     match = _LAYER_TENSOR.match(gguf_name)
-    if match and match["name"] in _LAYER_NAMES:
-        return f"model.layers.{match['i']}.{_LAYER_NAMES[match['name']]}.{match['suffix']}"
+    if match and match["name"] in LAYER_NAMES:
+        return f"model.layers.{match['i']}.{LAYER_NAMES[match['name']]}.{match['suffix']}"
     stem, _, suffix = gguf_name.rpartition(".")
-    if stem in _GLOBAL_NAMES and suffix in ("weight", "bias"):
-        return f"{_GLOBAL_NAMES[stem]}.{suffix}"
+    if stem in GLOBAL_NAMES and suffix in ("weight", "bias"):
+        return f"{GLOBAL_NAMES[stem]}.{suffix}"
     raise ValueError(f"GGUF tensor {gguf_name!r} has no counterpart in a plain Llama model")
 
 
@@ -137,6 +137,12 @@ def _halves_from_interleaved(rows: torch.Tensor, num_heads: int) -> torch.Tensor
     """Undo llama.cpp's Q/K row order: per head [x0, y0, x1, y1, ...] -> HF's [x0, x1, ..., y0, y1, ...]."""
     head_dim = rows.shape[0] // num_heads
     return rows.reshape(num_heads, head_dim // 2, 2, *rows.shape[1:]).transpose(1, 2).reshape(rows.shape)
+
+
+def interleaved_from_halves(rows: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """llama.cpp's Q/K row order from HF's: the inverse of ``_halves_from_interleaved``."""
+    head_dim = rows.shape[0] // num_heads
+    return rows.reshape(num_heads, 2, head_dim // 2, *rows.shape[1:]).transpose(1, 2).reshape(rows.shape)
 
 
 def _hf_tensors(reader: GGUFReader, num_heads: int, num_kv_heads: int) -> Iterator[tuple[str, torch.Tensor]]:

@@ -77,6 +77,15 @@ def hf_tokenizer(directory: str | os.PathLike[str]) -> tuple[Tokenizer, Optional
     return Tokenizer.load(directory / "tokenizer.json", eos), template if isinstance(template, str) else None
 
 
+def save_hf_tokenizer(tokenizer: Tokenizer, directory: str | os.PathLike[str]) -> None:
+    """``tokenizer.json`` and a ``tokenizer_config.json`` naming its end-of-sequence token, as
+    ``transformers.AutoTokenizer`` and ``hf_tokenizer`` read them."""
+    directory = Path(directory)
+    tokenizer.save(directory / "tokenizer.json")
+    settings = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tokenizer.eos_token, "add_bos_token": False}
+    (directory / "tokenizer_config.json").write_text(json.dumps(settings, indent=2) + "\n")
+
+
 def from_hf(directory: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> tuple[CausalLM, CausalLMConfig]:
     """Load a HF GPT-2, Llama, Mistral, Qwen2, Qwen3, Mixtral or Qwen3-MoE checkpoint directory.
 

@@ -1,0 +1,4 @@
+from axtorch.cli.export import main
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,167 @@
+"""Write a model and its tokenizer as a llama.cpp GGUF file (``llama`` architecture).
+
+The model goes through its HF Llama representation (``llama_config_to_hf``, HF tensor names),
+the same path as ``to_hf``, and the reader's translation is inverted: GGUF metadata keys for the
+config, GGUF tensor names, llama.cpp's interleaved Q/K row order, and quantisation. The tokenizer
+must be byte-level BPE with GPT-2's split (``gpt-2``) or SmolLM's digit split first (``smollm``),
+which is what axtorch trains and what the reader loads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from axtorch.data.tokenizer import Tokenizer
+from axtorch.interop.gguf import GLOBAL_NAMES, LAYER_NAMES, interleaved_from_halves
+from axtorch.interop.hf_llama import axtorch_to_hf_state_dict, llama_config_to_hf
+from axtorch.models.causal_lm import CausalLM
+
+#: Tensor formats ``to_gguf`` writes; norms and biases are always float32, as llama.cpp's converter writes them.
+GGUF_DTYPES = ("f32", "f16", "q8_0")
+_GGUF_NAMES = {hf: gguf for gguf, hf in LAYER_NAMES.items()}
+_GLOBAL_GGUF_NAMES = {hf: gguf for gguf, hf in GLOBAL_NAMES.items()}
+
+
+def to_gguf(model: CausalLM, tokenizer: Tokenizer, path: str | os.PathLike[str], dtype: str = "f16") -> None:
+    """Write ``model`` and ``tokenizer`` to ``path`` for llama.cpp, Ollama, or transformers' GGUF loader.
+
+    ``dtype`` is ``f32``, ``f16`` or ``q8_0`` (32-value blocks, one f16 scale each) for the weight
+    matrices. Raises ``ValueError``, before writing anything, for a model that llama.cpp's ``llama``
+    architecture cannot express or a tokenizer it cannot rebuild.
+    """
+    import gguf
+
+    if dtype not in GGUF_DTYPES:
+        raise ValueError(f"GGUF dtype {dtype!r} is not supported; supported: {', '.join(GGUF_DTYPES)}")
+    hf = llama_config_to_hf(model.config)
+    _check_expressible(hf)
+    vocab = _tokenizer_fields(tokenizer, model.config.vocab_size)
+    file_types = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16}
+    writer = gguf.GGUFWriter(os.fspath(path), "llama")
+    writer.add_name("axtorch export")
+    writer.add_file_type(file_types.get(dtype, gguf.LlamaFileType.MOSTLY_Q8_0))
+    if dtype == "q8_0":
+        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    head_dim = hf["head_dim"]
+    writer.add_context_length(hf["max_position_embeddings"])
+    writer.add_embedding_length(hf["hidden_size"])
+    writer.add_block_count(hf["num_hidden_layers"])
+    writer.add_feed_forward_length(hf["intermediate_size"])
+    writer.add_head_count(hf["num_attention_heads"])
+    writer.add_head_count_kv(hf["num_key_value_heads"])
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(float(hf["rope_theta"]))
+    writer.add_layer_norm_rms_eps(float(hf["rms_norm_eps"]))
+    writer.add_vocab_size(model.config.vocab_size)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(vocab["pre"])
+    writer.add_token_list(vocab["tokens"])
+    writer.add_token_types(vocab["types"])
+    writer.add_token_merges(vocab["merges"])
+    writer.add_eos_token_id(tokenizer.eos_id)
+    writer.add_bos_token_id(tokenizer.eos_id)  # axtorch packs documents after EOS, never a BOS
+    writer.add_add_bos_token(False)
+    for name, array in _gguf_tensors(model, hf):
+        _add_tensor(writer, name, array, dtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file(progress=False)
+    writer.close()
+
+
+def _check_expressible(hf: dict[str, Any]) -> None:
+    if hf["model_type"] != "llama":
+        raise ValueError(
+            f"GGUF export writes the llama architecture; this model needs HF model_type={hf['model_type']!r} "
+            "(a sliding window, QK-norm or experts)"
+        )
+    if hf.get("rope_scaling") is not None:
+        raise ValueError(f"GGUF export writes unscaled RoPE only; this model has rope_scaling={hf['rope_scaling']}")
+    if hf.get("attention_bias") or hf.get("mlp_bias"):
+        raise ValueError("GGUF export of the llama architecture takes no attention or MLP biases")
+
+
+def _tokenizer_fields(tokenizer: Tokenizer, vocab_size: int) -> dict[str, Any]:
+    """The ``tokenizer.ggml.*`` lists for a byte-level BPE tokenizer, padded to the model's vocabulary."""
+    from gguf import TokenType
+
+    description = tokenizer.description()
+    model, pre = description["model"], description.get("pre_tokenizer")
+    if model.get("type") != "BPE" or description.get("normalizer") is not None:
+        raise ValueError("GGUF export takes a byte-level BPE tokenizer without a normalizer")
+    ids = dict(model["vocab"])
+    specials = {}
+    for added in description.get("added_tokens", []):
+        ids[added["content"]] = added["id"]
+        specials[added["id"]] = added["special"]
+    if len(ids) > vocab_size or max(ids.values()) >= vocab_size:
+        raise ValueError(
+            f"the tokenizer has ids up to {max(ids.values())}, beyond the model's vocabulary of {vocab_size}"
+        )
+    tokens = [f"[PAD{i}]" for i in range(vocab_size)]
+    types = [TokenType.UNUSED] * vocab_size
+    for token, index in ids.items():
+        tokens[index] = token
+        types[index] = (
+            TokenType.NORMAL
+            if index not in specials
+            else TokenType.CONTROL
+            if specials[index]
+            else TokenType.USER_DEFINED
+        )
+    merges = [merge if isinstance(merge, str) else " ".join(merge) for merge in model["merges"]]
+    return {"pre": _pre_tokenizer_name(pre), "tokens": tokens, "types": types, "merges": merges}
+
+
+def _pre_tokenizer_name(pre: dict[str, Any] | None) -> str:
+    """llama.cpp's ``tokenizer.ggml.pre`` for the tokenizer's pre-tokenizer; only the two the reader rebuilds."""
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}
+    if pre is not None and all(pre.get(key) == value for key, value in byte_level.items()):
+        return "gpt-2"
+    steps = (pre or {}).get("pretokenizers", [])
+    if (
+        pre is not None
+        and pre.get("type") == "Sequence"
+        and len(steps) == 2
+        and steps[0] == {"type": "Digits", "individual_digits": True}
+        and all(steps[1].get(key) == value for key, value in byte_level.items())
+    ):
+        return "smollm"
+    raise ValueError(f"GGUF export has no llama.cpp pre-tokenizer for {json.dumps(pre)}; it writes gpt-2 and smollm")
+
+
+def _gguf_tensors(model: CausalLM, hf: dict[str, Any]) -> Iterator[tuple[str, np.ndarray]]:
+    """GGUF-named float32 arrays in llama.cpp's layout."""
+    for name, tensor in axtorch_to_hf_state_dict(model.state_dict()).items():
+        values = tensor.detach().to(device="cpu", dtype=torch.float32)
+        stem, _, suffix = name.rpartition(".")
+        if stem.startswith("model.layers."):
+            _, _, index, module = stem.split(".", 3)
+            gguf_name = f"blk.{index}.{_GGUF_NAMES[module]}.{suffix}"
+        else:
+            gguf_name = f"{_GLOBAL_GGUF_NAMES[stem]}.{suffix}"
+        if stem.endswith("q_proj"):
+            values = interleaved_from_halves(values, hf["num_attention_heads"])
+        elif stem.endswith("k_proj"):
+            values = interleaved_from_halves(values, hf["num_key_value_heads"])
+        yield gguf_name, values.contiguous().numpy()
+
+
+def _add_tensor(writer: Any, name: str, array: np.ndarray, dtype: str) -> None:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    if array.ndim < 2 or dtype == "f32":
+        writer.add_tensor(name, array)
+    elif dtype == "q8_0" and array.shape[-1] % 32 == 0:
+        writer.add_tensor(name, quantize(array, GGMLQuantizationType.Q8_0), raw_dtype=GGMLQuantizationType.Q8_0)
+    else:  # f16, and rows that Q8_0's 32-value blocks do not divide
+        writer.add_tensor(name, array.astype(np.float16))

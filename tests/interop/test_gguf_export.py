@@ -1,0 +1,119 @@
+"""GGUF export: files that transformers' GGUF loader and axtorch's reader load with the model's logits.
+
+Exact in f32; in f16 equal to the model with its weight matrices rounded to f16; in q8_0 close.
+The tokenizer comes back identical. ``axtorch-export`` writes the same files from a trained run.
+"""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from axtorch.compose.experiment import load_experiment_config
+from axtorch.data.tokenizer import train_byte_level_bpe
+from axtorch.interop.gguf import from_gguf
+from axtorch.interop.gguf_export import to_gguf
+from axtorch.models import CausalLMInput
+from axtorch.train.trainer import Trainer
+
+transformers = pytest.importorskip("transformers")
+
+TEXTS = [
+    "def main():\n    return 0",
+    "The quick brown fox, 12345 and 6.78!",
+    "  spaces   and\ttabs\n\n",
+    "unicode: café, naïve, 日本語, emoji 🚀",
+    "<|endoftext|>after the end",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    corpus = "def main():\n    return 0\n" * 40 + "the quick brown fox jumps over the lazy dog 12345\n" * 40
+    return train_byte_level_bpe(iter([corpus + "café naïve 日本語 🚀\n" * 10]), 320, "<|endoftext|>")
+
+
+def _model(tokenizer, *overrides):
+    torch.manual_seed(0)
+    # The vocabulary is padded past the tokenizer's, as a user's model may be.
+    config = load_experiment_config(["experiment=debug", f"model.vocab_size={tokenizer.vocab_size + 5}", *overrides])
+    model = config.model.build()
+    model.init_weights()
+    return model.eval()
+
+
+def _relative(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((got - expected).norm() / expected.norm())
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("dtype", ["f32", "f16", "q8_0"])
+def test_transformers_and_axtorch_load_the_exported_file_with_the_models_logits(tmp_path, tokenizer, dtype, tied):
+    model = _model(tokenizer, f"model.tie_embeddings={tied}")
+    to_gguf(model, tokenizer, tmp_path / "model.gguf", dtype)
+    ids = torch.tensor([tokenizer.encode(" ".join(TEXTS))])
+    expected = model(CausalLMInput(ids)).logits
+    if dtype == "f16":  # the reference: the same model with its weight matrices rounded to f16
+        rounded = _model(tokenizer, f"model.tie_embeddings={tied}")
+        with torch.no_grad():
+            for param in rounded.parameters():
+                if param.dim() == 2:
+                    param.copy_(param.half().float())
+        expected = rounded(CausalLMInput(ids)).logits
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="model.gguf", dtype=torch.float32)
+    ours, _, read_tokenizer = from_gguf(tmp_path / "model.gguf")
+    with torch.no_grad():
+        hf_logits = theirs(ids).logits
+        our_logits = ours(CausalLMInput(ids)).logits
+    tolerance = {"f32": 1e-6, "f16": 1e-5, "q8_0": 3e-2}[dtype]
+    assert _relative(hf_logits, expected) < tolerance
+    assert _relative(our_logits, expected) < tolerance
+    assert all(read_tokenizer.encode(text) == tokenizer.encode(text) for text in TEXTS)
+
+
+def test_transformers_reads_the_exported_tokenizer_as_it_was(tmp_path, tokenizer):
+    to_gguf(_model(tokenizer), tokenizer, tmp_path / "model.gguf", "f32")
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="model.gguf")
+    for text in TEXTS:
+        assert theirs(text, add_special_tokens=False).input_ids == tokenizer.encode(text), text
+
+
+def test_what_the_llama_architecture_cannot_express_is_refused_before_writing(tmp_path, tokenizer):
+    sliding = _model(tokenizer, "model=mistral_tiny")
+    with pytest.raises(ValueError, match="needs HF model_type='mistral'"):
+        to_gguf(sliding, tokenizer, tmp_path / "mistral.gguf")
+    with pytest.raises(ValueError, match="GGUF dtype 'q4_0' is not supported; supported: f32, f16, q8_0"):
+        to_gguf(_model(tokenizer), tokenizer, tmp_path / "q4.gguf", "q4_0")
+    assert not list(tmp_path.iterdir())
+
+
+def _export(*arguments):
+    return subprocess.run([sys.executable, "-m", "axtorch.export", *arguments], capture_output=True, text=True)
+
+
+def test_the_export_command_writes_gguf_and_hf_from_a_trained_run(tmp_path, data_cache):
+    overrides = ["experiment=debug", f"run_dir={tmp_path / 'run'}", f"data.cache_dir={data_cache}"]
+    trainer = Trainer(load_experiment_config([*overrides, "trainer.max_steps=2", "trainer.progress_bar=false"]))
+    trainer.fit()
+    run = f"checkpoint={tmp_path / 'run'}"
+    ids = torch.tensor([trainer.data.tokenizer.encode("import os\ndef main():")])
+    expected = trainer.model.eval()(CausalLMInput(ids)).logits
+
+    gguf = _export(run, f"to=gguf:{tmp_path / 'run.gguf'}", "dtype=f32")
+    assert gguf.returncode == 0, gguf.stderr[-2000:]
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="run.gguf", dtype=torch.float32)
+    assert _relative(theirs(ids).logits, expected) < 1e-6
+
+    hf = _export(run, f"to=hf:{tmp_path / 'hf'}")
+    assert hf.returncode == 0, hf.stderr[-2000:]
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    assert _relative(theirs(ids).logits, expected) < 1e-6
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert hf_tokenizer("import os\ndef main():", add_special_tokens=False).input_ids == ids[0].tolist()
+    assert hf_tokenizer.eos_token == "<|endoftext|>"
+
+    bad_target = _export(run, "to=onnx:model.onnx")
+    assert bad_target.returncode == 2 and "gguf:FILE or hf:DIR" in bad_target.stderr
+    bad_dtype = _export(run, f"to=gguf:{tmp_path / 'x.gguf'}", "dtype=bf16")
+    assert bad_dtype.returncode == 2 and "one of f32, f16, q8_0 for gguf" in bad_dtype.stderr
