@@ -22,8 +22,9 @@ from axtorch.interop.gguf import GLOBAL_NAMES, LAYER_NAMES, interleaved_from_hal
 from axtorch.interop.hf_llama import axtorch_to_hf_state_dict, llama_config_to_hf
 from axtorch.models.causal_lm import CausalLM
 
-#: Tensor formats ``to_gguf`` writes; norms and biases are always float32, as llama.cpp's converter writes them.
-GGUF_DTYPES = ("f32", "f16", "q8_0")
+#: Weight-matrix formats ``to_gguf`` writes (those the ``gguf`` package can quantise); norms and
+#: biases are always float32, as llama.cpp's converter writes them.
+GGUF_DTYPES = ("f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
 _GGUF_NAMES = {hf: gguf for gguf, hf in LAYER_NAMES.items()}
 _GLOBAL_GGUF_NAMES = {hf: gguf for gguf, hf in GLOBAL_NAMES.items()}
 
@@ -31,8 +32,9 @@ _GLOBAL_GGUF_NAMES = {hf: gguf for gguf, hf in GLOBAL_NAMES.items()}
 def to_gguf(model: CausalLM, tokenizer: Tokenizer, path: str | os.PathLike[str], dtype: str = "f16") -> None:
     """Write ``model`` and ``tokenizer`` to ``path`` for llama.cpp, Ollama, or transformers' GGUF loader.
 
-    ``dtype`` is ``f32``, ``f16`` or ``q8_0`` (32-value blocks, one f16 scale each) for the weight
-    matrices. Raises ``ValueError``, before writing anything, for a model that llama.cpp's ``llama``
+    ``dtype`` is one of ``GGUF_DTYPES`` for the weight matrices: ``q8_0`` is 32-value blocks with
+    one f16 scale each, ``q4_0``/``q4_1``/``q5_0``/``q5_1`` llama.cpp's 4- and 5-bit blocks.
+    Raises ``ValueError``, before writing anything, for a model that llama.cpp's ``llama``
     architecture cannot express or a tokenizer it cannot rebuild.
     """
     import gguf
@@ -42,11 +44,12 @@ def to_gguf(model: CausalLM, tokenizer: Tokenizer, path: str | os.PathLike[str],
     hf = llama_config_to_hf(model.config)
     _check_expressible(hf)
     vocab = _tokenizer_fields(tokenizer, model.config.vocab_size)
-    file_types = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16}
     writer = gguf.GGUFWriter(os.fspath(path), "llama")
     writer.add_name("axtorch export")
-    writer.add_file_type(file_types.get(dtype, gguf.LlamaFileType.MOSTLY_Q8_0))
-    if dtype == "q8_0":
+    writer.add_file_type(
+        gguf.LlamaFileType.ALL_F32 if dtype == "f32" else gguf.LlamaFileType[f"MOSTLY_{dtype.upper()}"]
+    )
+    if dtype.startswith("q"):
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     head_dim = hf["head_dim"]
     writer.add_context_length(hf["max_position_embeddings"])
@@ -156,12 +159,13 @@ def _gguf_tensors(model: CausalLM, hf: dict[str, Any]) -> Iterator[tuple[str, np
 
 
 def _add_tensor(writer: Any, name: str, array: np.ndarray, dtype: str) -> None:
-    from gguf import GGMLQuantizationType
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     from gguf.quants import quantize
 
+    kind = GGMLQuantizationType[dtype.upper()]
     if array.ndim < 2 or dtype == "f32":
         writer.add_tensor(name, array)
-    elif dtype == "q8_0" and array.shape[-1] % 32 == 0:
-        writer.add_tensor(name, quantize(array, GGMLQuantizationType.Q8_0), raw_dtype=GGMLQuantizationType.Q8_0)
-    else:  # f16, and rows that Q8_0's 32-value blocks do not divide
-        writer.add_tensor(name, array.astype(np.float16))
+    elif dtype == "f16" or array.shape[-1] % GGML_QUANT_SIZES[kind][0]:
+        writer.add_tensor(name, array.astype(np.float16))  # also rows that the format's blocks do not divide
+    else:
+        writer.add_tensor(name, quantize(array, kind), raw_dtype=kind)
