@@ -1,9 +1,10 @@
-"""Load llama.cpp GGUF files of the ``llama`` architecture: model, config and tokenizer (``gguf_export`` writes them).
+"""Load llama.cpp GGUF files of the ``llama``, ``qwen2`` and ``qwen3`` architectures: model, config, tokenizer.
 
-A GGUF file is translated into the HF Llama representation (config dict, parameter names,
-rotate-half Q/K rows) and built by ``hf_llama``, so one code path maps onto axtorch. What GGUF
-adds is undone here: quantised blocks are dequantised (``gguf.quants.dequantize``), shapes are
-stored innermost-first, and llama.cpp reorders Q/K rows for its interleaved RoPE.
+A GGUF file is translated into the HF representation of its family (config dict, parameter
+names, rotate-half Q/K rows) and built by ``hf_llama``, so one code path maps onto axtorch. What
+GGUF adds is undone here: quantised blocks are dequantised (``gguf.quants.dequantize``), shapes
+are stored innermost-first, and for ``llama`` files llama.cpp's converter reordered the Q/K rows
+for its interleaved RoPE. ``gguf_export`` writes such files.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import tokenizers
 import torch
-from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
 from axtorch.data.tokenizer import Tokenizer
 from axtorch.interop.hf_llama import llama_config_from_hf, llama_model_from_hf_tensors
@@ -35,14 +36,43 @@ LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
+#: ``general.architecture`` -> the HF ``model_type`` of the same network. Only ``llama`` files
+#: carry interleaved Q/K rows: llama.cpp runs the others with rotate-half (NeoX) RoPE.
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
-#: ``tokenizer.ggml.pre`` -> pre-tokenizers that run before GPT-2's byte-level regex split, as in
-#: llama.cpp (``smollm`` splits every digit off first; HF SmolLM2 uses the same ``Digits`` step).
-_PRE_TOKENIZERS = {
-    "gpt-2": lambda: [],
-    "smollm": lambda: [pre_tokenizers.Digits(individual_digits=True)],
+#: Llama 3's split (tiktoken's cl100k pattern): case-insensitive contractions, letters with one
+#: leading non-letter, numbers of up to three digits, punctuation runs with their newlines.
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+#: Qwen2's split: Llama 3's with every digit on its own.
+QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _byte_level(*first: pre_tokenizers.PreTokenizer, use_regex: bool = True) -> pre_tokenizers.PreTokenizer:
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=use_regex)
+    return pre_tokenizers.Sequence([*first, byte_level]) if first else byte_level
+
+
+def _split(pattern: str) -> pre_tokenizers.PreTokenizer:
+    return _byte_level(pre_tokenizers.Split(Regex(pattern), behavior="isolated"), use_regex=False)
+
+
+#: ``tokenizer.ggml.pre`` -> the pre-tokenizer llama.cpp applies before byte-level BPE: GPT-2's
+#: regex (``smollm`` splits every digit off first, as HF SmolLM2 does), or a regex of its own.
+PRE_TOKENIZERS = {
+    "gpt-2": lambda: _byte_level(),
+    "smollm": lambda: _byte_level(pre_tokenizers.Digits(individual_digits=True)),
+    "llama-bpe": lambda: _split(LLAMA3_SPLIT),
+    "qwen2": lambda: _split(QWEN2_SPLIT),
 }
 
 _REQUIRED = object()
@@ -51,31 +81,41 @@ _REQUIRED = object()
 def from_gguf(
     path: str | os.PathLike[str], dtype: torch.dtype = torch.float32
 ) -> tuple[CausalLM, CausalLMConfig, Tokenizer]:
-    """Load a ``general.architecture == "llama"`` GGUF file with its byte-level BPE tokenizer.
+    """Load a ``llama``, ``qwen2`` or ``qwen3`` GGUF file with its byte-level BPE tokenizer.
 
     Weights are dequantised to float32, then cast to ``dtype``. Raises ``ValueError`` for
     anything axtorch cannot represent (other architectures, RoPE scaling, experts, tokenizer kinds).
     """
+    reader = _reader(path)
+    architecture = _metadata(reader, "general.architecture")
+    if architecture not in ARCHITECTURES:
+        raise ValueError(
+            f"{path}: GGUF general.architecture={architecture!r} is not supported; supported: {sorted(ARCHITECTURES)}"
+        )
+    config = llama_config_from_hf(_hf_config(reader, architecture))
+    tokenizer = _tokenizer(reader)
+    attention = config.decoder.layer.attention
+    interleaved = architecture == "llama"
+    tensors = _hf_tensors(reader, attention.num_heads, attention.resolved_kv_heads(), interleaved)
+    return llama_model_from_hf_tensors(config, tensors, dtype), config, tokenizer
+
+
+def tokenizer_from_gguf(path: str | os.PathLike[str]) -> Tokenizer:
+    """The tokenizer a GGUF file carries, also from a vocabulary-only file (no tensors needed)."""
+    return _tokenizer(_reader(path))
+
+
+def _reader(path: str | os.PathLike[str]) -> GGUFReader:
     try:
         from gguf import GGUFReader
     except ImportError as error:
-        raise ImportError("from_gguf needs the gguf package: pip install 'gguf>=0.10'") from error
-    reader = GGUFReader(path)
-    architecture = _metadata(reader, "general.architecture")
-    if architecture != "llama":
-        raise ValueError(f"{path}: GGUF general.architecture={architecture!r} is not supported; only 'llama'")
-    config = llama_config_from_hf(_hf_config(reader))
-    tokenizer = _tokenizer(reader)
-    attention = config.decoder.layer.attention
-    tensors = _hf_tensors(reader, attention.num_heads, attention.resolved_kv_heads())
-    return llama_model_from_hf_tensors(config, tensors, dtype), config, tokenizer
+        raise ImportError("GGUF files need the gguf package: pip install 'gguf>=0.10'") from error
+    return GGUFReader(path)
 
 
 def chat_template(path: str | os.PathLike[str]) -> Optional[str]:
     """The Jinja chat template a GGUF file carries (``tokenizer.chat_template``), or None."""
-    from gguf import GGUFReader
-
-    template = _metadata(GGUFReader(path), "tokenizer.chat_template", None)
+    template = _metadata(_reader(path), "tokenizer.chat_template", None)
     return str(template) if template is not None else None
 
 
@@ -88,36 +128,42 @@ def _metadata(reader: GGUFReader, key: str, default: Any = _REQUIRED) -> Any:
     return field.contents()
 
 
-def _hf_config(reader: GGUFReader) -> dict[str, Any]:
-    """The HF ``config.json`` dict equal in function to the GGUF's ``llama.*`` metadata."""
-    rope_scaling = _metadata(reader, "llama.rope.scaling.type", "none")
+def _hf_config(reader: GGUFReader, architecture: str) -> dict[str, Any]:
+    """The HF ``config.json`` dict equal in function to the GGUF's ``<architecture>.*`` metadata."""
+
+    def key(name: str, default: Any = _REQUIRED) -> Any:
+        return _metadata(reader, f"{architecture}.{name}", default)
+
+    rope_scaling = key("rope.scaling.type", "none")
     if rope_scaling != "none":
-        raise ValueError(f"GGUF llama.rope.scaling.type={rope_scaling!r} is not supported: only unscaled RoPE")
-    experts = _metadata(reader, "llama.expert_count", 0)
+        raise ValueError(f"GGUF {architecture}.rope.scaling.type={rope_scaling!r} is not supported: only unscaled RoPE")
+    experts = key("expert_count", 0)
     if experts:
-        raise ValueError(f"GGUF llama.expert_count={experts} is not supported: no mixture-of-experts layers yet")
-    dim = _metadata(reader, "llama.embedding_length")
-    num_heads = _metadata(reader, "llama.attention.head_count")
-    head_dim = _metadata(reader, "llama.attention.key_length", dim // num_heads)
-    rotary_dim = _metadata(reader, "llama.rope.dimension_count", head_dim)
+        raise ValueError(
+            f"GGUF {architecture}.expert_count={experts} is not supported: no mixture-of-experts layers yet"
+        )
+    dim = key("embedding_length")
+    num_heads = key("attention.head_count")
+    head_dim = key("attention.key_length", dim // num_heads)
+    rotary_dim = key("rope.dimension_count", head_dim)
     if rotary_dim != head_dim:
         raise ValueError(
-            f"GGUF llama.rope.dimension_count={rotary_dim} is not supported: "
+            f"GGUF {architecture}.rope.dimension_count={rotary_dim} is not supported: "
             f"RoPE must rotate the whole head ({head_dim})"
         )
     tensor_names = {tensor.name for tensor in reader.tensors}
     return {
-        "model_type": "llama",
+        "model_type": ARCHITECTURES[architecture],
         "vocab_size": len(_metadata(reader, "tokenizer.ggml.tokens")),
         "hidden_size": dim,
-        "intermediate_size": _metadata(reader, "llama.feed_forward_length"),
-        "num_hidden_layers": _metadata(reader, "llama.block_count"),
+        "intermediate_size": key("feed_forward_length"),
+        "num_hidden_layers": key("block_count"),
         "num_attention_heads": num_heads,
-        "num_key_value_heads": _metadata(reader, "llama.attention.head_count_kv", num_heads),
+        "num_key_value_heads": key("attention.head_count_kv", num_heads),
         "head_dim": head_dim,
-        "max_position_embeddings": _metadata(reader, "llama.context_length"),
-        "rms_norm_eps": _metadata(reader, "llama.attention.layer_norm_rms_epsilon"),
-        "rope_theta": _metadata(reader, "llama.rope.freq_base", 10000.0),
+        "max_position_embeddings": key("context_length"),
+        "rms_norm_eps": key("attention.layer_norm_rms_epsilon"),
+        "rope_theta": key("rope.freq_base", 10000.0),
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "attention_bias": "blk.0.attn_q.bias" in tensor_names,
     }
@@ -145,7 +191,9 @@ def interleaved_from_halves(rows: torch.Tensor, num_heads: int) -> torch.Tensor:
     return rows.reshape(num_heads, 2, head_dim // 2, *rows.shape[1:]).transpose(1, 2).reshape(rows.shape)
 
 
-def _hf_tensors(reader: GGUFReader, num_heads: int, num_kv_heads: int) -> Iterator[tuple[str, torch.Tensor]]:
+def _hf_tensors(
+    reader: GGUFReader, num_heads: int, num_kv_heads: int, interleaved: bool
+) -> Iterator[tuple[str, torch.Tensor]]:
     """HF-named float32 tensors in HF layout, dequantised one at a time."""
     from gguf.quants import dequantize
 
@@ -155,9 +203,9 @@ def _hf_tensors(reader: GGUFReader, num_heads: int, num_kv_heads: int) -> Iterat
         if not values.flags.writeable:  # unquantised data is a read-only view of the memory map
             values = values.copy()
         weight = torch.from_numpy(values).reshape(tuple(int(n) for n in reversed(tensor.shape)))
-        if ".q_proj." in name:
+        if interleaved and ".q_proj." in name:
             weight = _halves_from_interleaved(weight, num_heads)
-        elif ".k_proj." in name:
+        elif interleaved and ".k_proj." in name:
             weight = _halves_from_interleaved(weight, num_kv_heads)
         yield name, weight
 
@@ -170,16 +218,14 @@ def _tokenizer(reader: GGUFReader) -> Tokenizer:
     if kind != "gpt2":
         raise ValueError(f"GGUF tokenizer.ggml.model={kind!r} is not supported; only 'gpt2' (byte-level BPE)")
     pre = _metadata(reader, "tokenizer.ggml.pre", "gpt-2")
-    if pre not in _PRE_TOKENIZERS:
-        raise ValueError(f"GGUF tokenizer.ggml.pre={pre!r} is not supported; supported: {sorted(_PRE_TOKENIZERS)}")
+    if pre not in PRE_TOKENIZERS:
+        raise ValueError(f"GGUF tokenizer.ggml.pre={pre!r} is not supported; supported: {sorted(PRE_TOKENIZERS)}")
     tokens = _metadata(reader, "tokenizer.ggml.tokens")
     types = _metadata(reader, "tokenizer.ggml.token_type", [TokenType.NORMAL] * len(tokens))
     merges = [tuple(merge.split(" ", 1)) for merge in _metadata(reader, "tokenizer.ggml.merges")]
 
     inner = tokenizers.Tokenizer(models.BPE({token: i for i, token in enumerate(tokens)}, merges))
-    inner.pre_tokenizer = pre_tokenizers.Sequence(
-        [*_PRE_TOKENIZERS[pre](), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
-    )
+    inner.pre_tokenizer = PRE_TOKENIZERS[pre]()
     inner.decoder = decoders.ByteLevel()
     # Control tokens (<|im_start|>, ...) must match whole in text, never be split by BPE.
     inner.add_special_tokens(

@@ -1,10 +1,10 @@
-"""Write a model and its tokenizer as a llama.cpp GGUF file (``llama`` architecture).
+"""Write a model and its tokenizer as a llama.cpp GGUF file (``llama`` or ``qwen3`` architecture).
 
-The model goes through its HF Llama representation (``llama_config_to_hf``, HF tensor names),
-the same path as ``to_hf``, and the reader's translation is inverted: GGUF metadata keys for the
-config, GGUF tensor names, llama.cpp's interleaved Q/K row order, and quantisation. The tokenizer
-must be byte-level BPE with GPT-2's split (``gpt-2``) or SmolLM's digit split first (``smollm``),
-which is what axtorch trains and what the reader loads.
+The model goes through its HF representation (``llama_config_to_hf``, HF tensor names), the same
+path as ``to_hf``, and the reader's translation is inverted: GGUF metadata keys for the config,
+GGUF tensor names, llama.cpp's interleaved Q/K row order (``llama`` only), and quantisation. The
+tokenizer must be byte-level BPE with one of the pre-tokenizers the reader rebuilds
+(``gguf.PRE_TOKENIZERS``: GPT-2's, which axtorch trains, SmolLM's, Llama 3's, Qwen2's).
 """
 
 from __future__ import annotations
@@ -15,10 +15,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+import tokenizers
 import torch
+from tokenizers import models
 
 from axtorch.data.tokenizer import Tokenizer
-from axtorch.interop.gguf import GLOBAL_NAMES, LAYER_NAMES, interleaved_from_halves
+from axtorch.interop.gguf import ARCHITECTURES, GLOBAL_NAMES, LAYER_NAMES, PRE_TOKENIZERS, interleaved_from_halves
 from axtorch.interop.hf_llama import axtorch_to_hf_state_dict, llama_config_to_hf
 from axtorch.models.causal_lm import CausalLM
 
@@ -42,9 +44,9 @@ def to_gguf(model: CausalLM, tokenizer: Tokenizer, path: str | os.PathLike[str],
     if dtype not in GGUF_DTYPES:
         raise ValueError(f"GGUF dtype {dtype!r} is not supported; supported: {', '.join(GGUF_DTYPES)}")
     hf = llama_config_to_hf(model.config)
-    _check_expressible(hf)
+    architecture = _architecture(hf)
     vocab = _tokenizer_fields(tokenizer, model.config.vocab_size)
-    writer = gguf.GGUFWriter(os.fspath(path), "llama")
+    writer = gguf.GGUFWriter(os.fspath(path), architecture)
     writer.add_name("axtorch export")
     writer.add_file_type(
         gguf.LlamaFileType.ALL_F32 if dtype == "f32" else gguf.LlamaFileType[f"MOSTLY_{dtype.upper()}"]
@@ -72,7 +74,7 @@ def to_gguf(model: CausalLM, tokenizer: Tokenizer, path: str | os.PathLike[str],
     writer.add_eos_token_id(tokenizer.eos_id)
     writer.add_bos_token_id(tokenizer.eos_id)  # axtorch packs documents after EOS, never a BOS
     writer.add_add_bos_token(False)
-    for name, array in _gguf_tensors(model, hf):
+    for name, array in _gguf_tensors(model, hf, interleaved=architecture == "llama"):
         _add_tensor(writer, name, array, dtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -80,16 +82,19 @@ def to_gguf(model: CausalLM, tokenizer: Tokenizer, path: str | os.PathLike[str],
     writer.close()
 
 
-def _check_expressible(hf: dict[str, Any]) -> None:
-    if hf["model_type"] != "llama":
+def _architecture(hf: dict[str, Any]) -> str:
+    """The GGUF architecture for the model's HF config; ValueError for what GGUF export cannot write."""
+    writable = ("llama", "qwen3")
+    if hf["model_type"] not in writable:
         raise ValueError(
-            f"GGUF export writes the llama architecture; this model needs HF model_type={hf['model_type']!r} "
-            "(a sliding window, QK-norm or experts)"
+            f"GGUF export writes the {' and '.join(writable)} architectures; this model needs HF "
+            f"model_type={hf['model_type']!r} (a sliding window or experts)"
         )
     if hf.get("rope_scaling") is not None:
         raise ValueError(f"GGUF export writes unscaled RoPE only; this model has rope_scaling={hf['rope_scaling']}")
     if hf.get("attention_bias") or hf.get("mlp_bias"):
-        raise ValueError("GGUF export of the llama architecture takes no attention or MLP biases")
+        raise ValueError("GGUF export takes no attention or MLP biases")
+    return next(name for name, model_type in ARCHITECTURES.items() if model_type == hf["model_type"])
 
 
 def _tokenizer_fields(tokenizer: Tokenizer, vocab_size: int) -> dict[str, Any]:
@@ -125,23 +130,18 @@ def _tokenizer_fields(tokenizer: Tokenizer, vocab_size: int) -> dict[str, Any]:
 
 
 def _pre_tokenizer_name(pre: dict[str, Any] | None) -> str:
-    """llama.cpp's ``tokenizer.ggml.pre`` for the tokenizer's pre-tokenizer; only the two the reader rebuilds."""
-    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}
-    if pre is not None and all(pre.get(key) == value for key, value in byte_level.items()):
-        return "gpt-2"
-    steps = (pre or {}).get("pretokenizers", [])
-    if (
-        pre is not None
-        and pre.get("type") == "Sequence"
-        and len(steps) == 2
-        and steps[0] == {"type": "Digits", "individual_digits": True}
-        and all(steps[1].get(key) == value for key, value in byte_level.items())
-    ):
-        return "smollm"
-    raise ValueError(f"GGUF export has no llama.cpp pre-tokenizer for {json.dumps(pre)}; it writes gpt-2 and smollm")
+    """llama.cpp's ``tokenizer.ggml.pre`` whose rebuilt pre-tokenizer is this one, exactly."""
+    for name, make in PRE_TOKENIZERS.items():
+        probe = tokenizers.Tokenizer(models.BPE())
+        probe.pre_tokenizer = make()
+        if json.loads(probe.to_str())["pre_tokenizer"] == pre:
+            return name
+    raise ValueError(
+        f"GGUF export has no llama.cpp pre-tokenizer for {json.dumps(pre)}; it writes {', '.join(PRE_TOKENIZERS)}"
+    )
 
 
-def _gguf_tensors(model: CausalLM, hf: dict[str, Any]) -> Iterator[tuple[str, np.ndarray]]:
+def _gguf_tensors(model: CausalLM, hf: dict[str, Any], interleaved: bool) -> Iterator[tuple[str, np.ndarray]]:
     """GGUF-named float32 arrays in llama.cpp's layout."""
     for name, tensor in axtorch_to_hf_state_dict(model.state_dict()).items():
         values = tensor.detach().to(device="cpu", dtype=torch.float32)
@@ -151,9 +151,9 @@ def _gguf_tensors(model: CausalLM, hf: dict[str, Any]) -> Iterator[tuple[str, np
             gguf_name = f"blk.{index}.{_GGUF_NAMES[module]}.{suffix}"
         else:
             gguf_name = f"{_GLOBAL_GGUF_NAMES[stem]}.{suffix}"
-        if stem.endswith("q_proj"):
+        if interleaved and stem.endswith("q_proj"):
             values = interleaved_from_halves(values, hf["num_attention_heads"])
-        elif stem.endswith("k_proj"):
+        elif interleaved and stem.endswith("k_proj"):
             values = interleaved_from_halves(values, hf["num_key_value_heads"])
         yield gguf_name, values.contiguous().numpy()
 

@@ -4,6 +4,7 @@ Exact in f32; in f16 equal to the model with its weight matrices rounded to f16;
 The tokenizer comes back identical. ``axtorch-export`` writes the same files from a trained run.
 """
 
+import json
 import subprocess
 import sys
 
@@ -12,12 +13,13 @@ import torch
 
 from axtorch.compose.experiment import load_experiment_config
 from axtorch.data.tokenizer import train_byte_level_bpe
-from axtorch.interop.gguf import from_gguf
+from axtorch.interop.gguf import from_gguf, tokenizer_from_gguf
 from axtorch.interop.gguf_export import to_gguf
 from axtorch.models import CausalLMInput
 from axtorch.train.trainer import Trainer
 
 transformers = pytest.importorskip("transformers")
+GGUFReader = pytest.importorskip("gguf").GGUFReader
 
 TEXTS = [
     "def main():\n    return 0",
@@ -83,8 +85,8 @@ def test_what_the_llama_architecture_cannot_express_is_refused_before_writing(tm
     sliding = _model(tokenizer, "model=mistral_tiny")
     with pytest.raises(ValueError, match="needs HF model_type='mistral'"):
         to_gguf(sliding, tokenizer, tmp_path / "mistral.gguf")
-    with pytest.raises(ValueError, match="GGUF dtype 'q4_0' is not supported; supported: f32, f16, q8_0"):
-        to_gguf(_model(tokenizer), tokenizer, tmp_path / "q4.gguf", "q4_0")
+    with pytest.raises(ValueError, match="GGUF dtype 'q4_k' is not supported; supported: f32, f16, bf16, q8_0"):
+        to_gguf(_model(tokenizer), tokenizer, tmp_path / "q4.gguf", "q4_k")
     assert not list(tmp_path.iterdir())
 
 
@@ -115,5 +117,51 @@ def test_the_export_command_writes_gguf_and_hf_from_a_trained_run(tmp_path, data
 
     bad_target = _export(run, "to=onnx:model.onnx")
     assert bad_target.returncode == 2 and "gguf:FILE or hf:DIR" in bad_target.stderr
-    bad_dtype = _export(run, f"to=gguf:{tmp_path / 'x.gguf'}", "dtype=bf16")
-    assert bad_dtype.returncode == 2 and "one of f32, f16, q8_0 for gguf" in bad_dtype.stderr
+    bad_dtype = _export(run, f"to=gguf:{tmp_path / 'x.gguf'}", "dtype=q4_k")
+    assert (
+        bad_dtype.returncode == 2 and "one of f32, f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0 for gguf" in bad_dtype.stderr
+    )
+
+
+def _with_pre_tokenizer(tokenizer, name):
+    """The same vocabulary and merges behind another of llama.cpp's pre-tokenizers."""
+    from tokenizers import Tokenizer as Inner
+
+    from axtorch.data.tokenizer import Tokenizer
+    from axtorch.interop.gguf import PRE_TOKENIZERS
+
+    inner = Inner.from_str(json.dumps(tokenizer.description()))
+    inner.pre_tokenizer = PRE_TOKENIZERS[name]()
+    return Tokenizer(inner, tokenizer.eos_token)
+
+
+@pytest.mark.parametrize("pre", ["gpt-2", "smollm", "llama-bpe", "qwen2"])
+def test_each_pre_tokenizer_round_trips_and_transformers_splits_text_the_same_way(tmp_path, tokenizer, pre):
+    ours = _with_pre_tokenizer(tokenizer, pre)
+    to_gguf(_model(tokenizer), ours, tmp_path / "model.gguf", "f32")
+    assert GGUFReader(tmp_path / "model.gguf").fields["tokenizer.ggml.pre"].contents() == pre
+    back = tokenizer_from_gguf(tmp_path / "model.gguf")
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="model.gguf")
+    for text in [*TEXTS, "year 2024: 1234567 items, I'M here, you'LL see\r\n\r\n  x"]:
+        assert back.encode(text) == ours.encode(text), text
+        # transformers' GGUF loader has no entry for smollm and splits as GPT-2 (SmolLM2's own
+        # tokenizer.json, which axtorch matches, splits digits off first).
+        if pre != "smollm":
+            assert theirs(text, add_special_tokens=False).input_ids == ours.encode(text), text
+    pieces = [ours.decode([i]) for i in ours.encode("1234567")]
+    ends = {sum(len(p) for p in pieces[: i + 1]) for i in range(len(pieces))}
+    # Llama 3 splits numbers into runs of three digits; Qwen2 and SmolLM into single digits.
+    assert {"llama-bpe": {3, 6}, "qwen2": set(range(1, 8)), "smollm": set(range(1, 8))}.get(pre, set()) <= ends
+
+
+def test_a_qwen3_model_exports_as_the_qwen3_architecture(tmp_path, tokenizer):
+    # head_dim 128: transformers' GGUF loader does not read qwen3.attention.key_length and assumes it.
+    model = _model(tokenizer, "model=qwen3_tiny", "model.decoder.layer.attention.head_dim=128")
+    to_gguf(model, tokenizer, tmp_path / "qwen3.gguf", "f32")
+    assert GGUFReader(tmp_path / "qwen3.gguf").fields["general.architecture"].contents() == "qwen3"
+    ids = torch.tensor([tokenizer.encode(" ".join(TEXTS))])
+    expected = model(CausalLMInput(ids)).logits
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="qwen3.gguf", dtype=torch.float32)
+    ours = from_gguf(tmp_path / "qwen3.gguf")[0]
+    assert _relative(theirs(ids).logits, expected) < 1e-6
+    assert _relative(ours(CausalLMInput(ids)).logits, expected) < 1e-6

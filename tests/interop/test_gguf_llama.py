@@ -40,6 +40,8 @@ GGUF_NAMES = {
     "mlp.down_proj": "ffn_down",
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
 }
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
 
@@ -61,11 +63,11 @@ def _llama_cpp_rows(rows: np.ndarray, heads: int) -> np.ndarray:
     return rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
-def _hf_model(tie: bool):
+def _hf_model(tie: bool, family: str = "Llama"):
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(**SHAPE, tie_word_embeddings=tie)
+    config = getattr(transformers, f"{family}Config")(**SHAPE, tie_word_embeddings=tie)
     config._attn_implementation = "sdpa"
-    model = transformers.LlamaForCausalLM(config).eval()
+    model = getattr(transformers, f"{family}ForCausalLM")(config).eval()
     with torch.no_grad():  # HF initialises norms to 1: perturb so they are tested
         for name, param in model.named_parameters():
             if "norm" in name:
@@ -93,6 +95,9 @@ def _write_gguf(
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_key_length(head_dim)  # Qwen3's 128 is not hidden_size / heads
+    writer.add_value_length(head_dim)
     writer.add_rope_freq_base(SHAPE["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     if rope_scaling is not None:
@@ -113,7 +118,7 @@ def _write_gguf(
                 param.copy_(torch.from_numpy(gguf.quants.dequantize(stored, Q8_0)))
             values = param.detach().numpy()
         heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}.get(name.split(".")[-2])
-        if heads:
+        if heads and architecture == "llama":  # llama.cpp runs the other families with rotate-half RoPE
             values = _llama_cpp_rows(values, heads)
         if name in quantized:
             writer.add_tensor(_gguf_name(name), gguf.quants.quantize(values, Q8_0), raw_dtype=Q8_0)
@@ -145,6 +150,19 @@ def test_logits_equal_hf_llama(tie, tmp_path):
     torch.testing.assert_close(actual, expected, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("family, architecture", [("Qwen2", "qwen2"), ("Qwen3", "qwen3")])
+def test_qwen_files_give_the_logits_of_hf_qwen(family, architecture, tmp_path):
+    """Qwen2's Q/K/V biases and Qwen3's QK-norm, with rotate-half rows as llama.cpp stores them."""
+    hf_model = _hf_model(tie=True, family=family)
+    path = _write_gguf(tmp_path / "model.gguf", hf_model, architecture=architecture, pre="qwen2")
+    model = from_gguf(path)[0]
+    ids = torch.randint(0, len(TOKENS), (2, 17), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = hf_model(input_ids=ids).logits
+        actual = model(CausalLMInput(input_ids=ids)).logits
+    torch.testing.assert_close(actual, expected, rtol=0, atol=1e-5)
+
+
 def test_tokenizer_keeps_control_tokens_whole_and_decodes_exactly(tmp_path):
     _, _, tokenizer = from_gguf(_write_gguf(tmp_path / "model.gguf", _hf_model(tie=True)))
 
@@ -158,10 +176,10 @@ def test_tokenizer_keeps_control_tokens_whole_and_decodes_exactly(tmp_path):
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        (dict(architecture="qwen2"), "general.architecture='qwen2'"),
+        (dict(architecture="gemma2"), "general.architecture='gemma2'"),
         (dict(rope_scaling=gguf.RopeScalingType.LINEAR), "llama.rope.scaling.type='linear'"),
         (dict(tokenizer_model="llama"), "tokenizer.ggml.model='llama'"),
-        (dict(pre="llama-bpe"), "tokenizer.ggml.pre='llama-bpe'"),
+        (dict(pre="deepseek-llm"), "tokenizer.ggml.pre='deepseek-llm'"),
         (dict(extra_tensors=[("rope_freqs.weight", np.ones(8, dtype=np.float32))]), "'rope_freqs.weight'"),
     ],
 )
