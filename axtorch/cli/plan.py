@@ -30,6 +30,7 @@ from axtorch.config.errors import ConfigError
 from axtorch.config.serialize import to_object
 from axtorch.layers.remat import RematConfig
 from axtorch.models.causal_lm import CausalLMConfig
+from axtorch.parallel.hardware import device_count
 from axtorch.parallel.mesh import MESH_AXES, MeshConfig
 from axtorch.parallel.rules import PartitionSpec, resolve_parameter_specs, shard_shape
 from axtorch.train.experiment import ExperimentConfig
@@ -304,6 +305,8 @@ def load_plan_inputs(
     cfg.mesh = MeshConfig()
     config = to_experiment_config(cfg)
     config.mesh = mesh
+    if devices is None and config.mesh_rules.hardware is not None:
+        devices = device_count(config.mesh_rules.hardware)  # a mesh rule's target: its devices
     if devices is None:
         inferred = [axis for axis in MESH_AXES if getattr(mesh, axis) == -1]
         if inferred:

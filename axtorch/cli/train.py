@@ -21,6 +21,7 @@ from axtorch.compose.experiment import (
     PRIMARY_CONFIG,
     compose_experiment_config,
     to_experiment_config,
+    with_mesh_rule,
 )
 from axtorch.compose.registry import register_configs
 from axtorch.config.errors import ConfigError
@@ -92,7 +93,14 @@ def main() -> None:
     overrides, config_dirs = split_arguments(sys.argv[1:])
     try:
         if "-m" not in sys.argv and "--multirun" not in sys.argv:
-            compose_experiment_config(overrides, config_dirs)  # strict keys and clear errors before Hydra runs
+            # Strict keys and clear errors before Hydra runs; then the mesh rule's overrides join the
+            # command line, so that the config Hydra composes is the one checked here.
+            ruled = with_mesh_rule(overrides, compose_experiment_config(overrides, config_dirs, apply_mesh_rules=False))
+            composed = compose_experiment_config(ruled, config_dirs, apply_mesh_rules=False)
+            flags = [arg for arg in sys.argv[1:] if arg not in overrides]
+            sys.argv = [sys.argv[0], *flags, *ruled]
+            if composed.mesh_rules.selected is not None:
+                print(f"mesh rule {composed.mesh_rules.selected!r} for hardware {composed.mesh_rules.hardware}")
         hydra.main(version_base=None, config_path=f"pkg://{CONFIG_MODULE}", config_name=PRIMARY_CONFIG)(_train)()
     except ConfigError as error:
         _fail(error)

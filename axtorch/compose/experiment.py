@@ -25,6 +25,8 @@ from omegaconf.errors import OmegaConfBaseException
 from axtorch.compose.registry import register_configs
 from axtorch.config.errors import ConfigError
 from axtorch.config.serialize import to_object
+from axtorch.parallel.hardware import detect_hardware_id
+from axtorch.parallel.mesh_rules import select_rule
 from axtorch.train.experiment import ExperimentConfig
 
 #: The installed package that holds ``conf/`` (setuptools maps the repository's ``conf/`` to it).
@@ -150,13 +152,50 @@ def to_experiment_config(cfg: DictConfig) -> ExperimentConfig:
     return config
 
 
-def compose_experiment_config(overrides: Sequence[str] = (), config_dirs: Sequence[str | Path] = ()) -> DictConfig:
+def compose_experiment_config(
+    overrides: Sequence[str] = (), config_dirs: Sequence[str | Path] = (), apply_mesh_rules: bool = True
+) -> DictConfig:
     """The composed (unvalidated) DictConfig for ``overrides``, as ``axtorch-train`` would see it.
 
     ``config_dirs`` are users' own config directories (``axtorch-train --config-dir``), searched
-    after axtorch's: their experiments and presets are chosen like the built-in ones.
+    after axtorch's: their experiments and presets are chosen like the built-in ones. With
+    ``apply_mesh_rules``, the matching mesh rule's overrides are applied (``with_mesh_rule``).
     """
     overrides = [*overrides, *search_path_override(config_dirs)]
+    composed = _compose_checked(overrides)
+    if not apply_mesh_rules:
+        return composed
+    ruled = with_mesh_rule(overrides, composed)
+    return composed if ruled == overrides else _compose_checked(ruled)
+
+
+def with_mesh_rule(overrides: Sequence[str], composed: DictConfig) -> list[str]:
+    """``overrides`` with those of the mesh rule that matches the hardware before them (``mesh_rules``).
+
+    ``composed`` is the config of ``overrides`` alone. The command line's own overrides win over the
+    rule's; the hardware id and the rule's pattern are recorded in ``mesh_rules``. Unchanged
+    without rules.
+    """
+    rules = composed.mesh_rules.rules
+    if not rules:
+        return list(overrides)
+    hardware = composed.mesh_rules.hardware or detect_hardware_id()
+    rule = select_rule(list(rules), hardware)
+    explicit = {_key(override) for override in overrides}
+    chosen = [override for override in rule.overrides if _key(override) not in explicit]
+    record = [f"mesh_rules.selected={_quoted(rule.hardware)}"]
+    if "mesh_rules.hardware" not in explicit:
+        record.append(f"mesh_rules.hardware={_quoted(hardware)}")
+    return [*chosen, *overrides, *record]
+
+
+def _quoted(value: str) -> str:
+    """``value`` as a Hydra override value that its grammar reads back verbatim (a regex has [] and ())."""
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def _compose_checked(overrides: Sequence[str]) -> DictConfig:
+    """``_compose``, with Hydra's and OmegaConf's errors turned into ConfigErrors that name the key."""
     try:
         try:
             composed = _compose(overrides)

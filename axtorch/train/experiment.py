@@ -15,6 +15,7 @@ from axtorch.data.config import DataConfig
 from axtorch.models.causal_lm import CausalLMConfig
 from axtorch.parallel.factory import BackendKind
 from axtorch.parallel.mesh import MeshConfig
+from axtorch.parallel.mesh_rules import MeshRulesConfig
 from axtorch.parallel.rules import ShardingConfig
 from axtorch.train.config import TrainerConfig
 from axtorch.train.loss import CrossEntropyLossConfig
@@ -29,6 +30,8 @@ class ExperimentConfig:
     run_dir: str = "runs/${name}"
     backend: BackendKind = BackendKind.single
     mesh: MeshConfig = field(default_factory=MeshConfig)
+    #: Overrides chosen by the detected hardware (a ``conf/mesh_rules/`` preset; ``none`` by default).
+    mesh_rules: MeshRulesConfig = field(default_factory=MeshRulesConfig)
     #: How parameters and activations are split over the mesh (a ``conf/sharding/`` preset).
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
     model: CausalLMConfig = field(default_factory=CausalLMConfig)

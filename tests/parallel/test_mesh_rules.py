@@ -1,0 +1,108 @@
+"""Mesh rules: the hardware id, the rule it selects, what the rule sets, and the errors."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from axtorch.compose.experiment import load_experiment_config
+from axtorch.config.errors import ConfigError
+from axtorch.parallel.hardware import detect_hardware_id, device_count
+from axtorch.train.config import Precision
+
+GOLDEN = ["experiment=debug", "mesh_rules=golden"]
+
+
+def _config(hardware, *overrides):
+    return load_experiment_config([*GOLDEN, f"mesh_rules.hardware={hardware}", *overrides])
+
+
+def test_this_machine_is_identified_by_its_cores_and_hosts(monkeypatch):
+    for variable in ("TPU_ACCELERATOR_TYPE", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "SLURM_NNODES", "SLURM_JOB_NUM_NODES"):
+        monkeypatch.delenv(variable, raising=False)
+    assert detect_hardware_id() == f"cpu-{os.cpu_count()}x1"
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert detect_hardware_id() == f"cpu-{os.cpu_count()}x4"
+    monkeypatch.setenv("TPU_ACCELERATOR_TYPE", "v5litepod-256")
+    assert detect_hardware_id() == "tpu-v5e-256"
+
+
+@pytest.mark.parametrize(
+    ("hardware", "devices"), [("gpu-H100-8x32", 256), ("tpu-v5e-256", 256), ("tpu-v5p-512", 256), ("cpu-2x1", 2)]
+)
+def test_a_hardware_id_counts_its_devices(hardware, devices):
+    assert device_count(hardware) == devices
+
+
+@pytest.mark.parametrize(
+    ("hardware", "selected", "backend", "mesh", "sharding"),
+    [
+        ("tpu-v5e-256", "tpu-v5e-256", "xla", {"data": 1, "fsdp": -1}, "fsdp"),
+        ("tpu-v6e-64", "tpu-v6e-.*", "xla", {"fsdp": -1}, "fsdp"),
+        ("gpu-H100-8x32", "gpu-H(100|200)-8x(3[2-9]|[4-9][0-9]|[0-9]{3,})", "native", {"data": -1, "fsdp": 8}, "fsdp"),
+        ("gpu-H200-8x2", "gpu-H(100|200)-.*", "native", {"data": 1, "fsdp": -1}, "fsdp"),
+        ("gpu-A100-4x1", "gpu-.*", "native", {"fsdp": -1}, "fsdp"),
+        ("trn2-16x4", "trn2-.*", "xla", {"fsdp": -1}, "fsdp"),
+        ("cpu-2x1", "cpu-.*", "single", {"data": 1, "fsdp": 1}, "replicated"),
+    ],
+)
+def test_each_cluster_gets_the_first_rule_that_matches_its_id(hardware, selected, backend, mesh, sharding):
+    config = _config(hardware)
+    assert (config.mesh_rules.hardware, config.mesh_rules.selected) == (hardware, selected)
+    assert config.backend.value == backend
+    assert {axis: getattr(config.mesh, axis) for axis in mesh} == mesh
+    assert config.sharding == load_experiment_config(["experiment=debug", f"sharding={sharding}"]).sharding
+    assert config.trainer.precision == (Precision.fp32 if backend == "single" else Precision.bf16)
+
+
+def test_the_command_line_wins_over_the_rule():
+    config = _config("gpu-H100-8x4", "trainer.precision=fp32", "mesh.fsdp=4", "sharding=replicated")
+    assert config.trainer.precision == Precision.fp32 and config.mesh.fsdp == 4
+    assert config.sharding == load_experiment_config(["experiment=debug"]).sharding
+    assert config.backend.value == "native"  # what the command line left to the rule
+
+
+def test_no_matching_rule_is_an_error_that_lists_the_rules():
+    with pytest.raises(ConfigError, match=r"mesh_rules\.hardware='abacus-1x1'.*'tpu-v5e-256', 'tpu-v6e-\.\*'"):
+        _config("abacus-1x1")
+
+
+def test_a_rule_that_is_not_a_regular_expression_is_named():
+    with pytest.raises(ConfigError, match=r"mesh_rules\.rules\[0\]\.hardware='gpu-\('"):
+        load_experiment_config(
+            ["experiment=debug", "mesh_rules.rules=[{hardware: 'gpu-(', overrides: []}]", "mesh_rules.hardware=x"]
+        )
+
+
+def test_without_rules_nothing_is_selected():
+    config = load_experiment_config(["experiment=debug"])
+    assert config.mesh_rules.rules == [] and config.mesh_rules.selected is None
+
+
+def test_the_training_command_prints_and_records_the_rule(tmp_path, data_cache):
+    command = [
+        sys.executable,
+        "-m",
+        "axtorch.train",
+        *GOLDEN,
+        f"run_dir={tmp_path / 'run'}",
+        f"data.cache_dir={data_cache}",
+        "trainer.max_steps=1",
+        "trainer.progress_bar=false",
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    hardware = detect_hardware_id()
+    assert f"mesh rule 'cpu-.*' for hardware {hardware}" in result.stdout
+    recorded = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["mesh_rules"]
+    assert (recorded["selected"], recorded["hardware"]) == ("cpu-.*", hardware)
+
+
+def test_the_planner_sizes_a_simulated_cluster_from_its_id():
+    command = [sys.executable, "-m", "axtorch.plan", "model=llama3_8b", *GOLDEN[1:], "mesh_rules.hardware=gpu-H100-8x4"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "mesh: data=1 fsdp=32 seq=1 expert=1 model=1 (32 devices)" in result.stdout
