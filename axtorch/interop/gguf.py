@@ -20,6 +20,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
 from axtorch.data.tokenizer import Tokenizer
 from axtorch.interop.hf_llama import llama_config_from_hf, llama_model_from_hf_tensors
+from axtorch.layers.position import Llama3RotaryEmbeddingConfig, RotaryEmbeddingConfig
 from axtorch.models.causal_lm import CausalLM, CausalLMConfig
 
 if TYPE_CHECKING:
@@ -42,6 +43,8 @@ LAYER_NAMES = {
 #: ``general.architecture`` -> the HF ``model_type`` of the same network. Only ``llama`` files
 #: carry interleaved Q/K rows: llama.cpp runs the others with rotate-half (NeoX) RoPE.
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+#: Llama 3.1's per-pair RoPE frequency divisors, as llama.cpp stores them.
+ROPE_FACTORS = "rope_freqs.weight"
 GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 #: Llama 3's split (tiktoken's cl100k pattern): case-insensitive contractions, letters with one
@@ -134,9 +137,12 @@ def _hf_config(reader: GGUFReader, architecture: str) -> dict[str, Any]:
     def key(name: str, default: Any = _REQUIRED) -> Any:
         return _metadata(reader, f"{architecture}.{name}", default)
 
-    rope_scaling = key("rope.scaling.type", "none")
-    if rope_scaling != "none":
-        raise ValueError(f"GGUF {architecture}.rope.scaling.type={rope_scaling!r} is not supported: only unscaled RoPE")
+    scaling_type = key("rope.scaling.type", "none")
+    if scaling_type != "none":
+        raise ValueError(
+            f"GGUF {architecture}.rope.scaling.type={scaling_type!r} is not supported: "
+            f"only unscaled RoPE and Llama 3's ({ROPE_FACTORS})"
+        )
     experts = key("expert_count", 0)
     if experts:
         raise ValueError(
@@ -152,7 +158,12 @@ def _hf_config(reader: GGUFReader, architecture: str) -> dict[str, Any]:
             f"RoPE must rotate the whole head ({head_dim})"
         )
     tensor_names = {tensor.name for tensor in reader.tensors}
+    rope_theta = key("rope.freq_base", 10000.0)
+    rope_scaling = None
+    if ROPE_FACTORS in tensor_names:
+        rope_scaling = _llama3_rope_scaling(_rope_factors(reader), rope_theta, head_dim)
     return {
+        "rope_scaling": rope_scaling,
         "model_type": ARCHITECTURES[architecture],
         "vocab_size": len(_metadata(reader, "tokenizer.ggml.tokens")),
         "hidden_size": dim,
@@ -163,10 +174,54 @@ def _hf_config(reader: GGUFReader, architecture: str) -> dict[str, Any]:
         "head_dim": head_dim,
         "max_position_embeddings": key("context_length"),
         "rms_norm_eps": key("attention.layer_norm_rms_epsilon"),
-        "rope_theta": key("rope.freq_base", 10000.0),
+        "rope_theta": rope_theta,
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "attention_bias": "blk.0.attn_q.bias" in tensor_names,
     }
+
+
+def _rope_factors(reader: GGUFReader) -> torch.Tensor:
+    from gguf.quants import dequantize
+
+    tensor = next(t for t in reader.tensors if t.name == ROPE_FACTORS)
+    return torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).copy()).flatten().double()
+
+
+#: Llama 3.1's long-context RoPE settings (``low_freq_factor``, ``high_freq_factor``,
+#: ``original_max_position_embeddings``) that the released models use; the factor is read from the file.
+LLAMA3_ROPE_BANDS = ((1.0, 4.0, 8192),)
+
+
+def _llama3_rope_scaling(factors: torch.Tensor, theta: float, head_dim: int) -> dict[str, Any]:
+    """HF's ``rope_scaling`` whose Llama 3 frequencies divide plain RoPE's by ``factors`` (``rope_freqs.weight``).
+
+    llama.cpp's converter stores the divisors per rotated pair instead of the settings; the
+    settings are recovered by recomputing the divisors for the released bands and the largest
+    divisor as ``factor``. Divisors that none reproduces are refused.
+    """
+    factor = float(factors.max())
+    for low, high, original in LLAMA3_ROPE_BANDS:
+        settings = Llama3RotaryEmbeddingConfig(
+            theta=theta,
+            factor=factor,
+            low_freq_factor=low,
+            high_freq_factor=high,
+            original_max_position_embeddings=original,
+        )
+        plain = RotaryEmbeddingConfig(theta=theta).inverse_frequencies(head_dim, torch.device("cpu")).double()
+        expected = plain / settings.inverse_frequencies(head_dim, torch.device("cpu")).double()
+        if expected.shape == factors.shape and torch.allclose(expected, factors, rtol=1e-5, atol=0):
+            return {
+                "rope_type": "llama3",
+                "factor": factor,
+                "low_freq_factor": low,
+                "high_freq_factor": high,
+                "original_max_position_embeddings": original,
+            }
+    raise ValueError(
+        f"GGUF tensor {ROPE_FACTORS!r} holds RoPE frequency divisors that are not Llama 3's for any released "
+        f"setting (low/high frequency factors and original context {list(LLAMA3_ROPE_BANDS)})"
+    )
 
 
 def _hf_name(gguf_name: str) -> str:
@@ -198,6 +253,8 @@ def _hf_tensors(
     from gguf.quants import dequantize
 
     for tensor in reader.tensors:
+        if tensor.name == ROPE_FACTORS:
+            continue  # read into the config (``_llama3_rope_scaling``)
         name = _hf_name(tensor.name)
         values = dequantize(tensor.data, tensor.tensor_type)
         if not values.flags.writeable:  # unquantised data is a read-only view of the memory map

@@ -20,8 +20,17 @@ import torch
 from tokenizers import models
 
 from axtorch.data.tokenizer import Tokenizer
-from axtorch.interop.gguf import ARCHITECTURES, GLOBAL_NAMES, LAYER_NAMES, PRE_TOKENIZERS, interleaved_from_halves
+from axtorch.interop.gguf import (
+    ARCHITECTURES,
+    GLOBAL_NAMES,
+    LAYER_NAMES,
+    LLAMA3_ROPE_BANDS,
+    PRE_TOKENIZERS,
+    ROPE_FACTORS,
+    interleaved_from_halves,
+)
 from axtorch.interop.hf_llama import axtorch_to_hf_state_dict, llama_config_to_hf
+from axtorch.layers.position import RotaryEmbeddingConfig
 from axtorch.models.causal_lm import CausalLM
 
 #: Weight-matrix formats ``to_gguf`` writes (those the ``gguf`` package can quantise); norms and
@@ -76,6 +85,8 @@ def to_gguf(model: CausalLM, tokenizer: Tokenizer, path: str | os.PathLike[str],
     writer.add_add_bos_token(False)
     for name, array in _gguf_tensors(model, hf, interleaved=architecture == "llama"):
         _add_tensor(writer, name, array, dtype)
+    if hf.get("rope_scaling") is not None:
+        writer.add_tensor(ROPE_FACTORS, _rope_factors(model))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file(progress=False)
@@ -90,11 +101,34 @@ def _architecture(hf: dict[str, Any]) -> str:
             f"GGUF export writes the {' and '.join(writable)} architectures; this model needs HF "
             f"model_type={hf['model_type']!r} (a sliding window or experts)"
         )
-    if hf.get("rope_scaling") is not None:
-        raise ValueError(f"GGUF export writes unscaled RoPE only; this model has rope_scaling={hf['rope_scaling']}")
+    scaling = hf.get("rope_scaling")
+    if scaling is not None and not (hf["model_type"] == "llama" and _is_released_llama3(scaling)):
+        raise ValueError(
+            f"GGUF export writes unscaled RoPE and Llama 3's released settings only; this model has "
+            f"rope_scaling={scaling}"
+        )
     if hf.get("attention_bias") or hf.get("mlp_bias"):
         raise ValueError("GGUF export takes no attention or MLP biases")
     return next(name for name, model_type in ARCHITECTURES.items() if model_type == hf["model_type"])
+
+
+def _is_released_llama3(scaling: dict[str, Any]) -> bool:
+    band = (
+        scaling.get("low_freq_factor"),
+        scaling.get("high_freq_factor"),
+        scaling.get("original_max_position_embeddings"),
+    )
+    return scaling.get("rope_type") == "llama3" and band in LLAMA3_ROPE_BANDS
+
+
+def _rope_factors(model: CausalLM) -> np.ndarray:
+    """Llama 3's per-pair frequency divisors, stored as llama.cpp's ``rope_freqs.weight``."""
+    position = model.config.decoder.layer.attention.position
+    assert isinstance(position, RotaryEmbeddingConfig)  # a scaled RoPE is what brought us here
+    head_dim = model.config.decoder.layer.attention.resolved_head_dim(model.config.dim)
+    cpu = torch.device("cpu")
+    plain = RotaryEmbeddingConfig(theta=position.theta).inverse_frequencies(head_dim, cpu)
+    return (plain.double() / position.inverse_frequencies(head_dim, cpu).double()).float().numpy()
 
 
 def _tokenizer_fields(tokenizer: Tokenizer, vocab_size: int) -> dict[str, Any]:

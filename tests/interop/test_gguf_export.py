@@ -165,3 +165,20 @@ def test_a_qwen3_model_exports_as_the_qwen3_architecture(tmp_path, tokenizer):
     ours = from_gguf(tmp_path / "qwen3.gguf")[0]
     assert _relative(theirs(ids).logits, expected) < 1e-6
     assert _relative(ours(CausalLMInput(ids)).logits, expected) < 1e-6
+
+
+def test_llama_3_rope_scaling_exports_as_llama_cpps_rope_factors_and_reads_back(tmp_path, tokenizer):
+    model = _model(tokenizer, "model/position=rope_llama3", "model.decoder.layer.attention.position.theta=500000")
+    to_gguf(model, tokenizer, tmp_path / "llama3.gguf", "f32")
+    reader = GGUFReader(tmp_path / "llama3.gguf")
+    assert "rope_freqs.weight" in {tensor.name for tensor in reader.tensors}
+    back, config, _ = from_gguf(tmp_path / "llama3.gguf")
+    assert config.decoder.layer.attention.position == model.config.decoder.layer.attention.position
+    ids = torch.tensor([tokenizer.encode(" ".join(TEXTS))])
+    positions = torch.arange(ids.shape[1])[None] * 700  # far enough for every band of the schedule
+    expected = model(CausalLMInput(ids, positions)).logits
+    assert _relative(back(CausalLMInput(ids, positions)).logits, expected) < 1e-6
+    unreleased = _model(tokenizer, "model/position=rope_llama3", "model.decoder.layer.attention.position.factor=3.0")
+    unreleased.config.decoder.layer.attention.position.high_freq_factor = 2.0
+    with pytest.raises(ValueError, match="Llama 3's released settings only"):
+        to_gguf(unreleased, tokenizer, tmp_path / "other.gguf")

@@ -150,6 +150,44 @@ def test_logits_equal_hf_llama(tie, tmp_path):
     torch.testing.assert_close(actual, expected, rtol=0, atol=1e-5)
 
 
+def _llama_cpp_rope_factors(config) -> np.ndarray:
+    """Llama 3's per-pair frequency divisors, computed as llama.cpp's converter writes rope_freqs.weight."""
+    scaling, head_dim = config.rope_scaling, config.hidden_size // config.num_attention_heads
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original = scaling["original_max_position_embeddings"]
+    factors = []
+    for i in range(0, head_dim, 2):
+        wavelength = 2 * np.pi * SHAPE["rope_theta"] ** (i / head_dim)
+        if wavelength < original / high:
+            factors.append(1.0)
+        elif wavelength > original / low:
+            factors.append(factor)
+        else:
+            smooth = (original / wavelength - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def test_a_llama_3_1_file_with_rope_factors_gives_the_logits_of_hf_llama_with_llama3_rope(tmp_path):
+    torch.manual_seed(0)
+    scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0)
+    config = transformers.LlamaConfig(
+        **SHAPE, rope_scaling={**scaling, "original_max_position_embeddings": 8192}, tie_word_embeddings=True
+    )
+    hf_model = transformers.LlamaForCausalLM(config).eval()
+    factors = _llama_cpp_rope_factors(config)
+    assert factors.max() > 1.0 and factors.min() == 1.0 and len(set(factors.tolist())) > 2  # all three bands
+    path = _write_gguf(tmp_path / "model.gguf", hf_model, extra_tensors=[("rope_freqs.weight", factors)])
+    model, ours, _ = from_gguf(path)
+    assert ours.decoder.layer.attention.position.factor == 8.0
+    ids = torch.randint(0, len(TOKENS), (2, 40), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(40).expand(2, -1) * 300  # far positions, where the bands differ
+    with torch.no_grad():
+        expected = hf_model(input_ids=ids, position_ids=positions).logits
+        actual = model(CausalLMInput(input_ids=ids, positions=positions)).logits
+    torch.testing.assert_close(actual, expected, rtol=0, atol=1e-4)
+
+
 @pytest.mark.parametrize("family, architecture", [("Qwen2", "qwen2"), ("Qwen3", "qwen3")])
 def test_qwen_files_give_the_logits_of_hf_qwen(family, architecture, tmp_path):
     """Qwen2's Q/K/V biases and Qwen3's QK-norm, with rotate-half rows as llama.cpp stores them."""
@@ -180,7 +218,10 @@ def test_tokenizer_keeps_control_tokens_whole_and_decodes_exactly(tmp_path):
         (dict(rope_scaling=gguf.RopeScalingType.LINEAR), "llama.rope.scaling.type='linear'"),
         (dict(tokenizer_model="llama"), "tokenizer.ggml.model='llama'"),
         (dict(pre="deepseek-llm"), "tokenizer.ggml.pre='deepseek-llm'"),
-        (dict(extra_tensors=[("rope_freqs.weight", np.ones(8, dtype=np.float32))]), "'rope_freqs.weight'"),
+        (
+            dict(extra_tensors=[("rope_freqs.weight", np.linspace(1, 3, 8, dtype=np.float32))]),
+            "'rope_freqs.weight' holds RoPE frequency divisors that are not Llama 3's",
+        ),
     ],
 )
 def test_refuses_what_axtorch_cannot_represent(options, message, tmp_path):
