@@ -95,11 +95,12 @@ def main() -> None:
         if "-m" not in sys.argv and "--multirun" not in sys.argv:
             # Strict keys and clear errors before Hydra runs; then the mesh rule's overrides join the
             # command line, so that the config Hydra composes is the one checked here.
-            ruled = with_mesh_rule(overrides, compose_experiment_config(overrides, config_dirs, apply_mesh_rules=False))
-            composed = compose_experiment_config(ruled, config_dirs, apply_mesh_rules=False)
-            flags = [arg for arg in sys.argv[1:] if arg not in overrides]
-            sys.argv = [sys.argv[0], *flags, *ruled]
-            if composed.mesh_rules.selected is not None:
+            composed = compose_experiment_config(overrides, config_dirs, apply_mesh_rules=False)
+            ruled = with_mesh_rule(overrides, composed)
+            if ruled != overrides:  # a rule applies: check its config too, then hand Hydra its overrides
+                composed = compose_experiment_config(ruled, config_dirs, apply_mesh_rules=False)
+                flags = [arg for arg in sys.argv[1:] if arg not in overrides]
+                sys.argv = [sys.argv[0], *flags, *ruled]
                 print(f"mesh rule {composed.mesh_rules.selected!r} for hardware {composed.mesh_rules.hardware}")
         hydra.main(version_base=None, config_path=f"pkg://{CONFIG_MODULE}", config_name=PRIMARY_CONFIG)(_train)()
     except ConfigError as error:

@@ -192,6 +192,13 @@ def _rope_factors(reader: GGUFReader) -> torch.Tensor:
 LLAMA3_ROPE_BANDS = ((1.0, 4.0, 8192),)
 
 
+def rope_divisors(position: RotaryEmbeddingConfig, head_dim: int) -> torch.Tensor:
+    """float64 [head_dim / 2] plain RoPE's frequencies divided by ``position``'s: llama.cpp's ``rope_freqs``."""
+    cpu = torch.device("cpu")
+    plain = RotaryEmbeddingConfig(theta=position.theta).inverse_frequencies(head_dim, cpu).double()
+    return plain / position.inverse_frequencies(head_dim, cpu).double()
+
+
 def _llama3_rope_scaling(factors: torch.Tensor, theta: float, head_dim: int) -> dict[str, Any]:
     """HF's ``rope_scaling`` whose Llama 3 frequencies divide plain RoPE's by ``factors`` (``rope_freqs.weight``).
 
@@ -208,8 +215,7 @@ def _llama3_rope_scaling(factors: torch.Tensor, theta: float, head_dim: int) -> 
             high_freq_factor=high,
             original_max_position_embeddings=original,
         )
-        plain = RotaryEmbeddingConfig(theta=theta).inverse_frequencies(head_dim, torch.device("cpu")).double()
-        expected = plain / settings.inverse_frequencies(head_dim, torch.device("cpu")).double()
+        expected = rope_divisors(settings, head_dim)
         if expected.shape == factors.shape and torch.allclose(expected, factors, rtol=1e-5, atol=0):
             return {
                 "rope_type": "llama3",

@@ -28,6 +28,7 @@ from axtorch.interop.gguf import (
     PRE_TOKENIZERS,
     ROPE_FACTORS,
     interleaved_from_halves,
+    rope_divisors,
 )
 from axtorch.interop.hf_llama import axtorch_to_hf_state_dict, llama_config_to_hf
 from axtorch.layers.position import RotaryEmbeddingConfig
@@ -126,9 +127,7 @@ def _rope_factors(model: CausalLM) -> np.ndarray:
     position = model.config.decoder.layer.attention.position
     assert isinstance(position, RotaryEmbeddingConfig)  # a scaled RoPE is what brought us here
     head_dim = model.config.decoder.layer.attention.resolved_head_dim(model.config.dim)
-    cpu = torch.device("cpu")
-    plain = RotaryEmbeddingConfig(theta=position.theta).inverse_frequencies(head_dim, cpu)
-    return (plain.double() / position.inverse_frequencies(head_dim, cpu).double()).float().numpy()
+    return rope_divisors(position, head_dim).float().numpy()
 
 
 def _tokenizer_fields(tokenizer: Tokenizer, vocab_size: int) -> dict[str, Any]:

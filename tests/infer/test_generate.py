@@ -30,21 +30,23 @@ def _model(overrides):
     return build_model(load_experiment_config(overrides), torch.device("cpu")).eval()
 
 
+@torch.no_grad()
+def _decoded_logits(model, tokens, caches, prefill=6):
+    """Logits of a prefill of ``prefill`` tokens, then of one token per call, through ``caches``."""
+    logits = [model(CausalLMInput(input_ids=tokens[:, :prefill], kv_caches=caches)).logits]
+    for i in range(prefill, tokens.shape[1]):
+        step = CausalLMInput(input_ids=tokens[:, i : i + 1], positions=torch.full((2, 1), i), kv_caches=caches)
+        logits.append(model(step).logits)
+    return torch.cat(logits, dim=1)
+
+
 @pytest.mark.parametrize("kind", list(MODELS))
 def test_cached_decoding_gives_the_logits_of_a_full_forward(kind):
     model = _model(MODELS[kind])
     tokens = torch.randint(0, 500, (2, 16), generator=torch.Generator().manual_seed(1))
     full = model(CausalLMInput(input_ids=tokens)).logits
     caches = model.allocate_kv_caches(2, 16, dtype=torch.float32, device=torch.device("cpu"))
-    with torch.no_grad():
-        prefill = model(CausalLMInput(input_ids=tokens[:, :6], kv_caches=caches)).logits
-        steps = [
-            model(
-                CausalLMInput(input_ids=tokens[:, i : i + 1], positions=torch.full((2, 1), i), kv_caches=caches)
-            ).logits
-            for i in range(6, 16)
-        ]
-    torch.testing.assert_close(torch.cat([prefill, *steps], dim=1), full, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(_decoded_logits(model, tokens, caches), full, atol=2e-5, rtol=1e-4)
 
 
 def test_a_sliding_window_layer_decodes_from_a_ring_of_its_window_with_the_logits_of_a_full_forward():
@@ -53,17 +55,9 @@ def test_a_sliding_window_layer_decodes_from_a_ring_of_its_window_with_the_logit
     full = model(CausalLMInput(input_ids=tokens)).logits
     caches = model.allocate_kv_caches(2, 16, dtype=torch.float32, device=torch.device("cpu"), max_write=6)
     assert {cache.max_len for cache in caches} == {5 + 6 - 1}  # not 16: the ring wraps below
-    with torch.no_grad():
-        prefill = model(CausalLMInput(input_ids=tokens[:, :6], kv_caches=caches)).logits
-        steps = [
-            model(
-                CausalLMInput(input_ids=tokens[:, i : i + 1], positions=torch.full((2, 1), i), kv_caches=caches)
-            ).logits
-            for i in range(6, 16)
-        ]
-        torch.testing.assert_close(torch.cat([prefill, *steps], dim=1), full, atol=2e-5, rtol=1e-4)
-        with pytest.raises(ValueError, match="ring KV cache of 10 slots for window 5 takes at most 6 tokens"):
-            model(CausalLMInput(input_ids=tokens[:, :7], kv_caches=caches))
+    torch.testing.assert_close(_decoded_logits(model, tokens, caches), full, atol=2e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="ring KV cache of 10 slots for window 5 takes at most 6 tokens"):
+        model(CausalLMInput(input_ids=tokens[:, :7], kv_caches=caches))
 
 
 PROMPTS = [[5, 17, 3, 99, 4, 8, 21], [7], [42, 43, 44, 45]]
