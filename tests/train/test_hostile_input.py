@@ -55,6 +55,27 @@ def test_non_utf8_bytes_are_replaced_not_fatal(tmp_path):
     assert Trainer(_corpus_config(tmp_path, "data.val_fraction=0.1")).fit().step == 1
 
 
+def test_a_document_longer_than_the_sequence_spans_several_sequences(tmp_path):
+    """One long document (no EOS inside) is packed across sequences, none of its tokens dropped."""
+    (tmp_path / "corpus").mkdir()
+    words = " ".join(f"word{i % 97}" for i in range(3000))
+    (tmp_path / "corpus" / "long.txt").write_text(words)
+    trainer = Trainer(_corpus_config(tmp_path, "data.val_fraction=0.1"))
+    tokens = len(trainer.data.tokenizer.encode(words))
+    assert tokens > 20 * 16  # many sequences long
+    assert trainer.data.train_num_sequences + trainer.data.val_num_sequences >= tokens // 16 - 2
+    assert trainer.fit().step == 1
+
+
+def test_a_tokenizer_vocabulary_larger_than_the_model_is_named(tmp_path):
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text("plain words and some more words to fill sequences. " * 40)
+    with pytest.raises(ConfigError) as error:
+        Trainer(_corpus_config(tmp_path, "data.val_fraction=0.1", "model.vocab_size=280"))
+    assert error.value.key == "model.vocab_size"
+    assert "at least the tokenizer's" in str(error.value) and "280" in str(error.value)
+
+
 def test_a_checkpoint_of_another_shape_lists_every_mismatched_tensor(tmp_path):
     narrow = load_experiment_config(["model=llama_debug"])
     wide = load_experiment_config(["model=llama_debug", "model.dim=96", "model.decoder.layer.attention.num_heads=4"])
