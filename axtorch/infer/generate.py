@@ -107,8 +107,8 @@ def decode_tokens(
             seen[row, torch.as_tensor(prompt)] = True
         ids, seen = ids.to(device), seen.to(device)
         next_position = torch.tensor(lengths, device=device)[:, None]
-        logits = model(CausalLMInput(input_ids=ids, kv_caches=caches)).logits
-        logits = logits[torch.arange(batch, device=device), next_position[:, 0] - 1]
+        prefill = CausalLMInput(input_ids=ids, kv_caches=caches, head_positions=next_position - 1)
+        logits = model(prefill).logits[:, -1]
         if step_boundary is not None:
             step_boundary()
         generated_counts = torch.zeros(batch, vocab, device=device)

@@ -62,6 +62,10 @@ class CausalLMInput:
     #: head, for a loss fused with it (``CrossEntropyLoss.head_fn``). It runs inside this forward,
     #: where FSDP holds the head's parameters whole; its tensors come back as ``head_output``.
     head_fn: Optional[Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], tuple[torch.Tensor, ...]]] = None
+    #: [B, K] indices into the sequence of the only positions the head projects; None: every one.
+    #: A prefill needs each prompt's last position only, and whole [B, S, vocab] logits would be
+    #: its largest tensor by far.
+    head_positions: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -131,12 +135,12 @@ class CausalLM(nn.Module):
             hidden = hidden + self.position_embedding(positions)
         hidden = F.dropout(hidden, self.config.embedding_dropout, self.training)
         decoded = self.decoder(DecoderInput(hidden, positions, inputs.kv_caches))
+        final = decoded.hidden_states
+        if inputs.head_positions is not None:
+            final = final.gather(1, inputs.head_positions[..., None].expand(-1, -1, final.shape[-1]))
         if inputs.head_fn is not None:
             head = self.embedding if self.lm_head is None else self.lm_head
-            head_output = inputs.head_fn(decoded.hidden_states, head.weight, getattr(head, "bias", None))
+            head_output = inputs.head_fn(final, head.weight, getattr(head, "bias", None))
             return CausalLMOutput(None, decoded.aux_loss, decoded.kv_caches, head_output=head_output)
-        if self.lm_head is None:
-            logits = self.embedding.attend(decoded.hidden_states)
-        else:
-            logits = self.lm_head(decoded.hidden_states)
+        logits = self.embedding.attend(final) if self.lm_head is None else self.lm_head(final)
         return CausalLMOutput(logits=logits, aux_loss=decoded.aux_loss, kv_caches=decoded.kv_caches)

@@ -60,6 +60,18 @@ def test_a_sliding_window_layer_decodes_from_a_ring_of_its_window_with_the_logit
         model(CausalLMInput(input_ids=tokens[:, :7], kv_caches=caches))
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_head_positions_project_only_those_positions_with_the_full_forwards_logits(tied):
+    model = _model(["experiment=debug", f"model.tie_embeddings={str(tied).lower()}"])
+    tokens = torch.randint(0, 500, (3, 9), generator=torch.Generator().manual_seed(2))
+    wanted = torch.tensor([[8], [0], [4]])  # each row's last prompt token, as a prefill asks
+    with torch.no_grad():
+        full = model(CausalLMInput(input_ids=tokens)).logits
+        some = model(CausalLMInput(input_ids=tokens, head_positions=wanted)).logits
+    assert some.shape == (3, 1, model.config.vocab_size)
+    torch.testing.assert_close(some, full[torch.arange(3)[:, None], wanted], atol=1e-6, rtol=1e-5)
+
+
 PROMPTS = [[5, 17, 3, 99, 4, 8, 21], [7], [42, 43, 44, 45]]
 
 
