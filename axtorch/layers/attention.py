@@ -10,6 +10,7 @@ score bias (ALiBi) joins the mask as an additive float mask, which every kernel 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -90,6 +91,13 @@ class AttentionConfig:
         return GroupedQueryAttention(self, dim)
 
 
+#: ``(keys, values, positions) -> (keys, values, key positions)``: the keys and values that this
+#: process's queries attend to, when the sequence is split over processes (context parallelism).
+#: A backend installs one (``GroupedQueryAttention.sequence_exchange``) that gathers the other
+#: processes' keys and values with their absolute positions, which the mask then compares.
+SequenceExchange = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
 @dataclass
 class AttentionInput:
     hidden_states: torch.Tensor  # [B, S, dim]
@@ -119,6 +127,7 @@ class GroupedQueryAttention(nn.Module):
         self.position = config.position.build(self.head_dim)
         self.mask = config.mask.build()
         self.kernel = (config.kernel or SdpaKernelConfig()).build()
+        self.sequence_exchange: Optional[SequenceExchange] = None
 
     def allocate_kv_cache(
         self,
@@ -157,6 +166,8 @@ class GroupedQueryAttention(nn.Module):
         if inputs.kv_cache is not None:
             k, v = inputs.kv_cache.update(k, v, inputs.positions)
             key_positions = inputs.kv_cache.key_positions()
+        elif self.sequence_exchange is not None:
+            k, v, key_positions = self.sequence_exchange(k, v, inputs.positions)
         else:
             key_positions = inputs.positions
         bias = self.position.score_bias(inputs.positions, key_positions, self.num_heads)
@@ -167,7 +178,10 @@ class GroupedQueryAttention(nn.Module):
             )
         # A plain causal mask over a whole sequence lets a fusing kernel apply it itself.
         fused_causal = (
-            inputs.kv_cache is None and self.mask.is_plain_causal and bias is None and self.kernel.fuses_causal_mask
+            key_positions is inputs.positions
+            and self.mask.is_plain_causal
+            and bias is None
+            and self.kernel.fuses_causal_mask
         )
         mask: Optional[torch.Tensor] = None
         if not fused_causal:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import ClassVar, Optional
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +52,10 @@ class FeedForwardOutput:
 @dataclass
 class FeedForwardConfig:
     """Slot type for a feed-forward block; concrete configs build with ``build(dim)``."""
+
+    #: Whether a token's output depends on the other tokens of the call (a router's capacity or
+    #: load-balancing loss), so that running on a slice of each sequence would change it.
+    mixes_tokens: ClassVar[bool] = False
 
     hidden_dim: int = MISSING
     activation: Activation = Activation.silu

@@ -33,7 +33,7 @@ import functools
 import math
 import operator
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import ClassVar, Optional
 
 import torch
 from omegaconf import MISSING
@@ -139,6 +139,8 @@ class MixtureOfExpertsConfig(FeedForwardConfig):
     ``projection`` / ``output_projection`` give the experts' initialisation (their ``bias`` must
     stay false: experts have none).
     """
+
+    mixes_tokens: ClassVar[bool] = True
 
     num_experts: int = MISSING
     router: RouterConfig = field(default_factory=RouterConfig)

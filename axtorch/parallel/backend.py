@@ -60,7 +60,11 @@ class Backend(Protocol):
         """Mark the end of a training step (XLA compiles and runs the step's graph here)."""
 
     def to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Move a host batch (rows first) to the device(s), split as the backend's data axes say."""
+        """Move a host batch (rows first) to the device(s), split as the backend's data axes say.
+
+        A backend that splits sequences over processes (context parallelism) keeps this
+        process's tokens of each row and adds their absolute ``positions`` [B, S_local].
+        """
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum over the data-parallel replicas (identity on one device)."""

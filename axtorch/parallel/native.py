@@ -10,6 +10,10 @@ the model:
   gathers its output, since the loss needs whole logits.
 - FSDP2 (``fully_shard``) over ``data`` x ``fsdp``: each transformer layer and the root are
   sharded on the dimension the spec assigns to ``fsdp`` (HSDP: replicated over ``data``).
+- context parallelism over ``seq``: each process takes a balanced slice of every sequence's
+  tokens and attention gathers the group's keys and values (``axtorch.parallel.context``).
+  FSDP then shards over ``fsdp`` x ``seq`` together, as torchtitan does, which also sums the
+  gradients that the ``seq`` peers compute for the same weights.
 
 Runs under ``torchrun`` with gloo on CPU and NCCL on CUDA; ``device_type`` may name another
 accelerator with a torch.distributed backend (e.g. TorchNeuron's native device).
@@ -20,6 +24,7 @@ from __future__ import annotations
 import importlib
 import math
 import os
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -31,12 +36,14 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 
 from axtorch.config.errors import ConfigError
+from axtorch.layers.attention import GroupedQueryAttention
 from axtorch.models.causal_lm import CausalLM
 from axtorch.parallel.backend import HostFedBackend
+from axtorch.parallel.context import GatheredSequence, split_sequence
 from axtorch.parallel.mesh import MeshConfig
 from axtorch.parallel.rules import PartitionSpec, ShardingConfig, resolve_parameter_specs
 
-_UNSUPPORTED_AXES = ("seq", "expert")
+_UNSUPPORTED_AXES = ("expert",)
 #: Device types that exist only once their plugin is imported (untested here: not installable).
 _DEVICE_PLUGINS = {"neuron": "torch_neuronx"}
 
@@ -77,6 +84,7 @@ class NativeBackend(HostFedBackend):
         coordinate = dict(zip(self.sizes, own_coordinate))
         self.data_parallel_size = self.sizes["data"] * self.sizes["fsdp"]
         self.data_parallel_rank = coordinate["data"] * self.sizes["fsdp"] + coordinate["fsdp"]
+        self.seq_rank = coordinate["seq"]
         self.gradient_divisor = 1
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
@@ -90,7 +98,9 @@ class NativeBackend(HostFedBackend):
         )
         if self.sizes["model"] > 1:
             self._apply_tensor_parallel(model, specs)
-        if self.data_parallel_size > 1:
+        if self.sizes["seq"] > 1:
+            self._apply_context_parallel(model)
+        if self.data_parallel_size * self.sizes["seq"] > 1:
             self._apply_fsdp(model, specs)
         # Only now is storage allocated: each rank's own shards, never the whole model.
         return model.to_empty(device=self.device)
@@ -125,8 +135,27 @@ class NativeBackend(HostFedBackend):
             else:  # row-parallel
                 _distribute(module, tp_mesh, weight_dim=1, bias=Replicate(), inputs=Shard(-1), outputs=Replicate())
 
+    def _apply_context_parallel(self, model: nn.Module) -> None:
+        exchange = GatheredSequence(self.mesh["seq"].get_group())
+        for module in model.modules():
+            if isinstance(module, GroupedQueryAttention):
+                module.sequence_exchange = exchange
+
+    def _sharding_mesh(self) -> DeviceMesh:
+        """FSDP's mesh: ``fsdp`` (with ``seq`` flattened in) to shard over, ``data`` to replicate over."""
+        if self.sizes["seq"] == 1:
+            return self.mesh["data", "fsdp"] if self.sizes["data"] > 1 else self.mesh["fsdp"]
+        flat = self.mesh["fsdp", "seq"]._flatten("fsdp_seq")
+        if self.sizes["data"] == 1:
+            return flat
+        with warnings.catch_warnings():
+            # torch >= 2.11 warns that slicing a flattened dim from the root mesh will go away;
+            # it works through 2.13, the newest torch axtorch supports.
+            warnings.filterwarnings("ignore", "Slicing a flattened dim", UserWarning)
+            return self.mesh["data", "fsdp_seq"]
+
     def _apply_fsdp(self, model: CausalLM, specs: dict[str, PartitionSpec]) -> None:
-        dp_mesh = self.mesh["data", "fsdp"] if self.sizes["data"] > 1 else self.mesh["fsdp"]
+        dp_mesh = self._sharding_mesh()
         dims = {}
         for name, param in model.named_parameters():
             spec = specs[name]
@@ -140,9 +169,9 @@ class NativeBackend(HostFedBackend):
         # The root too reshards after each forward, so that evaluation (no backward) leaves every
         # parameter sharded, as the plan and the checkpoint expect.
         fully_shard(model, mesh=dp_mesh, shard_placement_fn=placement, reshard_after_forward=True)
-        # FSDP averages gradients over the replicas (a custom divide factor needs PREMUL_SUM,
-        # which gloo lacks); the trainer cancels the average by scaling the loss.
-        self.gradient_divisor = self.data_parallel_size
+        # FSDP averages gradients over its mesh (a custom divide factor needs PREMUL_SUM, which
+        # gloo lacks); the trainer cancels the average by scaling the loss.
+        self.gradient_divisor = dp_mesh.size()
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Under tensor parallelism without FSDP, step each parameter on its own.
@@ -154,10 +183,15 @@ class NativeBackend(HostFedBackend):
             for group in optimizer.param_groups:
                 group["foreach"] = False
 
+    def to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if self.sizes["seq"] > 1:
+            batch = split_sequence(batch, self.sizes["seq"], self.seq_rank)
+        return super().to_device(batch)
+
     # ------------------------------------------------------------------------------ reductions
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum over the data-parallel replicas.
+        """Sum over the data-parallel replicas and the sequence slices.
 
         Reduced over the whole world, then divided by the tensor-parallel degree: the peers of a
         replica hold identical values, so the quotient is exact for counts.

@@ -101,15 +101,19 @@ class XlaBackend:
     def fill_parameter(self, model: nn.Module, name: str, value: torch.Tensor) -> None:
         """Send ``value`` to the devices split by its spec, so that each device receives only its block."""
         module_name, _, param_name = name.rpartition(".")
-        spec = _xla_spec(self.parameter_specs[name])
+        data = self._send_sharded(value, _xla_spec(self.parameter_specs[name]))
+        model.get_submodule(module_name).register_parameter(param_name, nn.Parameter(data))
+
+    def _send_sharded(self, value: torch.Tensor, spec: tuple) -> torch.Tensor:
+        """``value`` on the devices split by ``spec``, each device receiving only its block when it can."""
         if sum(axes is not None for axes in spec) <= 1:
             (data,) = xm.send_cpu_data_to_device([value.contiguous()], self.device, xs.ShardingSpec(self.mesh, spec))
-        else:
-            # torch_xla 2.9's sharded transfer fails ("too many indices") for a spec that splits two
-            # dimensions: send the whole value, then reshard it on the devices.
-            data = value.to(self.device)
-            xs.mark_sharding(data, self.mesh, spec)
-        model.get_submodule(module_name).register_parameter(param_name, nn.Parameter(data))
+            return data
+        # torch_xla 2.9's sharded transfer fails ("too many indices") for a spec that splits two
+        # dimensions: send the whole value, then reshard it on the devices.
+        data = value.to(self.device)
+        xs.mark_sharding(data, self.mesh, spec)
+        return data
 
     def _hook_activation(self, module: nn.Module, io: str, field: str, spec: tuple) -> None:
         def annotate(value: Any) -> None:
@@ -148,13 +152,15 @@ class XlaBackend:
                 xs.mark_sharding(state[key], self.mesh, _xla_spec(spec))
 
     def to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Transfer each tensor already split over the data-parallel axes, as MpDeviceLoader does."""
+        """Transfer each tensor already split as MpDeviceLoader does: rows over the data-parallel
+        axes, and each sequence over ``seq`` (context parallelism, which GSPMD then carries through
+        attention, gathering keys and values where it needs them)."""
         data_axes = tuple(axis for axis in ("data", "fsdp") if self.sizes[axis] > 1) or None
-        moved = {}
-        for key, tensor in batch.items():
-            spec = (data_axes,) + (None,) * (tensor.dim() - 1)
-            (moved[key],) = xm.send_cpu_data_to_device([tensor], self.device, xs.ShardingSpec(self.mesh, spec))
-        return moved
+        seq_axis = "seq" if self.sizes["seq"] > 1 else None
+        return {
+            key: self._send_sharded(tensor, (data_axes, seq_axis) + (None,) * (tensor.dim() - 2))
+            for key, tensor in batch.items()
+        }
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor  # SPMD tensors are already global

@@ -79,6 +79,25 @@ class ExperimentConfig:
                 reason=f"{type(position).__name__} treats each attention head differently, and native tensor "
                 "parallelism gives each rank a subset of heads it cannot identify",
             )
+        # Native context parallelism gives each process two of 2 x mesh.seq chunks, balancing
+        # causal attention's work; XLA splits the sequence dimension evenly.
+        chunks = self.mesh.seq * (2 if self.backend is BackendKind.native else 1)
+        if self.mesh.seq > 1 and self.data.seq_len % chunks:
+            raise ConfigError(
+                "data.seq_len",
+                self.data.seq_len,
+                f"a multiple of {chunks} with mesh.seq={self.mesh.seq} and backend={self.backend.value}",
+                reason=f"context parallelism cuts each sequence into {chunks} equal chunks",
+            )
+        feed_forward = self.model.decoder.layer.feed_forward
+        if self.mesh.seq > 1 and self.backend is BackendKind.native and feed_forward.mixes_tokens:
+            raise ConfigError(
+                "mesh.seq",
+                self.mesh.seq,
+                f"1 for a {type(feed_forward).__name__} feed-forward with backend=native (or backend=xla)",
+                reason="native context parallelism would run it on a slice of each sequence, and its "
+                "tokens' outputs depend on each other (e.g. a router's capacity or load-balancing loss)",
+            )
         if self.model.decoder.scan_layers and self.backend is not BackendKind.xla:
             raise ConfigError(
                 "model.decoder.scan_layers",

@@ -136,12 +136,15 @@ def forward_with_loss(
     input_ids: torch.Tensor,
     labels: torch.Tensor,
     num_target_tokens: Optional[torch.Tensor] = None,
+    positions: Optional[torch.Tensor] = None,
 ) -> tuple[LossOutput, Optional[torch.Tensor]]:
     """A causal LM's forward and its loss: ``(loss, the model's aux loss)``.
 
     With ``loss.chunk_size`` set the head runs fused with the loss inside the model's forward;
-    otherwise the model returns whole logits and the loss reads them.
+    otherwise the model returns whole logits and the loss reads them. ``positions`` (None:
+    0..S-1) are the tokens' absolute positions, given when they are a slice of longer sequences.
     """
-    output = model(CausalLMInput(input_ids, head_fn=loss_fn.head_fn(labels, num_target_tokens)))
+    head_fn = loss_fn.head_fn(labels, num_target_tokens)
+    output = model(CausalLMInput(input_ids, positions=positions, head_fn=head_fn))
     loss = loss_fn(LossInput(output.logits, labels, num_target_tokens, fused=output.head_output))
     return loss, output.aux_loss

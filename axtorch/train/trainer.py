@@ -283,7 +283,9 @@ class Trainer:
         total_loss = torch.zeros((), device=self.device)
         for mb in micro_batches:
             with self._autocast():
-                loss, aux_loss = forward_with_loss(self.model, self.loss_fn, mb["input_ids"], mb["labels"], num_targets)
+                loss, aux_loss = forward_with_loss(
+                    self.model, self.loss_fn, mb["input_ids"], mb["labels"], num_targets, mb.get("positions")
+                )
                 objective = loss.loss
                 if aux_loss is not None:
                     # A mean over this replica's tokens, unlike the loss (its share of a global sum):
@@ -317,7 +319,9 @@ class Trainer:
         for batch in self.data.val_batches(self.config.trainer.batch_size, self.config.trainer.eval_batches):
             for mb in self._micro_batches(batch):
                 with self._autocast():
-                    loss, _ = forward_with_loss(self.model, self.loss_fn, mb["input_ids"], mb["labels"])
+                    loss, _ = forward_with_loss(
+                        self.model, self.loss_fn, mb["input_ids"], mb["labels"], positions=mb.get("positions")
+                    )
                 sums += torch.stack([loss.cross_entropy.double() * loss.num_tokens, loss.num_tokens.double()])
         self.model.train()
         total, tokens = self.backend.all_reduce_sum(sums).tolist()

@@ -95,3 +95,15 @@ def test_scanning_layers_needs_the_xla_backend():
     error = _error("model.decoder.scan_layers=true")
     assert error.key == "model.decoder.scan_layers"
     assert "backend=xla" in error.allowed and "backend=single" in str(error)
+
+
+def test_context_parallelism_needs_sequences_that_cut_into_balanced_chunks():
+    error = _error("experiment=debug", "backend=native", "mesh.seq=3")  # seq_len 64
+    assert error.key == "data.seq_len" and error.value == 64
+    assert "a multiple of 6 with mesh.seq=3 and backend=native" in str(error)
+    assert _error("experiment=debug", "backend=xla", "mesh.seq=3").allowed.startswith("a multiple of 3 ")
+
+
+def test_native_context_parallelism_refuses_a_mixture_of_experts():
+    error = _error("experiment=debug", "model=mixtral_tiny", "backend=native", "mesh.seq=2")
+    assert error.key == "mesh.seq" and "MixtureOfExpertsConfig" in str(error) and "load-balancing loss" in str(error)

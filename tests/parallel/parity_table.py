@@ -23,6 +23,7 @@ def main() -> None:
         "xla, 1 device": (1, []),
         "xla, fsdp=4": (4, ["mesh.fsdp=4", "sharding=fsdp"]),
         "xla, fsdp=2 x model=2": (4, ["mesh.fsdp=2", "mesh.model=2", "sharding=fsdp_tp"]),
+        "xla, fsdp=2 x seq=2": (4, ["mesh.fsdp=2", "mesh.seq=2", "sharding=fsdp"]),
         "xla, fsdp=4, scan_layers + remat=full": (
             4,
             ["mesh.fsdp=4", "sharding=fsdp", "model.decoder.scan_layers=true", "model/remat=full"],
@@ -32,6 +33,10 @@ def main() -> None:
         "native torchrun 2 procs, fsdp=2": (2, ["mesh.fsdp=2", "sharding=fsdp"]),
         "native torchrun 2 procs, model=2": (2, ["mesh.model=2", "sharding=fsdp_tp"]),
         "native torchrun 4 procs, fsdp=2 x model=2": (4, ["mesh.fsdp=2", "mesh.model=2", "sharding=fsdp_tp"]),
+        "native torchrun 2 procs, seq=2": (2, ["mesh.seq=2"]),
+        "native torchrun 4 procs, fsdp=2 x seq=2": (4, ["mesh.fsdp=2", "mesh.seq=2"]),
+        "native torchrun 4 procs, seq=2 x model=2": (4, ["mesh.seq=2", "mesh.model=2", "sharding=fsdp_tp"]),
+        "native torchrun 4 procs, HSDP data=2 x fsdp=2": (4, ["mesh.data=2", "mesh.fsdp=2"]),
     }
     run_dirs = {"single": root / "single"}
     for index, (label, (devices, overrides)) in enumerate(xla_runs.items()):

@@ -68,6 +68,20 @@ def runs(tmp_path_factory):
             STEPS,
             debug_overrides(root / "tp2", cache, "backend=native", "mesh.model=2", "sharding=fsdp_tp"),
         ),
+        # Context parallelism: each sequence split over 2 processes, FSDP over fsdp x seq.
+        "fsdp2_seq2": _torchrun(
+            4,
+            root / "fsdp2_seq2",
+            STEPS,
+            debug_overrides(root / "fsdp2_seq2", cache, "backend=native", "mesh.fsdp=2", "mesh.seq=2"),
+        ),
+        # HSDP: sharded within each of 2 groups, replicated across them.
+        "hsdp": _torchrun(
+            4,
+            root / "hsdp",
+            STEPS,
+            debug_overrides(root / "hsdp", cache, "backend=native", "mesh.data=2", "mesh.fsdp=2"),
+        ),
     }
     return root, reports
 
@@ -81,7 +95,7 @@ def test_fsdp2_sees_the_tensors_of_sharded_modules_inputs_and_outputs():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["fsdp2", "fsdp2_tp2", "tp2"])
+@pytest.mark.parametrize("name", ["fsdp2", "fsdp2_tp2", "tp2", "fsdp2_seq2", "hsdp"])
 def test_losses_match_a_single_device(runs, name):
     root, _ = runs
     single, distributed = train_losses(root / "single"), train_losses(root / name)
@@ -95,8 +109,10 @@ def test_fsdp_holds_one_share_of_parameters_and_optimizer_state_per_rank(runs):
     for report in reports["fsdp2"]:
         assert report["params_local"] * 2 == pytest.approx(report["params_total"], rel=0.01)
         assert report["optim_local"] * 2 == pytest.approx(report["optim_total"], rel=0.01)
-    for report in reports["fsdp2_tp2"]:
+    for report in reports["fsdp2_tp2"] + reports["fsdp2_seq2"]:
         assert report["params_local"] * 4 == pytest.approx(report["params_total"], rel=0.02)
+    for report in reports["hsdp"]:  # sharded over fsdp=2 only: the data groups hold the same halves
+        assert report["params_local"] * 2 == pytest.approx(report["params_total"], rel=0.01)
 
 
 @pytest.mark.slow
@@ -104,7 +120,7 @@ def test_sharded_checkpoint_equals_the_single_device_one(runs):
     root, _ = runs
     name = f"step_{STEPS:08d}"
     expected = read_model_tensors(root / "single" / "checkpoints" / name)
-    for run in ("fsdp2", "fsdp2_tp2"):
+    for run in ("fsdp2", "fsdp2_tp2", "fsdp2_seq2", "hsdp"):
         checkpoint = root / run / "checkpoints" / name
         assert len(list(checkpoint.glob("model-*-of-*.safetensors"))) == (2 if run == "fsdp2" else 4)
         got = read_model_tensors(checkpoint)
@@ -115,7 +131,7 @@ def test_sharded_checkpoint_equals_the_single_device_one(runs):
 
 @pytest.mark.slow
 def test_checkpoint_moves_between_meshes_and_training_continues_alike(runs, tmp_path):
-    """fsdp=2 x model=2 (4 processes) -> fsdp=2 (2 processes) -> one device, 3 more steps each."""
+    """fsdp=2 x model=2 (4 processes) -> fsdp=2 x seq=2 (4 processes) -> one device, 3 more steps each."""
     root, _ = runs
     cache = root / "cache"
     to_native = tmp_path / "to_native"
@@ -123,10 +139,10 @@ def test_checkpoint_moves_between_meshes_and_training_continues_alike(runs, tmp_
     for target in (to_native, to_single):
         shutil.copytree(root / "fsdp2_tp2" / "checkpoints", target / "checkpoints")
     _torchrun(
-        2,
+        4,
         tmp_path / "resumed",
         STEPS + 3,
-        debug_overrides(to_native, cache, "backend=native", "mesh.fsdp=2", "sharding=fsdp"),
+        debug_overrides(to_native, cache, "backend=native", "mesh.fsdp=2", "mesh.seq=2", "sharding=fsdp"),
     )
     Trainer(load_experiment_config(debug_overrides(to_single, cache))).fit()
     Trainer(load_experiment_config(debug_overrides(root / "single", cache))).fit()  # the uninterrupted reference

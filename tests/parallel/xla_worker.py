@@ -6,6 +6,8 @@ PJRT_DEVICE=CPU CPU_NUM_DEVICES=N python tests/parallel/xla_worker.py OUT_JSON U
 import json
 import sys
 
+import torch
+
 from axtorch.compose.experiment import load_experiment_config
 from axtorch.parallel.xla import local_shard_shapes
 from axtorch.train.trainer import Trainer
@@ -15,7 +17,14 @@ def main() -> None:
     out, until_step, *overrides = sys.argv[1:]
     trainer = Trainer(load_experiment_config(overrides))
     result = trainer.fit(until_step=int(until_step))
-    report = {"step": result.step, "parameters": {}, "optimizer": {}}
+    config = trainer.config
+    rows = torch.zeros(config.trainer.batch_size, config.data.seq_len, dtype=torch.long)
+    report = {
+        "step": result.step,
+        "parameters": {},
+        "optimizer": {},
+        "batch_shards": local_shard_shapes(trainer.backend.to_device({"input_ids": rows})["input_ids"]),
+    }
     for group in trainer.optimizer.param_groups:
         for name, param in zip(group["names"], group["params"]):
             report["parameters"][name] = {"shape": list(param.shape), "shards": local_shard_shapes(param)}
