@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import enum
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -59,7 +58,10 @@ def initial_parameter_values(model: nn.Module) -> Iterator[tuple[str, torch.Tens
         own = list(module.named_parameters(recurse=False))
         if reset is None or not own:
             continue
-        twin = copy.copy(module)
+        # A shallow copy, made without calling the class: an FSDP-wrapped class's constructor
+        # would run the module's __init__ again, without its arguments.
+        twin = object.__new__(type(module))
+        twin.__dict__.update(module.__dict__)
         object.__setattr__(twin, "_parameters", {})
         for name, param in own:
             twin.register_parameter(

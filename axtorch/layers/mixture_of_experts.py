@@ -32,6 +32,7 @@ import enum
 import functools
 import math
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
@@ -181,7 +182,7 @@ class MixtureOfExpertsConfig(FeedForwardConfig):
         return MixtureOfExperts(self, dim)
 
 
-def _gated_mlp(
+def gated_mlp(
     x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, activation: Activation
 ) -> torch.Tensor:
     """``down(act(gate(x)) * up(x))`` for [out, in] weights, batched over any leading dims they share with ``x``."""
@@ -206,11 +207,24 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Every expert on its own rows: [num_experts, rows, dim] -> [num_experts, rows, dim]."""
-        return _gated_mlp(x, self.gate_proj, self.up_proj, self.down_proj, self.config.activation)
+        return gated_mlp(x, self.gate_proj, self.up_proj, self.down_proj, self.config.activation)
 
     def expert(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ``index`` alone: [rows, dim] -> [rows, dim]."""
-        return _gated_mlp(x, self.gate_proj[index], self.up_proj[index], self.down_proj[index], self.config.activation)
+        return gated_mlp(x, self.gate_proj[index], self.up_proj[index], self.down_proj[index], self.config.activation)
+
+
+#: ``(experts, rows, counts) -> outputs``: every expert on its own rows. ``rows`` [N, dim] are
+#: sorted by expert, ``counts[e]`` of them for expert ``e``; the outputs come back in the same
+#: order. A backend that splits the experts over processes installs one that sends rows to their
+#: experts' processes and back (``MixtureOfExperts.expert_compute``).
+ExpertCompute = Callable[[GroupedExperts, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def run_local_experts(experts: GroupedExperts, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Every expert here, on this process."""
+    groups = rows.split(counts.tolist())
+    return torch.cat([experts.expert(e, group) for e, group in enumerate(groups) if len(group)])
 
 
 class MixtureOfExperts(nn.Module):
@@ -227,6 +241,7 @@ class MixtureOfExperts(nn.Module):
         self.shared_expert_gate: Optional[Linear] = (
             config.router.projection.build(dim, 1) if config.shared_expert_gate else None
         )
+        self.expert_compute: ExpertCompute = run_local_experts
 
     def active_parameter_count(self) -> int:
         """Parameters one token multiplies with: everything but the routed experts it does not use.
@@ -271,8 +286,7 @@ class MixtureOfExperts(nn.Module):
     def _dropless(self, tokens: torch.Tensor, routing: RouterOutput) -> torch.Tensor:
         order, counts = self._sorted_assignments(routing)
         token_of = order // self.top_k  # assignment i in token-major order belongs to token i // top_k
-        groups = tokens[token_of].split(counts.tolist())
-        out = torch.cat([self.experts.expert(e, rows) for e, rows in enumerate(groups) if len(rows)])
+        out = self.expert_compute(self.experts, tokens[token_of], counts)
         out = out * routing.weights.reshape(-1)[order, None]
         return torch.zeros_like(tokens).index_add_(0, token_of, out)
 

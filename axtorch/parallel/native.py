@@ -14,6 +14,11 @@ the model:
   tokens and attention gathers the group's keys and values (``axtorch.parallel.context``).
   FSDP then shards over ``fsdp`` x ``seq`` together, as torchtitan does, which also sums the
   gradients that the ``seq`` peers compute for the same weights.
+- expert parallelism over ``expert``: a mixture of experts' stacked weights split whole experts
+  over ``expert`` and, as their spec says, rows over ``fsdp`` (DTensors that FSDP leaves alone),
+  and tokens travel to their experts' processes and back by all-to-all
+  (``axtorch.parallel.experts``). Outside the experts ``expert`` is data-parallel: it takes
+  different rows, and FSDP shards the other weights over ``fsdp`` x ``expert``.
 
 Runs under ``torchrun`` with gloo on CPU and NCCL on CUDA; ``device_type`` may name another
 accelerator with a torch.distributed backend (e.g. TorchNeuron's native device).
@@ -24,6 +29,7 @@ from __future__ import annotations
 import importlib
 import math
 import os
+import re
 import warnings
 from typing import Any, Optional
 
@@ -40,10 +46,10 @@ from axtorch.layers.attention import GroupedQueryAttention
 from axtorch.models.causal_lm import CausalLM
 from axtorch.parallel.backend import HostFedBackend
 from axtorch.parallel.context import GatheredSequence, split_sequence
+from axtorch.parallel.experts import ExpertParallelCompute
 from axtorch.parallel.mesh import MeshConfig
 from axtorch.parallel.rules import PartitionSpec, ShardingConfig, resolve_parameter_specs
 
-_UNSUPPORTED_AXES = ("expert",)
 #: Device types that exist only once their plugin is imported (untested here: not installable).
 _DEVICE_PLUGINS = {"neuron": "torch_neuronx"}
 
@@ -64,11 +70,6 @@ class NativeBackend(HostFedBackend):
                 "all 1 with backend=native",
                 reason="DCN slices describe multi-slice TPU meshes (backend=xla); span nodes with mesh.data",
             )
-        for axis in _UNSUPPORTED_AXES:
-            if self.sizes[axis] != 1:
-                raise ConfigError(
-                    f"mesh.{axis}", self.sizes[axis], f"1 (the native backend has no {axis} parallelism yet)"
-                )
         if device_type == "cpu":
             self.device = torch.device("cpu")
         else:
@@ -82,9 +83,14 @@ class NativeBackend(HostFedBackend):
         if own_coordinate is None:  # cannot happen: init_device_mesh spans every rank
             raise RuntimeError(f"rank {dist.get_rank()} is not in its own device mesh")
         coordinate = dict(zip(self.sizes, own_coordinate))
-        self.data_parallel_size = self.sizes["data"] * self.sizes["fsdp"]
-        self.data_parallel_rank = coordinate["data"] * self.sizes["fsdp"] + coordinate["fsdp"]
+        # Rows of the batch go to data x fsdp x expert replicas (the expert axis is data-parallel
+        # outside the experts), in that axis order.
+        self.data_parallel_size = self.sizes["data"] * self.sizes["fsdp"] * self.sizes["expert"]
+        replica = coordinate["data"] * self.sizes["fsdp"] + coordinate["fsdp"]
+        self.data_parallel_rank = replica * self.sizes["expert"] + coordinate["expert"]
         self.seq_rank = coordinate["seq"]
+        #: Placed by expert parallelism; FSDP leaves them alone.
+        self._expert_parameters: set[nn.Parameter] = set()
         self.gradient_divisor = 1
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
@@ -100,6 +106,8 @@ class NativeBackend(HostFedBackend):
             self._apply_tensor_parallel(model, specs)
         if self.sizes["seq"] > 1:
             self._apply_context_parallel(model)
+        if self.sizes["expert"] > 1:
+            self._apply_expert_parallel(model, specs)
         if self.data_parallel_size * self.sizes["seq"] > 1:
             self._apply_fsdp(model, specs)
         # Only now is storage allocated: each rank's own shards, never the whole model.
@@ -141,21 +149,59 @@ class NativeBackend(HostFedBackend):
             if isinstance(module, GroupedQueryAttention):
                 module.sequence_exchange = exchange
 
-    def _sharding_mesh(self) -> DeviceMesh:
-        """FSDP's mesh: ``fsdp`` (with ``seq`` flattened in) to shard over, ``data`` to replicate over."""
-        if self.sizes["seq"] == 1:
-            return self.mesh["data", "fsdp"] if self.sizes["data"] > 1 else self.mesh["fsdp"]
-        flat = self.mesh["fsdp", "seq"]._flatten("fsdp_seq")
+    def _apply_expert_parallel(self, model: nn.Module, specs: dict[str, PartitionSpec]) -> None:
+        """Split each stacked expert weight, whole experts over ``expert``; route tokens by all-to-all."""
+        mesh = self.mesh["data", "fsdp", "expert"]
+        # FSDP scales the other gradients by 1 / its mesh size; the experts' are summed (``Partial``).
+        compute = ExpertParallelCompute(mesh, gradient_scale=1 / self._fsdp_mesh_size())
+        for module_name, module in model.named_modules():
+            if not hasattr(module, "expert_compute"):  # a mixture of experts, whatever its kind
+                continue
+            if module.capacity_factor is not None:
+                raise ConfigError(
+                    f"{_config_key(module_name)}.capacity_factor",
+                    module.capacity_factor,
+                    "null (dropless routing) with mesh.expert > 1 on backend=native",
+                    reason="capacity would be counted per process, not over the batch as on one device",
+                )
+            for param_name, param in list(module.experts.named_parameters(recurse=False)):
+                name = f"{module_name}.experts.{param_name}"
+                spec = specs[name]
+                if not spec[0] or "expert" not in spec[0]:
+                    raise ConfigError(
+                        "sharding",
+                        f"{name}: {list(spec)}",
+                        "a preset splitting the expert dimension over expert (sharding=fsdp_ep)",
+                        reason="mesh.expert > 1 needs each expert whole on one process of the expert axis",
+                    )
+                fsdp_dim = next((i for i, axes in enumerate(spec) if axes and "fsdp" in axes), None)
+                placements = [Replicate(), Replicate() if fsdp_dim is None else Shard(fsdp_dim), Shard(0)]
+                module.experts.register_parameter(param_name, nn.Parameter(distribute_tensor(param, mesh, placements)))
+                self._expert_parameters.add(module.experts.get_parameter(param_name))
+            module.expert_compute = compute
+
+    def _fsdp_mesh_size(self) -> int:
+        return self.data_parallel_size * self.sizes["seq"]
+
+    def _sharding_mesh(self, *shard_axes: str) -> DeviceMesh:
+        """FSDP's mesh: ``shard_axes`` (flattened into one when several are above 1) to shard over,
+        ``data`` to replicate over."""
+        axes = [axis for axis in shard_axes if self.sizes[axis] > 1] or ["fsdp"]
+        if len(axes) == 1:
+            shard = axes[0]
+            return self.mesh["data", shard] if self.sizes["data"] > 1 else self.mesh[shard]
+        shard = "_".join(axes)
+        flat = self.mesh[tuple(axes)]._flatten(shard)
         if self.sizes["data"] == 1:
             return flat
         with warnings.catch_warnings():
             # torch >= 2.11 warns that slicing a flattened dim from the root mesh will go away;
             # it works through 2.13, the newest torch axtorch supports.
             warnings.filterwarnings("ignore", "Slicing a flattened dim", UserWarning)
-            return self.mesh["data", "fsdp_seq"]
+            return self.mesh["data", shard]
 
     def _apply_fsdp(self, model: CausalLM, specs: dict[str, PartitionSpec]) -> None:
-        dp_mesh = self._sharding_mesh()
+        dp_mesh = self._sharding_mesh("fsdp", "seq", "expert")
         dims = {}
         for name, param in model.named_parameters():
             spec = specs[name]
@@ -164,11 +210,14 @@ class NativeBackend(HostFedBackend):
         def placement(param: nn.Parameter) -> Shard:
             return Shard(dims.get(param, 0))
 
+        ignored = self._expert_parameters or None
         for layer in model.decoder.layers:
-            fully_shard(layer, mesh=dp_mesh, shard_placement_fn=placement)
+            fully_shard(layer, mesh=dp_mesh, shard_placement_fn=placement, ignored_params=ignored)
         # The root too reshards after each forward, so that evaluation (no backward) leaves every
         # parameter sharded, as the plan and the checkpoint expect.
-        fully_shard(model, mesh=dp_mesh, shard_placement_fn=placement, reshard_after_forward=True)
+        fully_shard(
+            model, mesh=dp_mesh, shard_placement_fn=placement, reshard_after_forward=True, ignored_params=ignored
+        )
         # FSDP averages gradients over its mesh (a custom divide factor needs PREMUL_SUM, which
         # gloo lacks); the trainer cancels the average by scaling the loss.
         self.gradient_divisor = dp_mesh.size()
@@ -251,6 +300,11 @@ def _init_process_group(backend: Optional[str]) -> None:
         rank=int(os.environ["RANK"]),
         world_size=int(os.environ["WORLD_SIZE"]),
     )
+
+
+def _config_key(module_name: str) -> str:
+    """The config key of a layer's module: ``decoder.layers.3.feed_forward`` -> ``model.decoder.layer.feed_forward``."""
+    return "model." + re.sub(r"^decoder\.layers\.\d+", "decoder.layer", module_name)
 
 
 def _distribute(module: nn.Module, mesh: DeviceMesh, *, weight_dim: int, bias, inputs, outputs) -> None:

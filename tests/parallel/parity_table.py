@@ -37,6 +37,8 @@ def main() -> None:
         "native torchrun 4 procs, fsdp=2 x seq=2": (4, ["mesh.fsdp=2", "mesh.seq=2"]),
         "native torchrun 4 procs, seq=2 x model=2": (4, ["mesh.seq=2", "mesh.model=2", "sharding=fsdp_tp"]),
         "native torchrun 4 procs, HSDP data=2 x fsdp=2": (4, ["mesh.data=2", "mesh.fsdp=2"]),
+        # A dense model: the expert axis is data-parallel (the MoE rows are in test_native_moe.py).
+        "native torchrun 2 procs, expert=2": (2, ["mesh.expert=2", "sharding=fsdp_ep"]),
     }
     run_dirs = {"single": root / "single"}
     for index, (label, (devices, overrides)) in enumerate(xla_runs.items()):

@@ -14,6 +14,8 @@ import pytest
 import torch
 from debug_runs import STEPS, debug_overrides, train_losses, train_on_one_device
 
+from axtorch.train.checkpoint import read_model_tensors
+
 WORKER = Path(__file__).with_name("native_worker.py")
 MOE = [
     "model=mixtral_tiny",
@@ -32,8 +34,15 @@ MOE = [
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("processes", "mesh"),
-    [(2, ["mesh.fsdp=2", "sharding=fsdp"]), (4, ["mesh.fsdp=2", "mesh.model=2", "sharding=fsdp_tp"])],
-    ids=["fsdp2", "fsdp2_tp2"],
+    [
+        (2, ["mesh.fsdp=2", "sharding=fsdp"]),
+        (4, ["mesh.fsdp=2", "mesh.model=2", "sharding=fsdp_tp"]),
+        # Expert parallelism: 2 of the 4 experts per process, tokens sent to them by all-to-all.
+        (2, ["mesh.expert=2", "sharding=fsdp_ep"]),
+        (4, ["mesh.fsdp=2", "mesh.expert=2", "sharding=fsdp_ep"]),
+        (4, ["mesh.data=2", "mesh.expert=2", "sharding=fsdp_ep"]),
+    ],
+    ids=["fsdp2", "fsdp2_tp2", "ep2", "fsdp2_ep2", "hsdp2_ep2"],
 )
 def test_mixture_of_experts_losses_match_a_single_device(processes, mesh, tmp_path):
     cache = tmp_path / "cache"
@@ -56,3 +65,10 @@ def test_mixture_of_experts_losses_match_a_single_device(processes, mesh, tmp_pa
     single, distributed = train_losses(tmp_path / "single"), train_losses(out)
     assert len(single) == len(distributed) == STEPS
     torch.testing.assert_close(torch.tensor(distributed), torch.tensor(single), rtol=1e-5, atol=1e-5)
+    # The checkpoint holds the same whole tensors, whichever process held which experts.
+    step = f"step_{STEPS:08d}"
+    expected = read_model_tensors(tmp_path / "single" / "checkpoints" / step)
+    got = read_model_tensors(out / "checkpoints" / step)
+    assert got.keys() == expected.keys()
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], rtol=1e-4, atol=1e-5, msg=key)

@@ -1,0 +1,91 @@
+"""Expert parallelism for the native backend: each process of an ``expert`` group holds some experts.
+
+The ``expert`` axis is data-parallel outside the experts: its processes take different rows of
+the batch and route their own tokens. A mixture-of-experts layer then hands its rows, sorted by
+expert, to ``ExpertParallelCompute``, which sends each row to the process that holds its expert
+(an all-to-all with uneven splits), runs the local experts there, and sends the outputs back
+(a second all-to-all). Both exchanges carry gradients, so backward runs the same route reversed.
+Routing stays per token and dropless, so the losses equal one device's.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.nn.functional import all_to_all_single
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from axtorch.layers.mixture_of_experts import GroupedExperts, gated_mlp
+
+
+class _ScaleGradient(torch.autograd.Function):
+    """Identity forward; the gradient multiplied by ``scale``."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
+
+
+def _exchange(rows: torch.Tensor, send: list[int], receive: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+    """Rows ``send[p]`` at a time to each process ``p``; ``receive[p]`` rows back from each, with autograd."""
+    out = rows.new_empty(sum(receive), rows.shape[1])
+    return all_to_all_single(out, rows.contiguous(), receive, send, group=group)
+
+
+class ExpertParallelCompute:
+    """A ``MixtureOfExperts.expert_compute`` for experts split over the ``expert`` axis of ``mesh``.
+
+    ``mesh`` is (``data``, ``fsdp``, ``expert``); the stacked expert weights are DTensors on it,
+    split over ``expert`` on their first dimension and possibly over ``fsdp``. Each forward
+    gathers this process's experts whole; their gradients come back summed over ``data`` and
+    ``fsdp`` (reduce-scattered to the weights' layout) and multiplied by ``gradient_scale``, which
+    cancels the trainer's loss scale as FSDP's averaging does for the other weights.
+    """
+
+    def __init__(self, mesh: DeviceMesh, gradient_scale: float):
+        self.mesh = mesh
+        self.group = mesh.get_group("expert")
+        self.size = dist.get_world_size(self.group)
+        self.gradient_scale = gradient_scale
+
+    def __call__(self, experts: GroupedExperts, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        local = counts.numel() // self.size
+        # How many rows every process sends each of this process's experts: [processes, local experts].
+        incoming = torch.empty_like(counts)
+        dist.all_to_all_single(incoming, counts, group=self.group)
+        incoming_counts = incoming.view(self.size, local)
+        send = counts.view(self.size, local).sum(1).tolist()
+        receive = incoming_counts.sum(1).tolist()
+        received = _exchange(rows, send, receive, self.group)
+        # Received rows come by sender, then by expert; the experts want them by expert, then by sender.
+        starts = (incoming_counts.flatten().cumsum(0) - incoming_counts.flatten()).view(self.size, local)
+        order = torch.cat(
+            [
+                torch.arange(int(starts[sender, e]), int(starts[sender, e] + incoming_counts[sender, e]))
+                for e in range(local)
+                for sender in range(self.size)
+            ]
+        ).to(rows.device)
+        weights = [self._local(cast(DTensor, w)) for w in (experts.gate_proj, experts.up_proj, experts.down_proj)]
+        by_expert = received[order].split(incoming_counts.sum(0).tolist())
+        outputs = [
+            gated_mlp(group, weights[0][e], weights[1][e], weights[2][e], experts.config.activation)
+            for e, group in enumerate(by_expert)
+        ]
+        computed = torch.cat(outputs) if outputs else received[:0]
+        back = torch.empty_like(computed).index_copy(0, order, computed)
+        return _exchange(back, receive, send, self.group)
+
+    def _local(self, weight: DTensor) -> torch.Tensor:
+        """This process's experts, whole, of a stacked weight; their gradient summed and scaled."""
+        whole = weight.redistribute(self.mesh, [Replicate(), Replicate(), Shard(0)])
+        local = whole.to_local(grad_placements=[Partial(), Partial(), Shard(0)])
+        return _ScaleGradient.apply(local, self.gradient_scale)
