@@ -7,11 +7,12 @@ placement and the per-device memory and FLOPs, in seconds even for 405B::
     axtorch-plan model=llama3_70b mesh.fsdp=32 mesh.model=8 sharding=fsdp_tp
     axtorch-plan model=llama3_8b mesh.fsdp=-1 devices=64 sharding=fsdp batch=2 seq_len=8192 model/remat=full
     axtorch-plan model=mixtral_8x7b mesh.expert=8 mesh.fsdp=32 sharding=fsdp_ep
+    axtorch-plan model=llama3_70b mesh.pipe=4 mesh.fsdp=8 mesh.model=8 sharding=fsdp_tp pipeline.microbatches=16
 
-Plan-only options: ``batch=`` (sequences per device, default 1), ``seq_len=`` (default
-``data.seq_len``) and ``devices=`` (the device count, needed only when a mesh axis is -1;
-otherwise the product of the mesh axes). The activation estimate follows the model's own remat
-policy (``model/remat=full|selective``), as training does.
+Plan-only options: ``batch=`` (sequences per device, per micro-batch under ``mesh.pipe``;
+default 1), ``seq_len=`` (default ``data.seq_len``) and ``devices=`` (the device count, needed
+only when a mesh axis is -1; otherwise the product of the mesh axes). The activation estimate
+follows the model's own remat policy (``model/remat=full|selective``), as training does.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from axtorch.layers.remat import RematConfig
 from axtorch.models.causal_lm import CausalLMConfig
 from axtorch.parallel.hardware import device_count
 from axtorch.parallel.mesh import MESH_AXES, MeshConfig
+from axtorch.parallel.pipeline_config import layer_ranges, stages_of_process
 from axtorch.parallel.rules import PartitionSpec, resolve_parameter_specs, shard_shape
 from axtorch.train.experiment import ExperimentConfig
 from axtorch.train.flops import active_non_embedding_parameters, active_parameters, transformer_flops_per_token
@@ -70,6 +72,9 @@ class Plan:
     #: The remat policy the activation estimate assumes: none, full or selective.
     remat: str
     flops_per_token: float
+    #: Under ``mesh.pipe``: each stage's layers, and the share of a step the pipeline idles.
+    stage_layers: Optional[list[range]] = None
+    bubble: Optional[float] = None
 
     @property
     def num_devices(self) -> int:
@@ -103,8 +108,34 @@ def plan(
         network = model.build()
     named_shapes = {name: tuple(p.shape) for name, p in network.named_parameters()}
     specs = resolve_parameter_specs(named_shapes, config.sharding, mesh_sizes)
-    shard_elements = sum(math.prod(shard_shape(named_shapes[name], spec, mesh_sizes)) for name, spec in specs.items())
+    shards = {name: math.prod(shard_shape(named_shapes[name], spec, mesh_sizes)) for name, spec in specs.items()}
     total = sum(math.prod(shape) for shape in named_shapes.values())
+    activations = _activation_bytes(model, batch_size, seq_len, mesh_sizes.get("model", 1))
+    shard_elements = sum(shards.values())
+    stage_layers = bubble = None
+    pipe = mesh_sizes.get("pipe", 1)
+    if pipe > 1:
+        pipeline = config.pipeline
+        microbatches = pipeline.resolved_microbatches(pipe, 2 * pipeline.num_stages(pipe))
+        pipeline.validate(pipe, model.decoder.num_layers, microbatches)
+        stage_layers = layer_ranges(model.decoder.num_layers, pipeline.num_stages(pipe), pipeline.split_points)
+        held = [
+            _stage_names(named_shapes, stage_layers, stages_of_process(rank, pipe, pipeline.stages_per_process))
+            for rank in range(pipe)
+        ]
+        shard_elements = max(sum(shards[name] for name in names) for names in held)
+        # The first process holds the most micro-batches in flight: all of them under GPipe, one
+        # per stage under 1F1B, and a little more when interleaved (Narayanan et al. 2021).
+        first_layers = sum(
+            len(stage_layers[stage]) for stage in stages_of_process(0, pipe, pipeline.stages_per_process)
+        )
+        in_flight = {
+            "gpipe": microbatches,
+            "1f1b": min(microbatches, pipe),
+            "interleaved_1f1b": min(microbatches, pipe) * (1 + (pipe - 1) / (pipe * pipeline.stages_per_process)),
+        }[pipeline.schedule]
+        activations = round(activations * first_layers / model.decoder.num_layers * in_flight)
+        bubble = (pipe - 1) / (pipeline.stages_per_process * microbatches + pipe - 1)
     return Plan(
         mesh_sizes=dict(mesh_sizes),
         parameters=_group_layers(named_shapes, specs, mesh_sizes),
@@ -113,7 +144,7 @@ def plan(
         parameter_bytes=FP32_BYTES * shard_elements,
         gradient_bytes=FP32_BYTES * shard_elements,
         optimizer_bytes=2 * FP32_BYTES * shard_elements,
-        activation_bytes=_activation_bytes(model, batch_size, seq_len, mesh_sizes.get("model", 1)),
+        activation_bytes=activations,
         batch_size=batch_size,
         seq_len=seq_len,
         remat=_remat_name(model.decoder.remat),
@@ -125,7 +156,25 @@ def plan(
             model.vocab_size,
             model.tie_embeddings,
         ),
+        stage_layers=stage_layers,
+        bubble=bubble,
     )
+
+
+def _stage_names(named_shapes: Mapping[str, Any], stage_layers: list[range], stages: list[int]) -> list[str]:
+    """The parameters a process of these pipeline stages holds (as ``keep_stages`` keeps them)."""
+    layers = {str(index) for stage in stages for index in stage_layers[stage]}
+    first, last = 0 in stages, len(stage_layers) - 1 in stages
+
+    def held(name: str) -> bool:
+        match = _INDEXED.match(name)
+        if name.startswith("decoder.layers.") and match:
+            return match.group(2) in layers
+        if name.startswith(("embedding.", "position_embedding.")):
+            return first
+        return last  # the final norm and the head
+
+    return [name for name in named_shapes if held(name)]
 
 
 def _activation_bytes(model: CausalLMConfig, batch: int, seq: int, tensor_parallel: int) -> int:
@@ -243,8 +292,19 @@ def format_plan(result: Plan) -> str:
             "per-device memory:",
             *(f"  {label.ljust(label_width)}  {num_bytes / GIB:9.2f} GiB" for label, num_bytes in memory),
             f"training FLOPs per token (seq {result.seq_len}): {result.flops_per_token:.3e}",
+            *_pipeline_lines(result),
         ]
     )
+
+
+def _pipeline_lines(result: Plan) -> list[str]:
+    if result.stage_layers is None or result.bubble is None:
+        return []
+    stages = " | ".join(f"{r.start}..{r.stop - 1}" if len(r) > 1 else str(r.start) for r in result.stage_layers)
+    return [
+        f"pipeline: {len(result.stage_layers)} stages, layers {stages}; memory above is the busiest process's",
+        f"pipeline bubble: {result.bubble:.1%} of each step idle",
+    ]
 
 
 def _shape(shape: tuple[int, ...]) -> str:

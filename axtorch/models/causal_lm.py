@@ -129,12 +129,8 @@ class CausalLM(nn.Module):
         ids = inputs.input_ids
         positions = inputs.positions
         if positions is None:
-            positions = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
-        hidden = self.embedding(ids)
-        if self.position_embedding is not None:
-            hidden = hidden + self.position_embedding(positions)
-        hidden = F.dropout(hidden, self.config.embedding_dropout, self.training)
-        decoded = self.decoder(DecoderInput(hidden, positions, inputs.kv_caches))
+            positions = default_positions(ids)
+        decoded = self.decoder(DecoderInput(self.embed(ids, positions), positions, inputs.kv_caches))
         final = decoded.hidden_states
         if inputs.head_positions is not None:
             final = final.gather(1, inputs.head_positions[..., None].expand(-1, -1, final.shape[-1]))
@@ -142,5 +138,20 @@ class CausalLM(nn.Module):
             head = self.embedding if self.lm_head is None else self.lm_head
             head_output = inputs.head_fn(final, head.weight, getattr(head, "bias", None))
             return CausalLMOutput(None, decoded.aux_loss, decoded.kv_caches, head_output=head_output)
-        logits = self.embedding.attend(final) if self.lm_head is None else self.lm_head(final)
-        return CausalLMOutput(logits=logits, aux_loss=decoded.aux_loss, kv_caches=decoded.kv_caches)
+        return CausalLMOutput(logits=self.project(final), aux_loss=decoded.aux_loss, kv_caches=decoded.kv_caches)
+
+    def embed(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The decoder's input: token embeddings (plus absolute position embeddings), with dropout."""
+        hidden = self.embedding(ids)
+        if self.position_embedding is not None:
+            hidden = hidden + self.position_embedding(positions)
+        return F.dropout(hidden, self.config.embedding_dropout, self.training)
+
+    def project(self, final_hidden_states: torch.Tensor) -> torch.Tensor:
+        """Logits from the decoder's (final-normed) output: the head, or the tied embedding table."""
+        return self.embedding.attend(final_hidden_states) if self.lm_head is None else self.lm_head(final_hidden_states)
+
+
+def default_positions(ids: torch.Tensor) -> torch.Tensor:
+    """0..S-1 for every row of [B, S] ``ids``."""
+    return torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 import torch
 from torch import nn
@@ -16,6 +16,9 @@ from torch import nn
 from axtorch.models.causal_lm import CausalLM
 from axtorch.parallel.side_channel import Coordinator, GlooSideChannel
 from axtorch.parallel.tensor_shards import Piece, copy_into_local_block, owned_pieces
+
+if TYPE_CHECKING:  # torch.distributed.pipelining only where a pipeline runs
+    from axtorch.parallel.pipeline import Pipeline
 
 
 class Backend(Protocol):
@@ -34,6 +37,9 @@ class Backend(Protocol):
     is_main_process: bool
     #: How many of the step's devices (``num_devices``) each process drives.
     devices_per_process: int
+    #: Runs the training and evaluation micro-batches through this process's pipeline stages
+    #: (``mesh.pipe > 1``); None: the trainer runs the model itself.
+    pipeline: Optional[Pipeline]
 
     # Read-only (an implementation may derive them), so declared as properties.
     @property
@@ -92,18 +98,25 @@ class Backend(Protocol):
         """Release communicators."""
 
 
-def materialize(backend: Backend, model: nn.Module, values: Iterable[tuple[str, torch.Tensor]]) -> None:
+def materialize(
+    backend: Backend, model: nn.Module, values: Iterable[tuple[str, torch.Tensor]], whole_model: bool = True
+) -> None:
     """Fill every parameter of a parallelized model from ``(name, full host value)`` pairs, streamed.
 
     A process never holds more than the current value in full plus its own blocks, so a model
-    larger than one host's memory initialises (or imports) as long as its shards fit.
+    larger than one host's memory initialises (or imports) as long as its shards fit. Unless
+    ``model`` is the whole model, values of parameters it lacks (other pipeline stages') are skipped.
     """
     pending = {name for name, _ in model.named_parameters()}
+    filled: set[str] = set()
     for name, value in values:
         if name not in pending:
-            raise KeyError(f"a value for {name!r}, which is not a parameter of the model (or came twice)")
+            if whole_model or name in filled:
+                raise KeyError(f"a value for {name!r}, which is not a parameter of the model (or came twice)")
+            continue
         backend.fill_parameter(model, name, value)
         pending.discard(name)
+        filled.add(name)
     if pending:
         raise RuntimeError(f"no value for parameters {sorted(pending)[:5]} ({len(pending)} in all)")
 
@@ -131,6 +144,7 @@ class HostFedBackend:
     rank: int
     world_size: int
     devices_per_process = 1
+    pipeline: Optional[Pipeline] = None
 
     @property
     def device_name(self) -> str:

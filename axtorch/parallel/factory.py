@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import enum
+from typing import Optional
 
 import torch
 
 from axtorch.parallel.backend import Backend
 from axtorch.parallel.mesh import MeshConfig
+from axtorch.parallel.pipeline_config import PipelineConfig
 from axtorch.parallel.rules import ShardingConfig
 from axtorch.parallel.single import SingleDeviceBackend, resolve_device
 
@@ -28,12 +30,18 @@ def native_device_type(device: str) -> str:
     return device.split(":")[0]
 
 
-def build_backend(kind: BackendKind, mesh: MeshConfig, sharding: ShardingConfig, device: str = "auto") -> Backend:
+def build_backend(
+    kind: BackendKind,
+    mesh: MeshConfig,
+    sharding: ShardingConfig,
+    device: str = "auto",
+    pipeline: Optional[PipelineConfig] = None,
+) -> Backend:
     """The backend of ``kind``; ``device`` is the trainer's device setting (``auto``, ``cpu``, ``cuda:1``, ...)."""
     if kind is BackendKind.native:
         from axtorch.parallel.native import NativeBackend  # torch.distributed only when asked for
 
-        return NativeBackend(mesh, sharding, native_device_type(device))
+        return NativeBackend(mesh, sharding, native_device_type(device), pipeline)
     if kind is BackendKind.xla:
         from axtorch.parallel.xla import XlaBackend  # torch_xla only when asked for
 

@@ -7,13 +7,14 @@ from dataclasses import dataclass, field
 from axtorch.config.errors import ConfigError
 
 #: Axis order of the mesh, outermost (slowest interconnect) first.
-MESH_AXES = ("data", "fsdp", "seq", "expert", "model")
+MESH_AXES = ("pipe", "data", "fsdp", "seq", "expert", "model")
 
 
 @dataclass
 class DcnMeshConfig:
     """For multi-slice TPU: how many slices each axis spans over the data-center network (DCN)."""
 
+    pipe: int = 1
     data: int = 1
     fsdp: int = 1
     seq: int = 1
@@ -29,6 +30,8 @@ class MeshConfig:
     the slower network (usually only ``data``); the rest of each axis lies within a slice.
     """
 
+    #: Pipeline stages (native backend): each process of a ``pipe`` group holds different layers.
+    pipe: int = 1
     data: int = 1
     fsdp: int = 1
     seq: int = 1

@@ -19,6 +19,9 @@ the model:
   and tokens travel to their experts' processes and back by all-to-all
   (``axtorch.parallel.experts``). Outside the experts ``expert`` is data-parallel: it takes
   different rows, and FSDP shards the other weights over ``fsdp`` x ``expert``.
+- pipeline parallelism over ``pipe`` (outermost): each process keeps only its stages' modules
+  and runs micro-batches through a ``torch.distributed.pipelining`` schedule
+  (``axtorch.parallel.pipeline``); everything above applies within each stage.
 
 Runs under ``torchrun`` with gloo on CPU and NCCL on CUDA; ``device_type`` may name another
 accelerator with a torch.distributed backend (e.g. TorchNeuron's native device).
@@ -48,14 +51,23 @@ from axtorch.parallel.backend import HostFedBackend
 from axtorch.parallel.context import GatheredSequence, split_sequence
 from axtorch.parallel.experts import ExpertParallelCompute
 from axtorch.parallel.mesh import MeshConfig
+from axtorch.parallel.pipeline import Pipeline, keep_stages
+from axtorch.parallel.pipeline_config import PipelineConfig, layer_ranges, stages_of_process
 from axtorch.parallel.rules import PartitionSpec, ShardingConfig, resolve_parameter_specs
+from axtorch.parallel.tensor_shards import Piece, owned_pieces
 
 #: Device types that exist only once their plugin is imported (untested here: not installable).
 _DEVICE_PLUGINS = {"neuron": "torch_neuronx"}
 
 
 class NativeBackend(HostFedBackend):
-    def __init__(self, mesh: MeshConfig, sharding: ShardingConfig, device_type: str = "cpu"):
+    def __init__(
+        self,
+        mesh: MeshConfig,
+        sharding: ShardingConfig,
+        device_type: str = "cpu",
+        pipeline: Optional[PipelineConfig] = None,
+    ):
         if device_type in _DEVICE_PLUGINS:
             importlib.import_module(_DEVICE_PLUGINS[device_type])  # registers the device and its collectives
         if not dist.is_initialized():
@@ -89,19 +101,30 @@ class NativeBackend(HostFedBackend):
         replica = coordinate["data"] * self.sizes["fsdp"] + coordinate["fsdp"]
         self.data_parallel_rank = replica * self.sizes["expert"] + coordinate["expert"]
         self.seq_rank = coordinate["seq"]
+        self.pipe_rank = coordinate["pipe"]
+        self.pipeline_config = pipeline or PipelineConfig()
+        self.pipeline: Optional[Pipeline] = None
         #: Placed by expert parallelism; FSDP leaves them alone.
         self._expert_parameters: set[nn.Parameter] = set()
         self.gradient_divisor = 1
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.is_main_process = self.rank == 0
+        # This process among those of its pipeline stage (pipe is the outermost axis).
+        self.stage_rank = self.rank - self.pipe_rank * (self.world_size // self.sizes["pipe"])
 
     # -------------------------------------------------------------------------------- sharding
 
     def parallelize(self, model: CausalLM) -> CausalLM:
+        """Shard ``model``; under pipeline parallelism, a copy of this process's stages only."""
         specs = resolve_parameter_specs(
             {name: tuple(p.shape) for name, p in model.named_parameters()}, self.sharding, self.sizes
         )
+        pipe = self.sizes["pipe"]
+        if pipe > 1:
+            config = self.pipeline_config
+            ranges = layer_ranges(model.config.decoder.num_layers, config.num_stages(pipe), config.split_points)
+            model = keep_stages(model, ranges, stages_of_process(self.pipe_rank, pipe, config.stages_per_process))
         if self.sizes["model"] > 1:
             self._apply_tensor_parallel(model, specs)
         if self.sizes["seq"] > 1:
@@ -111,7 +134,11 @@ class NativeBackend(HostFedBackend):
         if self.data_parallel_size * self.sizes["seq"] > 1:
             self._apply_fsdp(model, specs)
         # Only now is storage allocated: each rank's own shards, never the whole model.
-        return model.to_empty(device=self.device)
+        model = model.to_empty(device=self.device)
+        if pipe > 1:
+            group = self.mesh["pipe"].get_group()
+            self.pipeline = Pipeline(model, self.pipeline_config, pipe, self.pipe_rank, group, self.device)
+        return model
 
     def _apply_tensor_parallel(self, model: nn.Module, specs: dict[str, PartitionSpec]) -> None:
         tp_mesh = self.mesh["model"]
@@ -213,11 +240,18 @@ class NativeBackend(HostFedBackend):
         ignored = self._expert_parameters or None
         for layer in model.decoder.layers:
             fully_shard(layer, mesh=dp_mesh, shard_placement_fn=placement, ignored_params=ignored)
-        # The root too reshards after each forward, so that evaluation (no backward) leaves every
-        # parameter sharded, as the plan and the checkpoint expect.
-        fully_shard(
-            model, mesh=dp_mesh, shard_placement_fn=placement, reshard_after_forward=True, ignored_params=ignored
-        )
+        if self.sizes["pipe"] > 1:
+            # A stage calls the embedding and the head itself, not the root's forward: each is its own unit.
+            tops = [model.embedding, model.position_embedding, model.decoder.final_norm, model.lm_head]
+            for module in tops:
+                if module is not None and any(True for _ in module.parameters()):
+                    fully_shard(module, mesh=dp_mesh, shard_placement_fn=placement)
+        else:
+            # The root too reshards after each forward, so that evaluation (no backward) leaves every
+            # parameter sharded, as the plan and the checkpoint expect.
+            fully_shard(
+                model, mesh=dp_mesh, shard_placement_fn=placement, reshard_after_forward=True, ignored_params=ignored
+            )
         # FSDP averages gradients over its mesh (a custom divide factor needs PREMUL_SUM, which
         # gloo lacks); the trainer cancels the average by scaling the loss.
         self.gradient_divisor = dp_mesh.size()
@@ -242,14 +276,15 @@ class NativeBackend(HostFedBackend):
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum over the data-parallel replicas and the sequence slices.
 
-        Reduced over the whole world, then divided by the tensor-parallel degree: the peers of a
-        replica hold identical values, so the quotient is exact for counts.
+        Reduced over the whole world, then divided by the tensor-parallel and pipeline degrees:
+        those peers of a replica hold identical values, so the quotient is exact for counts.
         """
         if dist.get_world_size() == 1:
             return tensor
         reduced = tensor.clone()
         dist.all_reduce(reduced)
-        return reduced // self.sizes["model"] if not reduced.is_floating_point() else reduced / self.sizes["model"]
+        copies = self.sizes["model"] * self.sizes["pipe"]
+        return reduced // copies if not reduced.is_floating_point() else reduced / copies
 
     def clip_grad_norm(self, parameters: list[nn.Parameter], max_norm: Optional[float]) -> torch.Tensor:
         """Global L2 norm over every shard of every gradient, then in-place clipping."""
@@ -259,12 +294,18 @@ class NativeBackend(HostFedBackend):
             norm = torch.linalg.vector_norm(grad.float())
             norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
             squares += norm.double() ** 2
+        if self.sizes["pipe"] > 1:  # the stages hold different parameters
+            dist.all_reduce(squares, group=self.mesh["pipe"].get_group())
         total = squares.sqrt()
         if max_norm is not None and math.isfinite(max_norm):
             scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
             for grad in grads:
                 grad.mul_(scale.to(grad.dtype))
         return total.float()
+
+    def owned_pieces(self, tensor: torch.Tensor) -> list[Piece]:
+        """As every host-fed backend's, but a stage's first process owns its stage's whole tensors."""
+        return owned_pieces(tensor, self.stage_rank)
 
     def barrier(self) -> None:
         dist.barrier()

@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib
 import math
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 import torch
@@ -33,6 +33,9 @@ from axtorch.parallel.mesh import MeshConfig
 from axtorch.parallel.rules import PartitionSpec, ShardingConfig, resolve_activation_specs, resolve_parameter_specs
 from axtorch.parallel.side_channel import Coordinator, GlooSideChannel
 from axtorch.parallel.tensor_shards import Piece
+
+if TYPE_CHECKING:
+    from axtorch.parallel.pipeline import Pipeline
 
 try:
     import torch_xla
@@ -53,6 +56,7 @@ def _xla_spec(spec: PartitionSpec) -> tuple:
 
 class XlaBackend:
     gradient_divisor = 1  # one global program: the loss is already the global mean
+    pipeline: Optional[Pipeline] = None  # no stages: the config refuses mesh.pipe > 1 with backend=xla
 
     def __init__(self, mesh: MeshConfig, sharding: ShardingConfig):
         xr.use_spmd()

@@ -233,11 +233,15 @@ def read_trainer_state(path: Path) -> dict[str, Any]:
     return json.loads((path / TRAINER_STATE_FILE).read_text())
 
 
-def load_model(path: Path, model: torch.nn.Module) -> None:
-    """Load parameters in place into ``model``'s (possibly sharded) layout; every name must match."""
+def load_model(path: Path, model: torch.nn.Module, whole_model: bool = True) -> None:
+    """Load parameters in place into ``model``'s (possibly sharded) layout; every name must match.
+
+    A part of the model (a process's pipeline stages) loads its own names and leaves the rest.
+    """
     index = read_index(path, MODEL)
     state = model.state_dict()
-    missing, unexpected = sorted(set(state) - set(index)), sorted(set(index) - set(state))
+    missing = sorted(set(state) - set(index))
+    unexpected = sorted(set(index) - set(state)) if whole_model else []
     reshaped = [
         f"{name} {tuple(index[name]['shape'])} vs {tuple(target.shape)}"
         for name, target in state.items()
@@ -253,7 +257,7 @@ def load_model(path: Path, model: torch.nn.Module) -> None:
         load_into(target, path, index[name], name)
 
 
-def load_optimizer(path: Path, optimizer: torch.optim.Optimizer) -> None:
+def load_optimizer(path: Path, optimizer: torch.optim.Optimizer, whole_model: bool = True) -> None:
     """Recreate each parameter's optimizer state in the parameter's own layout, then fill it."""
     index = read_index(path, OPTIMIZER)
     keys: dict[str, list[str]] = {}
@@ -272,7 +276,7 @@ def load_optimizer(path: Path, optimizer: torch.optim.Optimizer) -> None:
                 load_into(state[key], path, entry, f"{name}/{key}")
             if state:
                 optimizer.state[param] = state
-    if keys:
+    if keys and whole_model:
         raise KeyError(f"optimizer state for parameters the model lacks: {sorted(keys)[:5]}")
 
 
@@ -373,12 +377,21 @@ class Checkpointer:
                 self.wait()
             raise
 
-    def load(self, path: Path, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> None:
-        """Restore parameters (and optimizer state) in place; trainer state is read separately."""
+    def load(
+        self,
+        path: Path,
+        model: torch.nn.Module,
+        optimizer: Optional[torch.optim.Optimizer],
+        whole_model: bool = True,
+    ) -> None:
+        """Restore parameters (and optimizer state) in place; trainer state is read separately.
+
+        ``whole_model=False``: ``model`` is a part (pipeline stages) and takes only its own tensors.
+        """
         try:
-            load_model(path, model)
+            load_model(path, model, whole_model)
             if optimizer is not None:
-                load_optimizer(path, optimizer)
+                load_optimizer(path, optimizer, whole_model)
         except (OSError, SafetensorError) as error:
             raise CheckpointError(f"reading checkpoint {path} failed: {type(error).__name__}: {error}") from error
 

@@ -7,6 +7,7 @@ data, optimizer and trainer settings, and the backend and mesh that run them. Hy
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -16,6 +17,7 @@ from axtorch.models.causal_lm import CausalLMConfig
 from axtorch.parallel.factory import BackendKind
 from axtorch.parallel.mesh import MeshConfig
 from axtorch.parallel.mesh_rules import MeshRulesConfig
+from axtorch.parallel.pipeline_config import PipelineConfig
 from axtorch.parallel.rules import ShardingConfig
 from axtorch.train.config import TrainerConfig
 from axtorch.train.loss import CrossEntropyLossConfig
@@ -34,6 +36,8 @@ class ExperimentConfig:
     mesh_rules: MeshRulesConfig = field(default_factory=MeshRulesConfig)
     #: How parameters and activations are split over the mesh (a ``conf/sharding/`` preset).
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
+    #: Stages and micro-batches when ``mesh.pipe > 1``.
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     model: CausalLMConfig = field(default_factory=CausalLMConfig)
     loss: CrossEntropyLossConfig = field(default_factory=CrossEntropyLossConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -98,6 +102,8 @@ class ExperimentConfig:
                 reason="native context parallelism would run it on a slice of each sequence, and its "
                 "tokens' outputs depend on each other (e.g. a router's capacity or load-balancing loss)",
             )
+        if self.mesh.pipe > 1:
+            self._validate_pipeline()
         if self.model.decoder.scan_layers and self.backend is not BackendKind.xla:
             raise ConfigError(
                 "model.decoder.scan_layers",
@@ -107,3 +113,39 @@ class ExperimentConfig:
             )
         if self.backend is BackendKind.single:
             self.mesh.resolve(1, "mesh")  # distributed backends check the mesh against their world size
+
+    def _validate_pipeline(self) -> None:
+        pipe = self.mesh.pipe
+        feed_forward = self.model.decoder.layer.feed_forward
+        limits = [
+            (self.backend is BackendKind.native, "backend", self.backend.value, "native", "only torchrun runs stages"),
+            (
+                self.trainer.grad_accum_steps == 1,
+                "trainer.grad_accum_steps",
+                self.trainer.grad_accum_steps,
+                "1",
+                "the pipeline's micro-batches accumulate the gradients (pipeline.microbatches)",
+            ),
+            (self.mesh.seq == 1, "mesh.seq", self.mesh.seq, "1", "context parallelism inside stages is not built"),
+            (
+                not self.model.tie_embeddings,
+                "model.tie_embeddings",
+                True,
+                "false",
+                "the first and the last stage would share the embedding table",
+            ),
+            (
+                not feed_forward.mixes_tokens,
+                "model.decoder.layer.feed_forward",
+                type(feed_forward).__name__,
+                "a dense feed-forward",
+                "auxiliary losses (a mixture of experts') do not cross stages yet",
+            ),
+        ]
+        for fine, key, value, allowed, reason in limits:
+            if not fine:
+                raise ConfigError(key, value, f"{allowed} with mesh.pipe={pipe}", reason=reason)
+        replicas = [getattr(self.mesh, axis) for axis in ("data", "fsdp", "expert")]
+        if -1 not in replicas:  # otherwise the replica count is known only with the world size
+            rows = self.trainer.batch_size // math.prod(replicas)
+            self.pipeline.validate(pipe, self.model.decoder.num_layers, rows)

@@ -19,7 +19,7 @@ import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Optional, TypeVar
 
 import torch
 from tqdm.auto import tqdm
@@ -48,7 +48,7 @@ from axtorch.train.flops import (
     transformer_flops_per_token,
 )
 from axtorch.train.goodput import GoodputRecorder
-from axtorch.train.loss import forward_with_loss
+from axtorch.train.loss import LossInput, forward_with_loss
 from axtorch.train.metrics import MetricsLogger
 from axtorch.train.numerics import NonFiniteError, NonFiniteGuard
 from axtorch.train.optimizer import build_optimizer
@@ -58,6 +58,9 @@ from axtorch.train.preemption import PreemptionWatch
 from axtorch.train.rng import capture_rng_state, restore_rng_state
 from axtorch.train.schedule import learning_rate
 from axtorch.train.watchdog import Watchdog
+
+if TYPE_CHECKING:  # torch.distributed.pipelining only where a pipeline runs
+    from axtorch.parallel.pipeline import MicroBatchLoss
 
 CONFIG_FILE = "config.yaml"
 T = TypeVar("T")
@@ -95,15 +98,15 @@ def build_parallel_model(
     still does, in ``pretrained``.
     """
     with torch.device("meta"):
-        model = config.model.build()
-    model = backend.parallelize(model)
+        whole = config.model.build()
+    model = backend.parallelize(whole)  # ``whole`` itself, or this process's pipeline stages of it
     values: Iterable[tuple[str, torch.Tensor]]
     if pretrained is not None:
         values = pretrained.model.state_dict().items()
     else:
         torch.manual_seed(config.trainer.seed)
-        values = initial_parameter_values(model)
-    materialize(backend, model, values)
+        values = initial_parameter_values(whole)  # the whole model's draws, so every stage gets its own
+    materialize(backend, model, values, whole_model=model is whole)
     return model
 
 
@@ -112,7 +115,9 @@ class Trainer:
         self.config = config
         self.run_dir = Path(config.run_dir)
         self.goodput = GoodputRecorder(self.run_dir, enabled=False)  # starts the clock; enabled in fit()
-        self.backend = backend or build_backend(config.backend, config.mesh, config.sharding, config.trainer.device)
+        self.backend = backend or build_backend(
+            config.backend, config.mesh, config.sharding, config.trainer.device, config.pipeline
+        )
         self.device = self.backend.device
         replicas = self.backend.data_parallel_size
         if config.trainer.batch_size % (replicas * config.trainer.grad_accum_steps):
@@ -154,6 +159,8 @@ class Trainer:
         trainer = config.trainer
         self.local_batch_size = trainer.batch_size // replicas
         self.micro_batch_size = self.local_batch_size // trainer.grad_accum_steps
+        if self.backend.pipeline is not None:
+            self.backend.pipeline.prepare(self.local_batch_size)
         self.train_batches = self.data.train_batches(trainer.batch_size)
         self.step = 0
         self.tokens_per_step = trainer.batch_size * config.data.seq_len
@@ -225,7 +232,7 @@ class Trainer:
                 f"the model config the checkpoint {path} was trained with",
                 reason="the run directory holds checkpoints of a different model; use a new run_dir",
             )
-        self.checkpointer.load(path, self.model, self.optimizer)
+        self.checkpointer.load(path, self.model, self.optimizer, whole_model=self.backend.pipeline is None)
         self.step = state["step"]
         self.train_batches.load_state_dict(state["data"])
         restore_rng_state(state["rng"])
@@ -281,7 +288,8 @@ class Trainer:
         )
         num_targets = self.backend.all_reduce_sum(local_targets)
         total_loss = torch.zeros((), device=self.device)
-        for mb in micro_batches:
+        pipeline = self.backend.pipeline
+        for mb in micro_batches if pipeline is None else ():
             with self._autocast():
                 loss, aux_loss = forward_with_loss(
                     self.model, self.loss_fn, mb["input_ids"], mb["labels"], num_targets, mb.get("positions")
@@ -294,6 +302,11 @@ class Trainer:
                     objective = objective + aux_loss / (len(micro_batches) * self.backend.gradient_divisor)
             (objective * self.backend.gradient_divisor).backward()
             total_loss += loss.cross_entropy.detach()
+        if pipeline is not None:  # the schedule runs the forwards and backwards (one micro-batch list)
+            (mb,) = micro_batches
+            with self._autocast():
+                sums = pipeline.run(mb["input_ids"], mb["labels"], self._stage_loss(num_targets), train=True)
+            total_loss += sums[0].float()
         grad_norm = self.backend.clip_grad_norm(list(self.model.parameters()), self.config.optim.grad_clip_norm)
         loss_value = float(self.backend.all_reduce_sum(total_loss))
         norm_value = float(grad_norm)  # the global norm: every process takes the same decision below
@@ -311,13 +324,30 @@ class Trainer:
             metrics["train/skipped_update"] = 1.0
         return metrics
 
+    def _stage_loss(self, num_targets: Optional[torch.Tensor] = None) -> MicroBatchLoss:
+        """The last pipeline stage's loss of a micro-batch, as ``train_step`` and ``evaluate`` take it."""
+
+        def loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            out = self.loss_fn(LossInput(logits, labels, num_targets))
+            if num_targets is None:  # evaluation: per-token means, weighed by their token counts
+                return out.loss, out.cross_entropy * out.num_tokens, out.num_tokens
+            return out.loss * self.backend.gradient_divisor, out.cross_entropy, out.num_tokens
+
+        return loss
+
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """Token-weighted cross-entropy over the held-out split; empty when there is no held-out data."""
         self.model.eval()
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # (loss sum, tokens)
+        pipeline = self.backend.pipeline
         for batch in self.data.val_batches(self.config.trainer.batch_size, self.config.trainer.eval_batches):
             for mb in self._micro_batches(batch):
+                if pipeline is not None:
+                    if len(mb["input_ids"]) % pipeline.microbatches == 0:  # a short last batch: not pipelined
+                        with self._autocast():
+                            sums += pipeline.run(mb["input_ids"], mb["labels"], self._stage_loss(), train=False)
+                    continue
                 with self._autocast():
                     loss, _ = forward_with_loss(
                         self.model, self.loss_fn, mb["input_ids"], mb["labels"], positions=mb.get("positions")

@@ -125,3 +125,25 @@ def test_mixtral_expert_parallel_plan_holds_one_expert_per_device_and_counts_act
     assert result.flops_per_token == transformer_flops_per_token(non_embedding, 32, 4096, 4096, 32000, tied=False)
     assert main([*overrides, "seq_len=4096"]) == 0
     assert "active parameters per token: 12,879,925,248 (12.88B)" in capsys.readouterr().out
+
+
+def test_a_pipeline_plan_holds_one_stage_per_process_and_reports_its_bubble(capsys):
+    flat, flat_sizes = load_plan_inputs(["model=llama3_70b", "mesh.fsdp=32", "mesh.model=8", "sharding=fsdp_tp"])
+    overrides = ["model=llama3_70b", "mesh.pipe=4", "mesh.fsdp=8", "mesh.model=8", "sharding=fsdp_tp"]
+    config, mesh_sizes = load_plan_inputs([*overrides, "pipeline.microbatches=16"])
+    piped, whole = plan(config, mesh_sizes), plan(flat, flat_sizes)
+    assert piped.stage_layers == [range(0, 20), range(20, 40), range(40, 60), range(60, 80)]
+    # A quarter of the layers on each process, split 64 ways instead of 256: about the same bytes,
+    # plus the embedding table (or the head) whole on its stage's 64 devices.
+    layer = (whole.total_parameters - 2 * 128256 * 8192 - 8192) / 80
+    first_stage = 20 * layer + 128256 * 8192
+    assert piped.parameter_bytes == pytest.approx(4 * first_stage / 64, rel=0.01)
+    # 1F1B: the first process holds 4 micro-batches of its 20 layers, as many as 80 layers of one.
+    assert piped.activation_bytes == whole.activation_bytes
+    assert piped.bubble == pytest.approx(3 / (16 + 3))
+    assert main([*overrides, "pipeline.schedule=gpipe", "pipeline.microbatches=8"]) == 0
+    out = capsys.readouterr().out
+    assert "pipeline: 4 stages, layers 0..19 | 20..39 | 40..59 | 60..79" in out
+    assert "pipeline bubble: 27.3% of each step idle" in out
+    assert main([*overrides, "pipeline.microbatches=2"]) == 2
+    assert "pipeline.microbatches=2" in capsys.readouterr().err

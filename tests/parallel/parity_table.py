@@ -37,6 +37,10 @@ def main() -> None:
         "native torchrun 4 procs, fsdp=2 x seq=2": (4, ["mesh.fsdp=2", "mesh.seq=2"]),
         "native torchrun 4 procs, seq=2 x model=2": (4, ["mesh.seq=2", "mesh.model=2", "sharding=fsdp_tp"]),
         "native torchrun 4 procs, HSDP data=2 x fsdp=2": (4, ["mesh.data=2", "mesh.fsdp=2"]),
+        "native torchrun 2 procs, pipe=2 (1F1B, 4 micro-batches)": (2, ["mesh.pipe=2"]),
+        "native torchrun 2 procs, pipe=2 (GPipe)": (2, ["mesh.pipe=2", "pipeline.schedule=gpipe"]),
+        "native torchrun 4 procs, pipe=2 x fsdp=2": (4, ["mesh.pipe=2", "mesh.fsdp=2", "sharding=fsdp"]),
+        "native torchrun 4 procs, pipe=2 x model=2": (4, ["mesh.pipe=2", "mesh.model=2", "sharding=fsdp_tp"]),
         # A dense model: the expert axis is data-parallel (the MoE rows are in test_native_moe.py).
         "native torchrun 2 procs, expert=2": (2, ["mesh.expert=2", "sharding=fsdp_ep"]),
     }

@@ -105,4 +105,4 @@ def test_the_planner_sizes_a_simulated_cluster_from_its_id():
     command = [sys.executable, "-m", "axtorch.plan", "model=llama3_8b", *GOLDEN[1:], "mesh_rules.hardware=gpu-H100-8x4"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "mesh: data=1 fsdp=32 seq=1 expert=1 model=1 (32 devices)" in result.stdout
+    assert "mesh: pipe=1 data=1 fsdp=32 seq=1 expert=1 model=1 (32 devices)" in result.stdout

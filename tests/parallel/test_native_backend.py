@@ -75,6 +75,13 @@ def runs(tmp_path_factory):
             STEPS,
             debug_overrides(root / "fsdp2_seq2", cache, "backend=native", "mesh.fsdp=2", "mesh.seq=2"),
         ),
+        # Pipeline: 2 stages of one layer, each sharded over fsdp=2 (1F1B, 4 micro-batches).
+        "pp2_fsdp2": _torchrun(
+            4,
+            root / "pp2_fsdp2",
+            STEPS,
+            debug_overrides(root / "pp2_fsdp2", cache, "backend=native", "mesh.pipe=2", "mesh.fsdp=2", "sharding=fsdp"),
+        ),
         # HSDP: sharded within each of 2 groups, replicated across them.
         "hsdp": _torchrun(
             4,
@@ -95,7 +102,7 @@ def test_fsdp2_sees_the_tensors_of_sharded_modules_inputs_and_outputs():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["fsdp2", "fsdp2_tp2", "tp2", "fsdp2_seq2", "hsdp"])
+@pytest.mark.parametrize("name", ["fsdp2", "fsdp2_tp2", "tp2", "fsdp2_seq2", "hsdp", "pp2_fsdp2"])
 def test_losses_match_a_single_device(runs, name):
     root, _ = runs
     single, distributed = train_losses(root / "single"), train_losses(root / name)
@@ -120,7 +127,7 @@ def test_sharded_checkpoint_equals_the_single_device_one(runs):
     root, _ = runs
     name = f"step_{STEPS:08d}"
     expected = read_model_tensors(root / "single" / "checkpoints" / name)
-    for run in ("fsdp2", "fsdp2_tp2", "fsdp2_seq2", "hsdp"):
+    for run in ("fsdp2", "fsdp2_tp2", "fsdp2_seq2", "hsdp", "pp2_fsdp2"):
         checkpoint = root / run / "checkpoints" / name
         assert len(list(checkpoint.glob("model-*-of-*.safetensors"))) == (2 if run == "fsdp2" else 4)
         got = read_model_tensors(checkpoint)
@@ -131,18 +138,18 @@ def test_sharded_checkpoint_equals_the_single_device_one(runs):
 
 @pytest.mark.slow
 def test_checkpoint_moves_between_meshes_and_training_continues_alike(runs, tmp_path):
-    """fsdp=2 x model=2 (4 processes) -> fsdp=2 x seq=2 (4 processes) -> one device, 3 more steps each."""
+    """fsdp=2 x model=2 -> 2 pipeline stages x fsdp=2, and those stages -> one device; 3 more steps each."""
     root, _ = runs
     cache = root / "cache"
     to_native = tmp_path / "to_native"
     to_single = tmp_path / "to_single"
-    for target in (to_native, to_single):
-        shutil.copytree(root / "fsdp2_tp2" / "checkpoints", target / "checkpoints")
+    shutil.copytree(root / "fsdp2_tp2" / "checkpoints", to_native / "checkpoints")
+    shutil.copytree(root / "pp2_fsdp2" / "checkpoints", to_single / "checkpoints")
     _torchrun(
         4,
         tmp_path / "resumed",
         STEPS + 3,
-        debug_overrides(to_native, cache, "backend=native", "mesh.fsdp=2", "mesh.seq=2", "sharding=fsdp"),
+        debug_overrides(to_native, cache, "backend=native", "mesh.pipe=2", "mesh.fsdp=2", "sharding=fsdp"),
     )
     Trainer(load_experiment_config(debug_overrides(to_single, cache))).fit()
     Trainer(load_experiment_config(debug_overrides(root / "single", cache))).fit()  # the uninterrupted reference

@@ -37,12 +37,12 @@ MOE = [
     [
         (2, ["mesh.fsdp=2", "sharding=fsdp"]),
         (4, ["mesh.fsdp=2", "mesh.model=2", "sharding=fsdp_tp"]),
-        # Expert parallelism: 2 of the 4 experts per process, tokens sent to them by all-to-all.
-        (2, ["mesh.expert=2", "sharding=fsdp_ep"]),
+        # Expert parallelism: 2 of the 4 experts per process, tokens sent to them by all-to-all,
+        # the experts' weights also split over fsdp, or replicated over data.
         (4, ["mesh.fsdp=2", "mesh.expert=2", "sharding=fsdp_ep"]),
         (4, ["mesh.data=2", "mesh.expert=2", "sharding=fsdp_ep"]),
     ],
-    ids=["fsdp2", "fsdp2_tp2", "ep2", "fsdp2_ep2", "hsdp2_ep2"],
+    ids=["fsdp2", "fsdp2_tp2", "fsdp2_ep2", "hsdp2_ep2"],
 )
 def test_mixture_of_experts_losses_match_a_single_device(processes, mesh, tmp_path):
     cache = tmp_path / "cache"

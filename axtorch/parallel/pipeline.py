@@ -1,0 +1,163 @@
+"""Pipeline parallelism for the native backend: the decoder's layers split into stages over ``pipe``.
+
+Each process of a ``pipe`` group keeps only its stages' modules of the model (the first stage the
+embedding, the last the final norm and the head), under their original names, so checkpoints
+stay those of the whole model. A step's rows go through the stages as micro-batches, scheduled
+by ``torch.distributed.pipelining`` (GPipe, 1F1B or interleaved 1F1B, which gives each process
+several stages, ``stages_per_process``), and the last stage takes the loss.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator
+from typing import Any, Optional, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+from axtorch.layers.transformer import TransformerLayerInput
+from axtorch.models.causal_lm import CausalLM, default_positions
+from axtorch.parallel.pipeline_config import PipelineConfig, layer_ranges, stages_of_process
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
+
+
+class _LayerSubset(nn.ModuleDict):
+    """Some of a decoder's layers, keyed by their index in the whole decoder (so names keep it)."""
+
+    def __iter__(self) -> Iterator[nn.Module]:  # type: ignore[override]  # layers, as a ModuleList yields
+        return iter(self.values())
+
+
+def keep_stages(model: CausalLM, ranges: list[range], stages: list[int]) -> CausalLM:
+    """A copy of ``model`` (on the meta device) with only the modules of ``stages``."""
+    part = copy.deepcopy(model)
+    kept = sorted(index for stage in stages for index in ranges[stage])
+    part.decoder.layers = cast(nn.ModuleList, _LayerSubset({str(i): part.decoder.layers[i] for i in kept}))
+    if 0 not in stages:
+        part.embedding = cast(Any, None)
+        part.position_embedding = None
+    if len(ranges) - 1 not in stages:
+        part.decoder.final_norm = cast(Any, None)
+        part.lm_head = None
+    return part
+
+
+class _Stage(PipelineStage):
+    """A ``PipelineStage`` whose first handshake with its neighbours also works on gloo with torch 2.9.
+
+    torch 2.9 sends an int64 scalar into the neighbour's float32[1] buffer; NCCL does not check
+    sizes, gloo aborts (``op.preamble.length <= op.nbytes. 8 vs 4``). Newer torch sends float32,
+    and there this changes nothing.
+    """
+
+    def _get_init_p2p_neighbors_ops(self) -> list[dist.P2POp]:
+        ops = super()._get_init_p2p_neighbors_ops()
+        for op in ops:
+            op.tensor = op.tensor.float()
+        return ops
+
+
+class StageModule(nn.Module):
+    """One stage's forward, over the modules of ``model`` (a process's part): a tensor in, a tensor out.
+
+    The first stage takes token ids and embeds them; the last returns logits. Positions are
+    0..S-1 (the pipeline does not split sequences).
+    """
+
+    def __init__(self, model: CausalLM, layers: range, first: bool, last: bool):
+        super().__init__()
+        self.model = model
+        self.layer_names = [str(index) for index in layers]
+        self.first = first
+        self.last = last
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        positions = default_positions(inputs[..., 0] if not self.first else inputs)
+        hidden = self.model.embed(inputs, positions) if self.first else inputs
+        decoder = self.model.decoder
+        for name in self.layer_names:
+            layer = cast(nn.ModuleDict, decoder.layers)[name]
+            hidden = decoder.run_layer(layer, TransformerLayerInput(hidden, positions)).hidden_states
+        return self.model.project(decoder.final_norm(hidden)) if self.last else hidden
+
+
+#: ``(logits [b, S, V], labels [b, S]) -> (loss to differentiate, cross-entropy sum, target count)``.
+MicroBatchLoss = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+class Pipeline:
+    """Runs one process's stages through a schedule, for training steps and for evaluation."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        config: PipelineConfig,
+        pipe: int,
+        pipe_rank: int,
+        group: dist.ProcessGroup,
+        device: torch.device,
+    ):
+        self.config = config
+        self.pipe = pipe
+        self.num_stages = config.num_stages(pipe)
+        ranges = layer_ranges(model.config.decoder.num_layers, self.num_stages, config.split_points)
+        self.stage_indices = stages_of_process(pipe_rank, pipe, config.stages_per_process)
+        self.group = group
+        self.device = device
+        self.modules = [
+            StageModule(model, ranges[index], first=index == 0, last=index == self.num_stages - 1)
+            for index in self.stage_indices
+        ]
+        self.has_first = 0 in self.stage_indices
+        self.has_last = self.num_stages - 1 in self.stage_indices
+        self.microbatches = 0  # known once ``prepare`` has the rows
+        self._loss_fn: Optional[MicroBatchLoss] = None
+        self._sums: list[torch.Tensor] = []
+
+    def prepare(self, rows_per_replica: int) -> None:
+        """Build the schedules for steps of ``rows_per_replica`` rows (checked against the config)."""
+        self.config.validate(self.pipe, self.modules[0].model.config.decoder.num_layers, rows_per_replica)
+        self.microbatches = self.config.resolved_microbatches(self.pipe, rows_per_replica)
+        # Training and evaluation each get their own stages: torch 2.9 does not prepare a stage
+        # for backward once it has run without (newer torch re-prepares it at every switch).
+        self.training_schedule = self._schedule()
+        self.evaluation_schedule = self._schedule()
+
+    def _schedule(self) -> Any:
+        stages = [
+            _Stage(module, index, self.num_stages, self.device, group=self.group)
+            for module, index in zip(self.modules, self.stage_indices)
+        ]
+        stage_or_stages = stages if self.config.schedule == "interleaved_1f1b" else stages[0]
+        # The micro-batch losses are already shares of the global batch's loss: summed, not averaged.
+        schedule_class = SCHEDULES[self.config.schedule]
+        return schedule_class(stage_or_stages, self.microbatches, loss_fn=self._loss, scale_grads=False)
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        assert self._loss_fn is not None
+        loss, cross_entropy_sum, targets = self._loss_fn(logits, labels)
+        self._sums.append(torch.stack([cross_entropy_sum.detach().double(), targets.double()]))
+        return loss
+
+    def run(self, input_ids: torch.Tensor, labels: torch.Tensor, loss_fn: MicroBatchLoss, train: bool) -> torch.Tensor:
+        """Every micro-batch through the stages (with backward when ``train``): ``[cross-entropy sum, targets]``.
+
+        The sums are the last stage's, handed to every stage of the group.
+        """
+        self._loss_fn, self._sums = loss_fn, []
+        args = (input_ids,) if self.has_first else ()
+        target = labels if self.has_last else None
+        if train:
+            self.training_schedule.step(*args, target=target)
+        else:
+            self.evaluation_schedule.eval(*args, target=target)
+        # Newer torch calls the loss once more before the first step's micro-batches, to infer
+        # the shapes of the backward.
+        last = self._sums[-self.microbatches :]
+        sums = (torch.stack(last).sum(0) if last else torch.zeros(2, dtype=torch.float64)).to(self.device)
+        dist.all_reduce(sums, group=self.group)  # only the last stage's are non-zero
+        return sums

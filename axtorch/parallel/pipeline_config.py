@@ -1,0 +1,87 @@
+"""How a step is split into pipeline stages and micro-batches (``pipeline.*``), checked without torch.distributed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from axtorch.config.errors import ConfigError
+
+#: The schedules of ``torch.distributed.pipelining`` that ``pipeline.schedule`` names.
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+
+@dataclass
+class PipelineConfig:
+    """How a step runs through ``mesh.pipe`` stages (ignored when ``mesh.pipe`` is 1)."""
+
+    #: ``gpipe`` (all forwards, then all backwards), ``1f1b`` (one forward, one backward: at most
+    #: ``pipe`` micro-batches of activations held) or ``interleaved_1f1b`` (several stages per
+    #: process, which shrinks the pipeline bubble).
+    schedule: str = "1f1b"
+    #: Micro-batches per step: each data-parallel replica's rows are cut into this many. Null:
+    #: the most, up to twice the stages, that divides the rows (at least the stage count).
+    microbatches: Optional[int] = None
+    #: Stages each process holds; ``interleaved_1f1b`` needs 2 or more, the others 1.
+    stages_per_process: int = 1
+    #: The first layer of each stage after the first (``stages - 1`` increasing indices); null
+    #: splits the layers as evenly as they go, the extra ones to the first stages.
+    split_points: Optional[list[int]] = None
+
+    def num_stages(self, pipe: int) -> int:
+        return pipe * self.stages_per_process
+
+    def resolved_microbatches(self, pipe: int, rows_per_replica: int) -> int:
+        if self.microbatches is not None:
+            return self.microbatches
+        stages = self.num_stages(pipe)
+        fitting = [m for m in range(stages, 2 * stages + 1) if rows_per_replica % m == 0]
+        return fitting[-1] if fitting else 2 * stages
+
+    def validate(self, pipe: int, num_layers: int, rows_per_replica: int, key: str = "pipeline") -> None:
+        if self.schedule not in SCHEDULE_NAMES:
+            raise ConfigError(f"{key}.schedule", self.schedule, f"one of {list(SCHEDULE_NAMES)}")
+        interleaved = self.schedule == "interleaved_1f1b"
+        if self.stages_per_process < 1 or (self.stages_per_process > 1) != interleaved:
+            raise ConfigError(
+                f"{key}.stages_per_process",
+                self.stages_per_process,
+                "2 or more with schedule=interleaved_1f1b, 1 with the others",
+            )
+        stages = self.num_stages(pipe)
+        microbatches = self.resolved_microbatches(pipe, rows_per_replica)
+        if microbatches < stages or rows_per_replica % microbatches:
+            raise ConfigError(
+                f"{key}.microbatches",
+                microbatches,
+                f"at least the {stages} stages, dividing the {rows_per_replica} rows of each data-parallel replica",
+                reason="every stage needs a micro-batch in flight, and micro-batches are equal cuts of the rows",
+            )
+        layer_ranges(num_layers, stages, self.split_points, f"{key}.split_points")
+
+
+def layer_ranges(
+    num_layers: int, stages: int, split_points: Optional[list[int]], key: str = "pipeline.split_points"
+) -> list[range]:
+    """The layers of each stage: at ``split_points``, or as even as ``num_layers`` allows."""
+    if split_points is None:
+        if num_layers < stages:
+            raise ConfigError("model.decoder.num_layers", num_layers, f"at least the {stages} pipeline stages")
+        base, extra = divmod(num_layers, stages)
+        sizes = [base + (stage < extra) for stage in range(stages)]
+        starts = [sum(sizes[:stage]) for stage in range(stages)]
+    else:
+        starts = [0, *split_points]
+        if len(split_points) != stages - 1 or any(b <= a for a, b in zip(starts, [*starts[1:], num_layers])):
+            raise ConfigError(
+                key,
+                list(split_points),
+                f"{stages - 1} increasing layer indices between 1 and {num_layers - 1}",
+                reason=f"{stages} stages of at least one layer each over {num_layers} layers",
+            )
+    return [range(start, end) for start, end in zip(starts, [*starts[1:], num_layers])]
+
+
+def stages_of_process(pipe_rank: int, pipe: int, stages_per_process: int) -> list[int]:
+    """The stages one process runs: ``rank``, ``rank + pipe``, ... (the interleaved schedules' loop)."""
+    return [pipe_rank + loop * pipe for loop in range(stages_per_process)]
