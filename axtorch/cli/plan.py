@@ -13,6 +13,12 @@ Plan-only options: ``batch=`` (sequences per device, per micro-batch under ``mes
 default 1), ``seq_len=`` (default ``data.seq_len``) and ``devices=`` (the device count, needed
 only when a mesh axis is -1; otherwise the product of the mesh axes). The activation estimate
 follows the model's own remat policy (``model/remat=full|selective``), as training does.
+
+With ``hardware=<id>`` (or ``devices=N device_memory=80GiB``) it searches instead: meshes and
+remat policies ranked by an analytical step time (``plan_search``), ``global_batch=`` sequences
+per step (default: one per device), the best ``top=`` (5) printed, and the first as a mesh rule::
+
+    axtorch-plan model=llama3_70b hardware=tpu-v5p-512 seq_len=8192
 """
 
 from __future__ import annotations
@@ -110,7 +116,8 @@ def plan(
     specs = resolve_parameter_specs(named_shapes, config.sharding, mesh_sizes)
     shards = {name: math.prod(shard_shape(named_shapes[name], spec, mesh_sizes)) for name, spec in specs.items()}
     total = sum(math.prod(shape) for shape in named_shapes.values())
-    activations = _activation_bytes(model, batch_size, seq_len, mesh_sizes.get("model", 1))
+    # Context parallelism gives each device a slice of every sequence.
+    activations = _activation_bytes(model, batch_size, seq_len // mesh_sizes.get("seq", 1), mesh_sizes.get("model", 1))
     shard_elements = sum(shards.values())
     stage_layers = bubble = None
     pipe = mesh_sizes.get("pipe", 1)
@@ -191,7 +198,7 @@ def _activation_bytes(model: CausalLMConfig, batch: int, seq: int, tensor_parall
     recomputed; ``selective`` adds the named activations it keeps (``_named_widths``).
 
     An estimate: the constants are for a GPT layer (4h MLP, dropout); embedding, logits and loss
-    buffers and the ``seq`` mesh axis (context parallelism) are not counted.
+    buffers, and the keys and values that context parallelism gathers, are not counted.
     """
     s, b, h, t = seq, batch, model.dim, tensor_parallel
     per_layer = s * b * h * (10 + 24 / t)
@@ -322,6 +329,13 @@ class PlanOptions:
     batch: int = 1
     seq_len: Optional[int] = None
     devices: Optional[int] = None
+    #: Search meshes for this cluster (``gpu-H100-8x32``, ``tpu-v5p-512``) instead of planning one.
+    hardware: Optional[str] = None
+    #: GiB per device: overrides the cluster's, or with ``devices`` alone searches an H100-class cluster.
+    device_memory: Optional[float] = None
+    #: Sequences per step for the search (default: one per device).
+    global_batch: Optional[int] = None
+    top: int = 5
 
 
 def _positive_int(key: str) -> Callable[[str], int]:
@@ -333,10 +347,25 @@ def _positive_int(key: str) -> Callable[[str], int]:
     return parse
 
 
+def _gibibytes(value: str) -> float:
+    number = value.removesuffix("GiB").removesuffix("GB")
+    try:
+        parsed = float(number)
+    except ValueError:
+        parsed = 0.0
+    if parsed <= 0:
+        raise ConfigError("device_memory", value, "a positive size in GiB, e.g. 80GiB")
+    return parsed
+
+
 _OPTION_PARSERS: dict[str, Callable[[str], Any]] = {
     "batch": _positive_int("batch"),
     "seq_len": _positive_int("seq_len"),
     "devices": _positive_int("devices"),
+    "hardware": str,
+    "device_memory": _gibibytes,
+    "global_batch": _positive_int("global_batch"),
+    "top": _positive_int("top"),
 }
 
 
@@ -383,6 +412,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     try:
         overrides, options = split_plan_options(argv)
+        if options.hardware is not None or options.device_memory is not None:
+            print(search_report(overrides, options))
+            return 0
         config, mesh_sizes = load_plan_inputs(overrides, options.devices)
         result = plan(config, mesh_sizes, options.batch, options.seq_len)
     except ConfigError as error:
@@ -390,6 +422,30 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     print(format_plan(result))
     return 0
+
+
+def search_report(overrides: Sequence[str], options: PlanOptions) -> str:
+    """Search the meshes of ``options.hardware`` (or an H100-class cluster of ``devices``) and report the best."""
+    from axtorch.cli.plan_search import Planner, cluster_for, format_candidates
+
+    hardware = options.hardware
+    if hardware is None:
+        if options.devices is None:
+            raise ConfigError("devices", None, "the device count, with device_memory= and no hardware=")
+        per_host = math.gcd(options.devices, 8)
+        hardware = f"gpu-H100-{per_host}x{options.devices // per_host}"
+    cluster = cluster_for(hardware, options.device_memory)
+    configs = {name: load_plan_inputs([*overrides, f"sharding={name}"])[0] for name in ("fsdp", "fsdp_tp", "fsdp_ep")}
+    config = configs["fsdp"]
+    seq_len = options.seq_len or config.data.seq_len
+    planner = Planner(
+        config,
+        {name: each.sharding for name, each in configs.items()},
+        cluster,
+        seq_len,
+        options.global_batch or cluster.devices,
+    )
+    return format_candidates(planner.search(), cluster, options.top)
 
 
 if __name__ == "__main__":
