@@ -33,8 +33,9 @@ from typing import Optional
 import torch
 
 from axtorch.cli.plan import GIB, _activation_bytes
+from axtorch.compose.registry import CHOICES
 from axtorch.config.errors import ConfigError
-from axtorch.layers.remat import FullRematConfig, RematConfig, SelectiveRematConfig
+from axtorch.layers.remat import RematConfig
 from axtorch.parallel.hardware import device_count
 from axtorch.parallel.mesh import MESH_AXES
 from axtorch.parallel.pipeline_config import PipelineConfig, layer_ranges, stages_of_process
@@ -49,10 +50,9 @@ PARAMETER_BYTES, ACTIVATION_BYTES = 4, 2
 #: Per-device bytes: fp32 parameter, gradient and AdamW's two moments.
 STATE_BYTES_PER_PARAMETER = 16
 RECOMPUTE = {"none": 1.0, "selective": 1.1, "full": 4 / 3}
+#: The ``model/remat`` choices, as the command line names them.
 REMAT_CONFIGS: dict[str, Optional[RematConfig]] = {
-    "none": None,
-    "selective": SelectiveRematConfig(),
-    "full": FullRematConfig(),
+    name: choice["remat"] for name, choice in CHOICES["model/remat"][1].items()
 }
 
 
