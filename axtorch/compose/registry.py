@@ -12,6 +12,7 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
+from axtorch.data.shards import TokenizedSourceConfig
 from axtorch.data.sources import (
     HFDatasetSourceConfig,
     JsonlSourceConfig,
@@ -114,6 +115,7 @@ CHOICES: dict[str, tuple[str, dict[str, Any]]] = {
             "text_files": TextFilesSourceConfig(),
             "jsonl": JsonlSourceConfig(),
             "hf_dataset": HFDatasetSourceConfig(),
+            "tokenized": TokenizedSourceConfig(),
         },
     ),
 }

@@ -19,13 +19,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import chain, islice
 from pathlib import Path
-from typing import Any
+from typing import Any, Union
 
 import numpy as np
 from tqdm import tqdm
 
 from axtorch.config.errors import ConfigError
 from axtorch.data.config import DataConfig
+from axtorch.data.shards import ShardedTokens, read_shards, token_dtype
 from axtorch.data.sources import DocumentSource, SourceConfig, stable_hash, write_file_atomically
 from axtorch.data.tokenizer import (
     TOKENIZER_FILE,
@@ -54,11 +55,6 @@ def validate_data_config(cfg: DataConfig) -> None:
     if not 0.0 <= cfg.val_fraction < 0.5:
         raise ConfigError("data.val_fraction", cfg.val_fraction, "a number in [0, 0.5)")
     validate_tokenizer_config(cfg.tokenizer)
-
-
-def token_dtype(vocab_size: int) -> np.dtype:
-    """The narrowest dtype that holds every id: halves the cache and page-cache use for most vocabs."""
-    return np.dtype(np.uint16) if vocab_size <= np.iinfo(np.uint16).max + 1 else np.dtype(np.int32)
 
 
 def _document_score(index: int, seed: int) -> float:
@@ -143,14 +139,18 @@ def split_by_document(
     return tokens[~token_is_validation], tokens[token_is_validation]
 
 
+#: A split's tokens, memory-mapped: one ``.npy`` array (the cache) or shards (``axtorch-tokenize``).
+TokenStream = Union[np.ndarray, ShardedTokens]
+
+
 @dataclass(frozen=True)
 class PackedCorpus:
-    """A complete cache entry: the tokenizer and the memory-mapped train/validation token streams."""
+    """A complete cache entry (or tokenized directory): the tokenizer and the train/validation token streams."""
 
     directory: Path
     tokenizer: Tokenizer
-    train_tokens: np.ndarray
-    val_tokens: np.ndarray
+    train_tokens: TokenStream
+    val_tokens: TokenStream
 
     @property
     def tokenizer_path(self) -> Path:
@@ -186,8 +186,15 @@ def _pack(
 
 
 def prepare_corpus(cfg: DataConfig) -> PackedCorpus:
-    """Validate ``cfg``, then load its cache entry, tokenizing and writing it first if absent."""
+    """Validate ``cfg``, then load its cache entry, tokenizing and writing it first if absent.
+
+    A source that names token shards (``data=tokenized``) is read from them instead.
+    """
     validate_data_config(cfg)
+    shards = cfg.source.pretokenized()
+    if shards is not None:
+        tokenizer, splits = read_shards(shards)
+        return PackedCorpus(shards, tokenizer, splits["train"], splits["val"])
     source = cfg.source.build()
     identity = {
         "format": _CACHE_FORMAT,
@@ -216,7 +223,7 @@ class PackedSequences:
     every token but the first is a label exactly once.
     """
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, split: str):
+    def __init__(self, tokens: TokenStream, seq_len: int, split: str):
         if seq_len < 1:
             raise ConfigError("data.seq_len", seq_len, "an integer >= 1")
         if 0 < tokens.size <= seq_len:

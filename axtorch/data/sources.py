@@ -71,6 +71,10 @@ class SourceConfig:
     def build(self) -> DocumentSource:
         raise NotImplementedError(f"{type(self).__name__} does not define build()")
 
+    def pretokenized(self) -> Optional[Path]:
+        """A directory of token shards that replaces tokenizing (``axtorch.data.shards``); None for documents."""
+        return None
+
 
 def _read_text(path: Path) -> str:
     # A stray non-UTF-8 byte in one file of a large corpus should not abort tokenization.

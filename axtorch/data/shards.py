@@ -1,0 +1,286 @@
+"""Token shards: a corpus tokenized once, streaming, into memory-mappable files (``axtorch-tokenize``).
+
+A tokenized directory holds::
+
+    tokenizer.json
+    train-00000.tokens, ...    token ids, raw little-endian uint16 (vocabularies up to 65536) or
+                               uint32; every document followed by its end-of-document token
+    train-00000.lengths, ...   each document's token count (EOS included), uint32: the boundaries
+    val-00000.tokens, ...      the held-out documents, likewise
+    manifest.json              written last: source fingerprint, tokenizer digest, dtype, and
+                               each shard's file, tokens and documents
+
+Tokenizing streams: worker processes encode batches of documents in order while the main process
+appends them to the current shard, and a shard closes after ``shard_tokens`` tokens. Each
+document goes to the held-out split by a seeded hash of its index, so the split needs neither a
+second pass nor the corpus in memory; memory stays that of a few batches, whatever the corpus
+size. Training reads the shards through ``ShardedTokens``, memory-mapped, never whole
+(``data=tokenized data.source.path=DIR``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from itertools import islice
+from pathlib import Path
+from typing import Any, BinaryIO, Optional
+
+import numpy as np
+from omegaconf import MISSING
+from tqdm import tqdm
+
+from axtorch.config.errors import ConfigError
+from axtorch.data.sources import DocumentSource, SourceConfig, write_file_atomically
+from axtorch.data.tokenizer import TOKENIZER_FILE, Tokenizer
+
+MANIFEST_FILE = "manifest.json"
+SPLITS = ("train", "val")
+_FORMAT = 1
+_BATCH_DOCUMENTS = 256
+
+
+@dataclass
+class TokenizedSourceConfig(SourceConfig):
+    """A directory that ``axtorch-tokenize`` wrote: its shards replace tokenizing, its tokenizer ``data.tokenizer``."""
+
+    path: str = MISSING
+
+    def build(self) -> DocumentSource:
+        raise ConfigError(
+            "data.source",
+            "tokenized",
+            "a document source (text_files, jsonl, hf_dataset, python_stdlib)",
+            reason="a tokenized directory holds token ids, not documents: tokenize a document source instead",
+        )
+
+    def pretokenized(self) -> Optional[Path]:
+        return Path(self.path).expanduser()
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The narrowest unsigned dtype that holds every id."""
+    return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
+
+
+def is_held_out(index: int, fraction: float, seed: int) -> bool:
+    """Whether document ``index`` is held out: a seeded hash below ``fraction``, the same on every run."""
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2**64 < fraction
+
+
+def file_digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+class _ShardWriter:
+    """Appends documents' tokens to ``<split>-NNNNN.tokens`` (and lengths), starting a new shard past a size."""
+
+    def __init__(self, directory: Path, split: str, dtype: np.dtype, shard_tokens: int):
+        self.directory, self.split, self.dtype, self.shard_tokens = directory, split, dtype, shard_tokens
+        self.shards: list[dict[str, Any]] = []
+        self._tokens: Optional[BinaryIO] = None
+        self._lengths: Optional[BinaryIO] = None
+
+    def add(self, tokens: np.ndarray) -> None:
+        if self._tokens is None or self.shards[-1]["tokens"] >= self.shard_tokens:
+            self._open_next()
+        assert self._tokens is not None and self._lengths is not None
+        self._tokens.write(tokens.astype(self.dtype, copy=False).tobytes())
+        self._lengths.write(np.array([tokens.size], dtype="<u4").tobytes())
+        self.shards[-1]["tokens"] += int(tokens.size)
+        self.shards[-1]["documents"] += 1
+
+    def close(self) -> None:
+        for handle in (self._tokens, self._lengths):
+            if handle is not None:
+                handle.flush()
+                os.fsync(handle.fileno())
+                handle.close()
+        self._tokens = self._lengths = None
+
+    def _open_next(self) -> None:
+        self.close()
+        name = f"{self.split}-{len(self.shards):05d}"
+        self.shards.append({"file": f"{name}.tokens", "lengths": f"{name}.lengths", "tokens": 0, "documents": 0})
+        self._tokens = open(self.directory / f"{name}.tokens", "wb")  # noqa: SIM115 - closed in close()
+        self._lengths = open(self.directory / f"{name}.lengths", "wb")  # noqa: SIM115
+
+
+_worker_tokenizer: Optional[Tokenizer] = None
+
+
+def _start_worker(tokenizer_path: str, eos_token: str) -> None:
+    global _worker_tokenizer
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already
+    _worker_tokenizer = Tokenizer.load(Path(tokenizer_path), eos_token)
+
+
+def _encode(tokenizer: Tokenizer, documents: list[str]) -> list[np.ndarray]:
+    eos = tokenizer.eos_id
+    return [np.array([*ids, eos], dtype=np.uint32) for ids in tokenizer.encode_batch(documents)]
+
+
+def _encode_in_worker(documents: list[str]) -> list[np.ndarray]:
+    assert _worker_tokenizer is not None
+    return _encode(_worker_tokenizer, documents)
+
+
+def _batches(documents: Iterator[str]) -> Iterator[list[str]]:
+    while batch := list(islice(documents, _BATCH_DOCUMENTS)):
+        yield batch
+
+
+def write_shards(
+    source: DocumentSource,
+    tokenizer: Tokenizer,
+    directory: Path,
+    *,
+    val_fraction: float,
+    seed: int,
+    workers: int = 1,
+    shard_tokens: int = 1 << 28,
+) -> dict[str, Any]:
+    """Tokenize ``source`` into ``directory`` (which holds ``tokenizer.json``); return the manifest."""
+    dtype = token_dtype(tokenizer.vocab_size)
+    writers = {split: _ShardWriter(directory, split, dtype, shard_tokens) for split in SPLITS}
+    batches = _batches(source.iter_documents())
+    pool = None
+    if workers > 1:
+        context = multiprocessing.get_context("spawn")
+        initargs = (str(directory / TOKENIZER_FILE), tokenizer.eos_token)
+        pool = context.Pool(workers, initializer=_start_worker, initargs=initargs)
+        encoded: Iterator[list[np.ndarray]] = pool.imap(_encode_in_worker, batches)
+    else:
+        encoded = (_encode(tokenizer, batch) for batch in batches)
+    index = 0
+    try:
+        with tqdm(desc="tokenizing", unit=" docs") as progress:
+            for documents in encoded:
+                for tokens in documents:
+                    writers["val" if is_held_out(index, val_fraction, seed) else "train"].add(tokens)
+                    index += 1
+                progress.update(len(documents))
+    finally:
+        if pool is not None:
+            pool.terminate()
+        for writer in writers.values():
+            writer.close()
+    _hold_out_tail(writers, val_fraction)
+    if writers["train"].shards == [] or all(shard["tokens"] == shard["documents"] for shard in writers["train"].shards):
+        raise ConfigError(
+            "data.source", type(source).__name__, "a source whose documents contain text", reason="no text to train on"
+        )
+    manifest = {
+        "format": _FORMAT,
+        "source_fingerprint": source.fingerprint(),
+        "tokenizer_sha256": file_digest(directory / TOKENIZER_FILE),
+        "vocab_size": tokenizer.vocab_size,
+        "eos_token": tokenizer.eos_token,
+        "eos_id": tokenizer.eos_id,
+        "dtype": dtype.str,
+        "val_fraction": val_fraction,
+        "seed": seed,
+        "documents": index,
+        "splits": {split: writer.shards for split, writer in writers.items()},
+    }
+    write_file_atomically(directory / MANIFEST_FILE, lambda file: file.write(json.dumps(manifest, indent=1).encode()))
+    return manifest
+
+
+def _hold_out_tail(writers: dict[str, _ShardWriter], fraction: float) -> None:
+    """With too few documents for the hash to hold out a quarter of ``fraction`` (one book, one
+    huge file), hold out the training stream's last tokens instead, as the in-memory cache does.
+
+    Only the tail is read and the training shards are truncated in place: still one pass.
+    """
+    train, val = writers["train"], writers["val"]
+    total = sum(shard["tokens"] for shard in train.shards + val.shards)
+    wanted = round(total * fraction) - sum(shard["tokens"] for shard in val.shards)
+    if wanted <= 0 or sum(shard["tokens"] for shard in val.shards) >= 0.25 * total * fraction:
+        return
+    moved_tokens: list[np.ndarray] = []
+    moved_lengths: list[np.ndarray] = []
+    while wanted > 0 and train.shards:
+        shard = train.shards[-1]
+        tokens_path, lengths_path = train.directory / shard["file"], train.directory / shard["lengths"]
+        tokens = np.fromfile(tokens_path, dtype=train.dtype)
+        lengths = np.fromfile(lengths_path, dtype="<u4").astype(np.int64)
+        take = min(wanted, tokens.size - 1) if len(train.shards) == 1 else min(wanted, tokens.size)
+        moved_tokens.insert(0, tokens[tokens.size - take :])
+        # Whole documents from the end move; the one cut in two keeps its head here.
+        ends = np.cumsum(lengths)
+        kept = int(np.searchsorted(ends, tokens.size - take, side="left"))
+        head = tokens.size - take - (ends[kept - 1] if kept else 0)
+        tail_lengths = lengths[kept:].copy()
+        new_lengths = lengths[:kept]
+        if head:
+            new_lengths = np.append(new_lengths, head)
+            tail_lengths[0] -= head
+        moved_lengths.insert(0, tail_lengths)
+        tokens[: tokens.size - take].tofile(tokens_path)
+        new_lengths.astype("<u4").tofile(lengths_path)
+        shard["tokens"], shard["documents"] = tokens.size - take, len(new_lengths)
+        wanted -= take
+        if shard["tokens"] == 0:
+            train.shards.pop()
+            tokens_path.unlink()
+            lengths_path.unlink()
+    for tokens, lengths in zip(moved_tokens, moved_lengths):
+        for length in lengths:
+            val.add(tokens[: int(length)])
+            tokens = tokens[int(length) :]
+    val.close()
+
+
+class ShardedTokens:
+    """A split's shards as one read-only token stream, indexed like a numpy array, memory-mapped."""
+
+    def __init__(self, files: list[Path], dtype: np.dtype):
+        self.dtype = dtype
+        self.parts = [np.memmap(f, dtype=dtype, mode="r") for f in files if f.stat().st_size > 0]
+        self.starts = np.cumsum([0] + [part.size for part in self.parts])
+
+    @property
+    def size(self) -> int:
+        return int(self.starts[-1])
+
+    def __getitem__(self, positions: np.ndarray) -> np.ndarray:
+        """The tokens at ``positions`` (any shape of absolute indices)."""
+        flat = np.asarray(positions, dtype=np.int64).ravel()
+        shard = np.searchsorted(self.starts, flat, side="right") - 1
+        out = np.empty(flat.shape, dtype=self.dtype)
+        for index in np.unique(shard):
+            chosen = shard == index
+            out[chosen] = self.parts[index][flat[chosen] - self.starts[index]]
+        return out.reshape(np.shape(positions))
+
+
+def read_shards(directory: Path) -> tuple[Tokenizer, dict[str, ShardedTokens]]:
+    """The tokenizer and each split's tokens of a tokenized directory, checked against its manifest."""
+    key = "data.source.path"
+    manifest_path = directory / MANIFEST_FILE
+    if not manifest_path.is_file():
+        raise ConfigError(key, str(directory), "a directory that axtorch-tokenize completed", reason="no manifest.json")
+    manifest = json.loads(manifest_path.read_text())
+    if manifest.get("format") != _FORMAT:
+        raise ConfigError(key, str(directory), f"token shards of format {_FORMAT}", reason=f"{manifest.get('format')}")
+    if file_digest(directory / TOKENIZER_FILE) != manifest["tokenizer_sha256"]:
+        raise ConfigError(
+            key, str(directory), "its own tokenizer.json", reason="tokenizer.json changed since tokenizing"
+        )
+    dtype = np.dtype(manifest["dtype"])
+    splits = {}
+    for split in SPLITS:
+        for shard in manifest["splits"][split]:
+            size = (directory / shard["file"]).stat().st_size if (directory / shard["file"]).exists() else -1
+            if size != shard["tokens"] * dtype.itemsize:
+                raise ConfigError(
+                    key, str(directory), "shards of the sizes in its manifest", reason=f"{shard['file']}: {size} bytes"
+                )
+        splits[split] = ShardedTokens([directory / shard["file"] for shard in manifest["splits"][split]], dtype)
+    return Tokenizer.load(directory / TOKENIZER_FILE, manifest["eos_token"]), splits
