@@ -37,10 +37,12 @@ from axtorch.config.errors import ConfigError
 from axtorch.config.serialize import to_object
 from axtorch.layers.remat import RematConfig
 from axtorch.models.causal_lm import CausalLMConfig
+from axtorch.parallel.factory import BackendKind
 from axtorch.parallel.hardware import device_count
 from axtorch.parallel.mesh import MESH_AXES, MeshConfig
 from axtorch.parallel.pipeline_config import layer_ranges, stages_of_process
 from axtorch.parallel.rules import PartitionSpec, resolve_parameter_specs, shard_shape
+from axtorch.train.config import Precision
 from axtorch.train.experiment import ExperimentConfig
 from axtorch.train.flops import active_non_embedding_parameters, active_parameters, transformer_flops_per_token
 
@@ -81,6 +83,8 @@ class Plan:
     #: Under ``mesh.pipe``: each stage's layers, and the share of a step the pipeline idles.
     stage_layers: Optional[list[range]] = None
     bubble: Optional[float] = None
+    #: The precision policy, as the run would apply it.
+    precision: str = "fp32 throughout"
 
     @property
     def num_devices(self) -> int:
@@ -165,7 +169,20 @@ def plan(
         ),
         stage_layers=stage_layers,
         bubble=bubble,
+        precision=_precision(config),
     )
+
+
+def _precision(config: ExperimentConfig) -> str:
+    trainer = config.trainer
+    if trainer.precision is Precision.fp32:
+        return "fp32 throughout"
+    fsdp = (
+        f"; FSDP (native) gathers bf16 parameters and reduces gradients in {trainer.reduce_precision.value}"
+        if config.backend is BackendKind.native
+        else ""
+    )
+    return f"bf16 matmuls (autocast){fsdp}; parameters, gradients and AdamW state fp32"
 
 
 def _stage_names(named_shapes: Mapping[str, Any], stage_layers: list[range], stages: list[int]) -> list[str]:
@@ -299,6 +316,7 @@ def format_plan(result: Plan) -> str:
             "per-device memory:",
             *(f"  {label.ljust(label_width)}  {num_bytes / GIB:9.2f} GiB" for label, num_bytes in memory),
             f"training FLOPs per token (seq {result.seq_len}): {result.flops_per_token:.3e}",
+            f"precision: {result.precision}",
             *_pipeline_lines(result),
         ]
     )

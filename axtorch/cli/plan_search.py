@@ -11,7 +11,7 @@ whose per-device memory fits with headroom, and ranks them by an analytical step
 - **exposed communication**, from the bytes each collective moves per device and the bandwidth
   of the link it crosses (the fast domain, NVLink or a TPU slice's ICI, when all its devices lie
   inside one; the network between hosts otherwise). FSDP's gathers and reduce-scatters and the
-  data-parallel all-reduce (fp32, as axtorch keeps parameters) overlap with compute, so only what
+  data-parallel all-reduce (fp32, or bf16 as ``trainer.precision`` says) overlap with compute, so only what
   exceeds it counts; tensor-parallel all-reduces, context-parallel key/value gathers and
   expert all-to-alls (bf16 activations) sit on the critical path and count whole.
 
@@ -45,8 +45,8 @@ from axtorch.train.flops import active_non_embedding_parameters, transformer_flo
 from axtorch.train.peak_flops import DATASHEET_PEAKS
 
 GB = 1e9
-#: Bytes moved per value: parameters and gradients (fp32, as axtorch keeps them), activations (bf16).
-PARAMETER_BYTES, ACTIVATION_BYTES = 4, 2
+#: Bytes moved per activation value (bf16).
+ACTIVATION_BYTES = 2
 #: Per-device bytes: fp32 parameter, gradient and AdamW's two moments.
 STATE_BYTES_PER_PARAMETER = 16
 RECOMPUTE = {"none": 1.0, "selective": 1.1, "full": 4 / 3}
@@ -218,6 +218,10 @@ class Planner:
             model.tie_embeddings,
         )
         self._specs: dict[tuple[str, tuple[int, ...]], dict[str, PartitionSpec]] = {}
+        # What FSDP moves per parameter: fp32, or bf16 gathers (and reductions) under trainer.precision=bf16.
+        trainer = config.trainer
+        self.gather_bytes = trainer.precision.dtype.itemsize
+        self.reduce_bytes = trainer.reduce_precision.dtype.itemsize if trainer.precision.dtype.itemsize == 2 else 4
 
     def search(self) -> list[Candidate]:
         """Every candidate that fits, best estimated MFU first."""
@@ -281,11 +285,11 @@ class Planner:
         shard_group = mesh["fsdp"] * mesh["seq"] * mesh["expert"]
         overlapped = 0.0
         if shard_group > 1:  # gather twice, reduce-scatter once, each the whole stage's parameters
-            volume = 3 * elements * shard_group * PARAMETER_BYTES * (shard_group - 1) / shard_group
+            volume = (2 * self.gather_bytes + self.reduce_bytes) * elements * (shard_group - 1)
             overlapped += volume / self._bandwidth(mesh, "fsdp")
         if mesh["data"] > 1:  # HSDP: all-reduce the shard's gradients across the replicas
             data = mesh["data"]
-            overlapped += 2 * elements * PARAMETER_BYTES * (data - 1) / data / self._bandwidth(mesh, "data")
+            overlapped += 2 * elements * self.reduce_bytes * (data - 1) / data / self._bandwidth(mesh, "data")
         parts["fsdp/data exposed"] = max(0.0, overlapped - compute)
         width = model.dim
         if mesh["model"] > 1:  # 2 all-reduces forward, 2 backward, per layer

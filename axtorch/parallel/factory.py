@@ -36,12 +36,18 @@ def build_backend(
     sharding: ShardingConfig,
     device: str = "auto",
     pipeline: Optional[PipelineConfig] = None,
+    gather_dtype: Optional[torch.dtype] = None,
+    reduce_dtype: Optional[torch.dtype] = None,
 ) -> Backend:
-    """The backend of ``kind``; ``device`` is the trainer's device setting (``auto``, ``cpu``, ``cuda:1``, ...)."""
+    """The backend of ``kind``; ``device`` is the trainer's device setting (``auto``, ``cpu``, ``cuda:1``, ...).
+
+    ``gather_dtype`` and ``reduce_dtype`` (None: the parameters' own) are the dtypes FSDP gathers
+    parameters and reduces gradients in on the native backend (its mixed precision policy).
+    """
     if kind is BackendKind.native:
         from axtorch.parallel.native import NativeBackend  # torch.distributed only when asked for
 
-        return NativeBackend(mesh, sharding, native_device_type(device), pipeline)
+        return NativeBackend(mesh, sharding, native_device_type(device), pipeline, gather_dtype, reduce_dtype)
     if kind is BackendKind.xla:
         from axtorch.parallel.xla import XlaBackend  # torch_xla only when asked for
 

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.constants import default_pg_timeout
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 
 from axtorch.config.errors import ConfigError
@@ -67,6 +67,8 @@ class NativeBackend(HostFedBackend):
         sharding: ShardingConfig,
         device_type: str = "cpu",
         pipeline: Optional[PipelineConfig] = None,
+        gather_dtype: Optional[torch.dtype] = None,
+        reduce_dtype: Optional[torch.dtype] = None,
     ):
         if device_type in _DEVICE_PLUGINS:
             importlib.import_module(_DEVICE_PLUGINS[device_type])  # registers the device and its collectives
@@ -103,6 +105,8 @@ class NativeBackend(HostFedBackend):
         self.seq_rank = coordinate["seq"]
         self.pipe_rank = coordinate["pipe"]
         self.pipeline_config = pipeline or PipelineConfig()
+        # Parameters stay fp32 in their shards (the optimizer's); FSDP casts what it gathers.
+        self.mixed_precision = MixedPrecisionPolicy(param_dtype=gather_dtype, reduce_dtype=reduce_dtype)
         self.pipeline: Optional[Pipeline] = None
         #: Placed by expert parallelism; FSDP leaves them alone.
         self._expert_parameters: set[nn.Parameter] = set()
@@ -238,19 +242,25 @@ class NativeBackend(HostFedBackend):
             return Shard(dims.get(param, 0))
 
         ignored = self._expert_parameters or None
+        mp = self.mixed_precision
         for layer in model.decoder.layers:
-            fully_shard(layer, mesh=dp_mesh, shard_placement_fn=placement, ignored_params=ignored)
+            fully_shard(layer, mesh=dp_mesh, shard_placement_fn=placement, ignored_params=ignored, mp_policy=mp)
         if self.sizes["pipe"] > 1:
             # A stage calls the embedding and the head itself, not the root's forward: each is its own unit.
             tops = [model.embedding, model.position_embedding, model.decoder.final_norm, model.lm_head]
             for module in tops:
                 if module is not None and any(True for _ in module.parameters()):
-                    fully_shard(module, mesh=dp_mesh, shard_placement_fn=placement)
+                    fully_shard(module, mesh=dp_mesh, shard_placement_fn=placement, mp_policy=mp)
         else:
             # The root too reshards after each forward, so that evaluation (no backward) leaves every
             # parameter sharded, as the plan and the checkpoint expect.
             fully_shard(
-                model, mesh=dp_mesh, shard_placement_fn=placement, reshard_after_forward=True, ignored_params=ignored
+                model,
+                mesh=dp_mesh,
+                shard_placement_fn=placement,
+                reshard_after_forward=True,
+                ignored_params=ignored,
+                mp_policy=mp,
             )
         # FSDP averages gradients over its mesh (a custom divide factor needs PREMUL_SUM, which
         # gloo lacks); the trainer cancels the average by scaling the loss.

@@ -6,6 +6,8 @@ import enum
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
+
 from axtorch.config.errors import ConfigError
 from axtorch.train.numerics import NonFinitePolicy
 from axtorch.train.watchdog import WatchdogAction
@@ -23,6 +25,10 @@ class Precision(enum.Enum):
     #: bf16 autocast for matmuls; parameters, optimizer state and the loss stay in fp32.
     bf16 = "bf16"
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self is Precision.bf16 else torch.float32
+
 
 @dataclass
 class TrainerConfig:
@@ -34,6 +40,10 @@ class TrainerConfig:
     #: "auto" (CUDA if available, else CPU), "cpu", "cuda", "cuda:1", ...
     device: str = "auto"
     precision: Precision = Precision.fp32
+    #: With ``precision=bf16`` on the native backend, FSDP gathers parameters in bf16 (half the
+    #: bytes; the sharded fp32 parameters stay the optimizer's) and reduces gradients in this
+    #: dtype: fp32 (the default) or bf16, which halves the reduce-scatter's bytes at some precision.
+    reduce_precision: Precision = Precision.fp32
     log_every: int = 10
     eval_every: int = 100
     eval_batches: int = 20
@@ -75,6 +85,13 @@ class TrainerConfig:
                 raise ConfigError(f"{key}.{name}", value, "a positive integer")
         if self.watchdog_seconds is not None and self.watchdog_seconds <= 0:
             raise ConfigError(f"{key}.watchdog_seconds", self.watchdog_seconds, "a positive number of seconds or null")
+        if self.reduce_precision is Precision.bf16 and self.precision is not Precision.bf16:
+            raise ConfigError(
+                f"{key}.reduce_precision",
+                "bf16",
+                f"fp32 unless {key}.precision=bf16",
+                reason="fp32 runs reduce in fp32",
+            )
         if self.max_nonfinite_skips < 0:
             raise ConfigError(f"{key}.max_nonfinite_skips", self.max_nonfinite_skips, "an integer >= 0")
         if self.keep_every is not None and self.keep_every <= 0:

@@ -115,8 +115,15 @@ class Trainer:
         self.config = config
         self.run_dir = Path(config.run_dir)
         self.goodput = GoodputRecorder(self.run_dir, enabled=False)  # starts the clock; enabled in fit()
+        bf16 = config.trainer.precision is Precision.bf16
         self.backend = backend or build_backend(
-            config.backend, config.mesh, config.sharding, config.trainer.device, config.pipeline
+            config.backend,
+            config.mesh,
+            config.sharding,
+            config.trainer.device,
+            config.pipeline,
+            gather_dtype=torch.bfloat16 if bf16 else None,
+            reduce_dtype=config.trainer.reduce_precision.dtype if bf16 else None,
         )
         self.device = self.backend.device
         replicas = self.backend.data_parallel_size

@@ -107,3 +107,8 @@ def test_context_parallelism_needs_sequences_that_cut_into_balanced_chunks():
 def test_native_context_parallelism_refuses_a_mixture_of_experts():
     error = _error("experiment=debug", "model=mixtral_tiny", "backend=native", "mesh.seq=2")
     assert error.key == "mesh.seq" and "MixtureOfExpertsConfig" in str(error) and "load-balancing loss" in str(error)
+
+
+def test_a_bf16_gradient_reduction_needs_bf16_compute():
+    error = _error("trainer.reduce_precision=bf16")
+    assert error.key == "trainer.reduce_precision" and "trainer.precision=bf16" in error.allowed

@@ -27,6 +27,12 @@ def _count(tensors) -> tuple[int, int]:
 def main() -> None:
     out_prefix, until_step, *overrides = sys.argv[1:]
     trainer = Trainer(load_experiment_config(overrides))
+    seen: dict[str, str] = {}
+
+    def record_weight_dtype(module, args) -> None:  # as the layer computes: what FSDP gathered
+        seen.setdefault("weight_dtype", str(module.attention.q_proj.weight.dtype))
+
+    next(iter(trainer.model.decoder.layers)).register_forward_pre_hook(record_weight_dtype)
     result = trainer.fit(until_step=int(until_step))
     params_local, params_total = _count(trainer.model.parameters())
     optim_local, optim_total = _count(t for t in optimizer_tensors(trainer.optimizer).values() if t.dim() > 0)
@@ -37,6 +43,7 @@ def main() -> None:
         "params_total": params_total,
         "optim_local": optim_local,
         "optim_total": optim_total,
+        "compute_weight_dtype": seen.get("weight_dtype"),
     }
     with open(f"{out_prefix}.rank{trainer.backend.rank}.json", "w") as handle:
         json.dump(report, handle)

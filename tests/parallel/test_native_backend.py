@@ -168,3 +168,23 @@ def test_launcher_runs_native_training_and_rejects_a_mesh_that_does_not_fit(tmp_
     too_big = launch("too_big", "mesh.fsdp=4")
     assert too_big.returncode != 0
     assert "mesh axes fsdp=4 need 4 devices, found 2" in too_big.stderr
+
+
+@pytest.mark.slow
+def test_bf16_gathers_bf16_weights_and_trains_as_one_device_under_autocast(tmp_path):
+    """trainer.precision=bf16 on native FSDP: the layers compute with bf16 weights that FSDP
+    gathered (half the bytes), the shards and the optimizer stay fp32, and the losses follow a
+    single-device bf16-autocast run to bf16 rounding."""
+    cache, bf16 = tmp_path / "cache", "trainer.precision=bf16"
+    train_on_one_device(tmp_path / "single", cache, bf16)
+    reports = _torchrun(
+        2,
+        tmp_path / "fsdp2",
+        STEPS,
+        debug_overrides(tmp_path / "fsdp2", cache, "backend=native", "mesh.fsdp=2", "sharding=fsdp", bf16),
+    )
+    assert {report["compute_weight_dtype"] for report in reports} == {"torch.bfloat16"}
+    single, distributed = train_losses(tmp_path / "single"), train_losses(tmp_path / "fsdp2")
+    torch.testing.assert_close(torch.tensor(distributed), torch.tensor(single), rtol=0, atol=2e-3)
+    state = read_model_tensors(tmp_path / "fsdp2" / "checkpoints" / f"step_{STEPS:08d}")
+    assert {tensor.dtype for tensor in state.values()} == {torch.float32}
