@@ -13,7 +13,7 @@ whose per-device memory fits with headroom, and ranks them by an analytical step
   inside one; the network between hosts otherwise). FSDP's gathers and reduce-scatters and the
   data-parallel all-reduce (fp32, or bf16 as ``trainer.precision`` says) overlap with compute, so only what
   exceeds it counts; tensor-parallel all-reduces, context-parallel key/value gathers and
-  expert all-to-alls (bf16 activations) sit on the critical path and count whole.
+  expert all-to-alls (activations in the compute dtype) sit on the critical path and count whole.
 
 Estimated MFU is the model FLOPs over the step time at the datasheet peak. The cluster facts
 (``CLUSTERS``) are vendors' published per-device figures, rounded; an id the table lacks is
@@ -45,8 +45,6 @@ from axtorch.train.flops import active_non_embedding_parameters, transformer_flo
 from axtorch.train.peak_flops import DATASHEET_PEAKS
 
 GB = 1e9
-#: Bytes moved per activation value (bf16).
-ACTIVATION_BYTES = 2
 #: Per-device bytes: fp32 parameter, gradient and AdamW's two moments.
 STATE_BYTES_PER_PARAMETER = 16
 RECOMPUTE = {"none": 1.0, "selective": 1.1, "full": 4 / 3}
@@ -220,7 +218,7 @@ class Planner:
         self._specs: dict[tuple[str, tuple[int, ...]], dict[str, PartitionSpec]] = {}
         # What FSDP moves per parameter: fp32, or bf16 gathers (and reductions) under trainer.precision=bf16.
         trainer = config.trainer
-        self.gather_bytes = trainer.precision.dtype.itemsize
+        self.gather_bytes = self.activation_bytes = trainer.precision.dtype.itemsize
         self.reduce_bytes = trainer.reduce_precision.dtype.itemsize if trainer.precision.dtype.itemsize == 2 else 4
 
     def search(self) -> list[Candidate]:
@@ -247,16 +245,13 @@ class Planner:
         if pipe > 1 and (rows % microbatches or microbatches < pipe):
             return None
         try:
-            specs = self._resolved(sharding, mesh)
+            elements = self.device_elements(mesh, sharding)
         except ConfigError:
             return None  # the preset does not split this model's dimensions on this mesh
         model = copy.deepcopy(self.config.model)
         model.decoder.remat = REMAT_CONFIGS[remat]
         layers = model.decoder.num_layers
-        stage_layers = layer_ranges(layers, pipe, None) if pipe > 1 else [range(layers)]
-        first_stage = stage_layers[0]
-        names = self._held(stage_layers, stages_of_process(0, pipe, 1) if pipe > 1 else [0])
-        elements = sum(math.prod(self.shapes[n]) / _ways(specs[n], mesh) for n in names)
+        first_stage = layer_ranges(layers, pipe, None)[0] if pipe > 1 else range(layers)
         micro_rows = rows // microbatches
         # The first process holds the most micro-batches in flight (1F1B: one per stage).
         in_flight = min(microbatches, pipe) if pipe > 1 else 1
@@ -267,6 +262,15 @@ class Planner:
         mfu = self._model_flops_seconds() / step
         return Candidate(dict(mesh), self.cluster.backend, sharding, remat, microbatches, memory, step, mfu, parts)
 
+    def device_elements(self, mesh: dict[str, int], sharding: str) -> float:
+        """Parameter elements on the busiest device: the first pipeline stage's, split by ``sharding``'s specs."""
+        specs = self._resolved(sharding, mesh)
+        pipe = mesh["pipe"]
+        layers = self.config.model.decoder.num_layers
+        stage_layers = layer_ranges(layers, pipe, None) if pipe > 1 else [range(layers)]
+        names = self._held(stage_layers, stages_of_process(0, pipe, 1) if pipe > 1 else [0])
+        return sum(math.prod(self.shapes[name]) / _ways(specs[name], mesh) for name in names)
+
     def _model_flops_seconds(self) -> float:
         """The step's model FLOPs at every device's datasheet peak: the time MFU compares with."""
         tokens = self.global_batch * self.seq_len
@@ -275,39 +279,50 @@ class Planner:
     def _step_parts(
         self, mesh: dict[str, int], remat: str, elements: float, rows: int, microbatches: int, stage_layers: int
     ) -> dict[str, float]:
-        model = self.config.model
         compute = self._model_flops_seconds() * RECOMPUTE[remat] / self.kernel_efficiency
         parts = {"compute": compute}
         if mesh["pipe"] > 1:
             parts["pipeline bubble"] = compute * (mesh["pipe"] - 1) / microbatches
-        # Tokens of one device per step (its replica's rows, its slice of each sequence).
-        local = rows * self.seq_len / mesh["seq"]
-        shard_group = mesh["fsdp"] * mesh["seq"] * mesh["expert"]
-        overlapped = 0.0
-        if shard_group > 1:  # gather twice, reduce-scatter once, each the whole stage's parameters
-            volume = (2 * self.gather_bytes + self.reduce_bytes) * elements * (shard_group - 1)
-            overlapped += volume / self._bandwidth(mesh, "fsdp")
-        if mesh["data"] > 1:  # HSDP: all-reduce the shard's gradients across the replicas
-            data = mesh["data"]
-            overlapped += 2 * elements * self.reduce_bytes * (data - 1) / data / self._bandwidth(mesh, "data")
+        volumes = self.collective_bytes(mesh, elements, rows, stage_layers)
+        # FSDP's gathers and reduce-scatters, and HSDP's all-reduce, overlap with compute.
+        overlapped = volumes.pop("fsdp", 0.0) / self._bandwidth(mesh, "fsdp")
+        overlapped += volumes.pop("data", 0.0) / self._bandwidth(mesh, "data")
         parts["fsdp/data exposed"] = max(0.0, overlapped - compute)
+        axes = {"tensor parallel": "model", "context parallel": "seq", "expert all-to-all": "expert"}
+        for name, volume in volumes.items():
+            parts[name] = volume / self._bandwidth(mesh, axes[name])
+        return parts
+
+    def collective_bytes(self, mesh: dict[str, int], elements: float, rows: int, stage_layers: int) -> dict[str, float]:
+        """Bytes one device sends per step in each kind of collective (ring algorithms).
+
+        ``elements`` are the parameters the device holds, ``rows`` its replica's sequences and
+        ``stage_layers`` the layers it runs.
+        """
+        model = self.config.model
         width = model.dim
+        local = rows * self.seq_len / mesh["seq"]  # tokens of one device: its rows, its slice of each
+        volumes = {}
+        shard_group = mesh["fsdp"] * mesh["seq"] * mesh["expert"]
+        if shard_group > 1:  # gather twice (forward, backward) and reduce-scatter once, every parameter
+            volumes["fsdp"] = (2 * self.gather_bytes + self.reduce_bytes) * elements * (shard_group - 1)
+        if mesh["data"] > 1:  # HSDP: all-reduce the shard's gradients across the replicas
+            volumes["data"] = 2 * elements * self.reduce_bytes * (mesh["data"] - 1) / mesh["data"]
         if mesh["model"] > 1:  # 2 all-reduces forward, 2 backward, per layer
             t = mesh["model"]
-            volume = stage_layers * 4 * 2 * local * width * ACTIVATION_BYTES * (t - 1) / t
-            parts["tensor parallel"] = volume / self._bandwidth(mesh, "model")
+            volumes["tensor parallel"] = stage_layers * 4 * 2 * local * width * self.activation_bytes * (t - 1) / t
         if mesh["seq"] > 1:  # keys and values gathered forward, their gradients reduced backward
             c = mesh["seq"]
             attention = model.decoder.layer.attention
             kv_width = 2 * attention.resolved_kv_heads() * attention.resolved_head_dim(width)
-            volume = stage_layers * 3 * local * c * kv_width * ACTIVATION_BYTES * (c - 1) / c
-            parts["context parallel"] = volume / self._bandwidth(mesh, "seq")
+            volumes["context parallel"] = stage_layers * 3 * local * c * kv_width * self.activation_bytes * (c - 1) / c
         if mesh["expert"] > 1:  # dispatch and combine, forward and backward
             e = mesh["expert"]
             top_k = getattr(getattr(model.decoder.layer.feed_forward, "router", None), "top_k", 1)
-            volume = stage_layers * 4 * local * top_k * width * ACTIVATION_BYTES * (e - 1) / e
-            parts["expert all-to-all"] = volume / self._bandwidth(mesh, "expert")
-        return parts
+            volumes["expert all-to-all"] = (
+                stage_layers * 4 * local * top_k * width * self.activation_bytes * (e - 1) / e
+            )
+        return volumes
 
     def _bandwidth(self, mesh: dict[str, int], axis: str) -> float:
         """The link an axis's collectives cross: fast when its devices lie within one fast domain."""
