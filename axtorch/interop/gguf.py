@@ -20,6 +20,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
 from axtorch.data.tokenizer import Tokenizer
 from axtorch.interop.hf_llama import llama_config_from_hf, llama_model_from_hf_tensors
+from axtorch.interop.sentencepiece_vocab import sentencepiece_bpe
 from axtorch.layers.position import Llama3RotaryEmbeddingConfig, RotaryEmbeddingConfig
 from axtorch.models.causal_lm import CausalLM, CausalLMConfig
 
@@ -274,12 +275,25 @@ def _hf_tensors(
 
 
 def _tokenizer(reader: GGUFReader) -> Tokenizer:
-    """The GGUF's byte-level BPE (``tokenizer.ggml.model == "gpt2"``) as a ``tokenizers`` tokenizer."""
+    """The GGUF's tokenizer as a ``tokenizers`` tokenizer: byte-level BPE (``tokenizer.ggml.model``
+    ``gpt2``) or SentencePiece BPE with byte fallback (``llama``: Llama 2, Mistral, Phi-3)."""
     from gguf import TokenType
 
     kind = _metadata(reader, "tokenizer.ggml.model")
+    if kind == "llama":
+        tokens = _metadata(reader, "tokenizer.ggml.tokens")
+        inner = sentencepiece_bpe(
+            tokens,
+            _metadata(reader, "tokenizer.ggml.scores"),
+            _metadata(reader, "tokenizer.ggml.token_type"),
+            bool(_metadata(reader, "tokenizer.ggml.add_space_prefix", True)),
+        )
+        return Tokenizer(inner, eos_token=tokens[_metadata(reader, "tokenizer.ggml.eos_token_id")])
     if kind != "gpt2":
-        raise ValueError(f"GGUF tokenizer.ggml.model={kind!r} is not supported; only 'gpt2' (byte-level BPE)")
+        raise ValueError(
+            f"GGUF tokenizer.ggml.model={kind!r} is not supported; supported: 'gpt2' (byte-level BPE), "
+            "'llama' (SentencePiece BPE)"
+        )
     pre = _metadata(reader, "tokenizer.ggml.pre", "gpt-2")
     if pre not in PRE_TOKENIZERS:
         raise ValueError(f"GGUF tokenizer.ggml.pre={pre!r} is not supported; supported: {sorted(PRE_TOKENIZERS)}")
