@@ -44,7 +44,7 @@ from axtorch.parallel.pipeline_config import layer_ranges, stages_of_process
 from axtorch.parallel.rules import PartitionSpec, resolve_parameter_specs, shard_shape
 from axtorch.train.config import Precision
 from axtorch.train.experiment import ExperimentConfig
-from axtorch.train.flops import active_non_embedding_parameters, active_parameters, transformer_flops_per_token
+from axtorch.train.flops import active_parameters, model_flops_per_token
 
 FP32_BYTES = 4
 ACTIVATION_BYTES = 2  # the activation formula counts 16-bit (bf16) values
@@ -159,14 +159,7 @@ def plan(
         batch_size=batch_size,
         seq_len=seq_len,
         remat=_remat_name(model.decoder.remat),
-        flops_per_token=transformer_flops_per_token(
-            active_non_embedding_parameters(network),
-            model.decoder.num_layers,
-            model.dim,
-            seq_len,
-            model.vocab_size,
-            model.tie_embeddings,
-        ),
+        flops_per_token=model_flops_per_token(model, seq_len, network),
         stage_layers=stage_layers,
         bubble=bubble,
         precision=_precision(config),

@@ -41,7 +41,7 @@ from axtorch.parallel.mesh import MESH_AXES
 from axtorch.parallel.pipeline_config import PipelineConfig, layer_ranges, stages_of_process
 from axtorch.parallel.rules import PartitionSpec, ShardingConfig, resolve_parameter_specs
 from axtorch.train.experiment import ExperimentConfig
-from axtorch.train.flops import active_non_embedding_parameters, transformer_flops_per_token
+from axtorch.train.flops import model_flops_per_token
 from axtorch.train.peak_flops import DATASHEET_PEAKS
 
 GB = 1e9
@@ -206,15 +206,7 @@ class Planner:
         with torch.device("meta"):
             network = config.model.build()
         self.shapes = {name: tuple(p.shape) for name, p in network.named_parameters()}
-        model = config.model
-        self.flops_per_token = transformer_flops_per_token(
-            active_non_embedding_parameters(network),
-            model.decoder.num_layers,
-            model.dim,
-            seq_len,
-            model.vocab_size,
-            model.tie_embeddings,
-        )
+        self.flops_per_token = model_flops_per_token(config.model, seq_len, network)
         self._specs: dict[tuple[str, tuple[int, ...]], dict[str, PartitionSpec]] = {}
         # What FSDP moves per parameter: fp32, or bf16 gathers (and reductions) under trainer.precision=bf16.
         trainer = config.trainer

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import math
 import time
+from typing import Optional
 
 import torch
 from torch import nn
+
+from axtorch.models.causal_lm import CausalLMConfig
 
 
 def active_parameters(module: nn.Module) -> int:
@@ -70,6 +73,25 @@ def transformer_flops_per_token(
             raise ValueError(f"{name} must be positive, got {value}")
     matmul_params = num_params_non_embedding + (vocab_size * dim if tied else 0)
     return float(6 * matmul_params + 12 * num_layers * dim * seq_len)
+
+
+def model_flops_per_token(config: CausalLMConfig, seq_len: int, network: Optional[nn.Module] = None) -> float:
+    """``transformer_flops_per_token`` of the whole model ``config`` describes.
+
+    Counted on ``network`` (that model, built) or on a copy built on the meta device: a process
+    whose model is a part of it (pipeline stages) still reports the whole model's FLOPs.
+    """
+    if network is None:
+        with torch.device("meta"):
+            network = config.build()
+    return transformer_flops_per_token(
+        active_non_embedding_parameters(network),
+        config.decoder.num_layers,
+        config.dim,
+        seq_len,
+        config.vocab_size,
+        config.tie_embeddings,
+    )
 
 
 def measure_matmul_peak_flops(

@@ -42,11 +42,7 @@ from axtorch.train.checkpoint import Checkpointer, list_checkpoints, read_traine
 from axtorch.train.checkpoint_manifest import CheckpointError
 from axtorch.train.config import Precision, SaveErrorPolicy
 from axtorch.train.experiment import ExperimentConfig
-from axtorch.train.flops import (
-    active_non_embedding_parameters,
-    mfu,
-    transformer_flops_per_token,
-)
+from axtorch.train.flops import mfu, model_flops_per_token
 from axtorch.train.goodput import GoodputRecorder
 from axtorch.train.loss import LossInput, forward_with_loss
 from axtorch.train.metrics import MetricsLogger
@@ -191,15 +187,9 @@ class Trainer:
         return build_data(self.config.data)
 
     def _flops_per_token(self) -> float:
-        model_cfg = self.config.model
-        return transformer_flops_per_token(
-            active_non_embedding_parameters(self.model),
-            model_cfg.decoder.num_layers,
-            model_cfg.dim,
-            self.config.data.seq_len,
-            model_cfg.vocab_size,
-            model_cfg.tie_embeddings,
-        )
+        """The whole model's, counted again on the meta device when this process holds pipeline stages."""
+        whole = self.model if self.backend.pipeline is None else None
+        return model_flops_per_token(self.config.model, self.config.data.seq_len, whole)
 
     def _resolve_peak_flops(self) -> Optional[float]:
         dtype = torch.bfloat16 if self.config.trainer.precision is Precision.bf16 else torch.float32

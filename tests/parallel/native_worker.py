@@ -44,6 +44,7 @@ def main() -> None:
         "optim_local": optim_local,
         "optim_total": optim_total,
         "compute_weight_dtype": seen.get("weight_dtype"),
+        "flops_per_token": trainer.flops_per_token,
     }
     with open(f"{out_prefix}.rank{trainer.backend.rank}.json", "w") as handle:
         json.dump(report, handle)

@@ -8,6 +8,7 @@ from test_native_backend import _torchrun
 from axtorch.compose.experiment import load_experiment_config
 from axtorch.config.errors import ConfigError
 from axtorch.parallel.pipeline_config import PipelineConfig, layer_ranges, stages_of_process
+from axtorch.train.flops import model_flops_per_token
 
 FOUR_LAYERS = "model.decoder.num_layers=4"
 
@@ -38,6 +39,10 @@ def test_each_schedule_matches_a_single_device(schedule, tmp_path):
     held = [report["params_total"] for report in reports]
     assert sum(held) == sum(p.numel() for p in whole.parameters())
     assert all(0 < count < sum(held) for count in held)
+    # MFU counts the whole model's FLOPs on every stage, not the stage's own.
+    config = load_experiment_config(overrides)
+    expected = model_flops_per_token(config.model, config.data.seq_len)
+    assert [report["flops_per_token"] for report in reports] == [expected, expected]
 
 
 def test_layers_split_evenly_or_at_the_given_points():
