@@ -61,21 +61,27 @@ class ExpertParallelCompute:
         # How many rows every process sends each of this process's experts: [processes, local experts].
         incoming = torch.empty_like(counts)
         dist.all_to_all_single(incoming, counts, group=self.group)
-        incoming_counts = incoming.view(self.size, local)
+        # Read once on the host: the splits of both exchanges, and the reordering below.
+        incoming_counts = incoming.view(self.size, local).tolist()
         send = counts.view(self.size, local).sum(1).tolist()
-        receive = incoming_counts.sum(1).tolist()
+        receive = [sum(row) for row in incoming_counts]
         received = _exchange(rows, send, receive, self.group)
         # Received rows come by sender, then by expert; the experts want them by expert, then by sender.
-        starts = (incoming_counts.flatten().cumsum(0) - incoming_counts.flatten()).view(self.size, local)
+        starts = [
+            sum(receive[:sender]) + sum(incoming_counts[sender][:e])
+            for sender in range(self.size)
+            for e in range(local)
+        ]
         order = torch.cat(
             [
-                torch.arange(int(starts[sender, e]), int(starts[sender, e] + incoming_counts[sender, e]))
+                torch.arange(starts[sender * local + e], starts[sender * local + e] + incoming_counts[sender][e])
                 for e in range(local)
                 for sender in range(self.size)
             ]
         ).to(rows.device)
         weights = [self._local(cast(DTensor, w)) for w in (experts.gate_proj, experts.up_proj, experts.down_proj)]
-        by_expert = received[order].split(incoming_counts.sum(0).tolist())
+        per_expert = [sum(incoming_counts[sender][e] for sender in range(self.size)) for e in range(local)]
+        by_expert = received[order].split(per_expert)
         outputs = [
             gated_mlp(group, weights[0][e], weights[1][e], weights[2][e], experts.config.activation)
             for e, group in enumerate(by_expert)
