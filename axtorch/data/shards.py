@@ -35,7 +35,7 @@ from omegaconf import MISSING
 from tqdm import tqdm
 
 from axtorch.config.errors import ConfigError
-from axtorch.data.sources import DocumentSource, SourceConfig, write_file_atomically
+from axtorch.data.sources import DocumentSource, SourceConfig, stable_hash, write_file_atomically
 from axtorch.data.tokenizer import TOKENIZER_FILE, Tokenizer
 
 MANIFEST_FILE = "manifest.json"
@@ -46,20 +46,42 @@ _BATCH_DOCUMENTS = 256
 
 @dataclass
 class TokenizedSourceConfig(SourceConfig):
-    """A directory that ``axtorch-tokenize`` wrote: its shards replace tokenizing, its tokenizer ``data.tokenizer``."""
+    """A directory that ``axtorch-tokenize`` wrote: training reads its shards instead of tokenizing,
+    with its tokenizer in place of ``data.tokenizer``. Built, it yields its documents decoded again."""
 
     path: str = MISSING
 
-    def build(self) -> DocumentSource:
-        raise ConfigError(
-            "data.source",
-            "tokenized",
-            "a document source (text_files, jsonl, hf_dataset, python_stdlib)",
-            reason="a tokenized directory holds token ids, not documents: tokenize a document source instead",
-        )
+    def build(self) -> TokenShardsSource:
+        return TokenShardsSource(Path(self.path).expanduser())
 
     def pretokenized(self) -> Optional[Path]:
         return Path(self.path).expanduser()
+
+
+class TokenShardsSource(DocumentSource):
+    """A tokenized directory's documents as text (training split, then held-out), e.g. to tokenize
+    them again with another tokenizer."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+
+    def iter_documents(self) -> Iterator[str]:
+        tokenizer, _ = read_shards(self.directory)
+        manifest = json.loads((self.directory / MANIFEST_FILE).read_text())
+        dtype = np.dtype(manifest["dtype"])
+        for split in SPLITS:
+            for shard in manifest["splits"][split]:
+                tokens = np.memmap(self.directory / shard["file"], dtype=dtype, mode="r")
+                start = 0
+                for length in np.fromfile(self.directory / shard["lengths"], dtype="<u4"):
+                    end = start + int(length)
+                    ids = tokens[start:end]
+                    yield tokenizer.decode(ids[:-1] if ids.size and ids[-1] == tokenizer.eos_id else ids)
+                    start = end
+
+    def fingerprint(self) -> str:
+        manifest = json.loads((self.directory / MANIFEST_FILE).read_text())
+        return stable_hash("token shards", manifest["source_fingerprint"], manifest["tokenizer_sha256"])
 
 
 def token_dtype(vocab_size: int) -> np.dtype:

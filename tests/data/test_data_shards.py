@@ -2,7 +2,6 @@
 
 import json
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,7 +9,7 @@ import pytest
 from axtorch.cli.tokenize import main as tokenize_main
 from axtorch.compose.experiment import load_experiment_config
 from axtorch.config.errors import ConfigError
-from axtorch.data.shards import MANIFEST_FILE, ShardedTokens, is_held_out, read_shards
+from axtorch.data.shards import MANIFEST_FILE, ShardedTokens, TokenizedSourceConfig, is_held_out, read_shards
 from axtorch.data.tokenizer import Tokenizer
 from axtorch.train.trainer import Trainer
 
@@ -110,9 +109,13 @@ def test_a_changed_tokenizer_or_a_short_shard_is_refused(tokenized, tmp_path):
 def test_the_command_refuses_a_directory_with_files(tokenized, capsys):
     assert tokenize_main([f"out={tokenized}"]) == 2
     assert "a new or empty directory" in capsys.readouterr().err
-    assert (
-        tokenize_main(["data=tokenized", f"data.source.path={tokenized}", f"out={Path(tokenized).parent / 'x'}"]) == 2
-    )
+
+
+def test_a_tokenized_directory_reads_back_as_its_documents(tokenized):
+    """Built as a source, a tokenized directory yields its documents again (to tokenize anew)."""
+    source = TokenizedSourceConfig(path=str(tokenized)).build()
+    assert sorted(source.iter_documents()) == sorted(DOCUMENTS)
+    assert source.fingerprint() == TokenizedSourceConfig(path=str(tokenized)).build().fingerprint()
 
 
 def test_too_few_documents_hold_out_the_last_tokens_instead(tmp_path):
