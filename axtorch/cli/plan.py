@@ -40,7 +40,7 @@ from axtorch.models.causal_lm import CausalLMConfig
 from axtorch.parallel.factory import BackendKind
 from axtorch.parallel.hardware import device_count
 from axtorch.parallel.mesh import MESH_AXES, MeshConfig
-from axtorch.parallel.pipeline_config import layer_ranges, stages_of_process
+from axtorch.parallel.pipeline_config import layer_ranges, stage_parameter_names, stages_of_process
 from axtorch.parallel.rules import PartitionSpec, resolve_parameter_specs, shard_shape
 from axtorch.train.config import Precision
 from axtorch.train.experiment import ExperimentConfig
@@ -130,23 +130,13 @@ def plan(
         microbatches = pipeline.resolved_microbatches(pipe, 2 * pipeline.num_stages(pipe))
         pipeline.validate(pipe, model.decoder.num_layers, microbatches)
         stage_layers = layer_ranges(model.decoder.num_layers, pipeline.num_stages(pipe), pipeline.split_points)
-        held = [
-            _stage_names(named_shapes, stage_layers, stages_of_process(rank, pipe, pipeline.stages_per_process))
-            for rank in range(pipe)
-        ]
+        processes = [stages_of_process(rank, pipe, pipeline.stages_per_process) for rank in range(pipe)]
+        held = [stage_parameter_names(named_shapes, stage_layers, stages) for stages in processes]
         shard_elements = max(sum(shards[name] for name in names) for names in held)
-        # The first process holds the most micro-batches in flight: all of them under GPipe, one
-        # per stage under 1F1B, and a little more when interleaved (Narayanan et al. 2021).
-        first_layers = sum(
-            len(stage_layers[stage]) for stage in stages_of_process(0, pipe, pipeline.stages_per_process)
-        )
-        in_flight = {
-            "gpipe": microbatches,
-            "1f1b": min(microbatches, pipe),
-            "interleaved_1f1b": min(microbatches, pipe) * (1 + (pipe - 1) / (pipe * pipeline.stages_per_process)),
-        }[pipeline.schedule]
+        first_layers = sum(len(stage_layers[stage]) for stage in processes[0])
+        in_flight = pipeline.microbatches_in_flight(pipe, microbatches)
         activations = round(activations * first_layers / model.decoder.num_layers * in_flight)
-        bubble = (pipe - 1) / (pipeline.stages_per_process * microbatches + pipe - 1)
+        bubble = pipeline.bubble(pipe, microbatches)
     return Plan(
         mesh_sizes=dict(mesh_sizes),
         parameters=_group_layers(named_shapes, specs, mesh_sizes),
@@ -176,22 +166,6 @@ def _precision(config: ExperimentConfig) -> str:
         else ""
     )
     return f"bf16 matmuls (autocast){fsdp}; parameters, gradients and AdamW state fp32"
-
-
-def _stage_names(named_shapes: Mapping[str, Any], stage_layers: list[range], stages: list[int]) -> list[str]:
-    """The parameters a process of these pipeline stages holds (as ``keep_stages`` keeps them)."""
-    layers = {str(index) for stage in stages for index in stage_layers[stage]}
-    first, last = 0 in stages, len(stage_layers) - 1 in stages
-
-    def held(name: str) -> bool:
-        match = _INDEXED.match(name)
-        if name.startswith("decoder.layers.") and match:
-            return match.group(2) in layers
-        if name.startswith(("embedding.", "position_embedding.")):
-            return first
-        return last  # the final norm and the head
-
-    return [name for name in named_shapes if held(name)]
 
 
 def _activation_bytes(model: CausalLMConfig, batch: int, seq: int, tensor_parallel: int) -> int:

@@ -38,7 +38,7 @@ from axtorch.config.errors import ConfigError
 from axtorch.layers.remat import RematConfig
 from axtorch.parallel.hardware import device_count
 from axtorch.parallel.mesh import MESH_AXES
-from axtorch.parallel.pipeline_config import PipelineConfig, layer_ranges, stages_of_process
+from axtorch.parallel.pipeline_config import PipelineConfig, layer_ranges, stage_parameter_names, stages_of_process
 from axtorch.parallel.rules import PartitionSpec, ShardingConfig, resolve_parameter_specs
 from axtorch.train.experiment import ExperimentConfig
 from axtorch.train.flops import model_flops_per_token
@@ -245,11 +245,12 @@ class Planner:
         layers = model.decoder.num_layers
         first_stage = layer_ranges(layers, pipe, None)[0] if pipe > 1 else range(layers)
         micro_rows = rows // microbatches
-        # The first process holds the most micro-batches in flight (1F1B: one per stage).
-        in_flight = min(microbatches, pipe) if pipe > 1 else 1
+        # The first process holds the most micro-batches in flight.
+        in_flight = pipeline.microbatches_in_flight(pipe, microbatches) if pipe > 1 else 1
         activations = _activation_bytes(model, micro_rows, self.seq_len // mesh["seq"], mesh["model"])
         memory = STATE_BYTES_PER_PARAMETER * elements + activations * len(first_stage) / layers * in_flight
-        parts = self._step_parts(mesh, remat, elements, rows, microbatches, len(first_stage))
+        bubble = pipeline.bubble(pipe, microbatches) if pipe > 1 else 0.0
+        parts = self._step_parts(mesh, remat, elements, rows, bubble, len(first_stage))
         step = sum(parts.values())
         mfu = self._model_flops_seconds() / step
         return Candidate(dict(mesh), self.cluster.backend, sharding, remat, microbatches, memory, step, mfu, parts)
@@ -260,7 +261,7 @@ class Planner:
         pipe = mesh["pipe"]
         layers = self.config.model.decoder.num_layers
         stage_layers = layer_ranges(layers, pipe, None) if pipe > 1 else [range(layers)]
-        names = self._held(stage_layers, stages_of_process(0, pipe, 1) if pipe > 1 else [0])
+        names = stage_parameter_names(self.shapes, stage_layers, stages_of_process(0, pipe, 1) if pipe > 1 else [0])
         return sum(math.prod(self.shapes[name]) / _ways(specs[name], mesh) for name in names)
 
     def _model_flops_seconds(self) -> float:
@@ -269,12 +270,12 @@ class Planner:
         return self.flops_per_token * tokens / (self.cluster.devices * self.cluster.peak_flops)
 
     def _step_parts(
-        self, mesh: dict[str, int], remat: str, elements: float, rows: int, microbatches: int, stage_layers: int
+        self, mesh: dict[str, int], remat: str, elements: float, rows: int, bubble: float, stage_layers: int
     ) -> dict[str, float]:
         compute = self._model_flops_seconds() * RECOMPUTE[remat] / self.kernel_efficiency
         parts = {"compute": compute}
-        if mesh["pipe"] > 1:
-            parts["pipeline bubble"] = compute * (mesh["pipe"] - 1) / microbatches
+        if bubble:  # idle for that share of the step: compute x bubble / (1 - bubble) seconds
+            parts["pipeline bubble"] = compute * bubble / (1 - bubble)
         volumes = self.collective_bytes(mesh, elements, rows, stage_layers)
         # FSDP's gathers and reduce-scatters, and HSDP's all-reduce, overlap with compute.
         overlapped = volumes.pop("fsdp", 0.0) / self._bandwidth(mesh, "fsdp")
@@ -327,21 +328,6 @@ class Planner:
         if key not in self._specs:
             self._specs[key] = resolve_parameter_specs(self.shapes, self.shardings[sharding], mesh)
         return self._specs[key]
-
-    def _held(self, stage_layers: list[range], stages: list[int]) -> list[str]:
-        layers = {str(index) for stage in stages for index in stage_layers[stage]}
-        first, last = 0 in stages, len(stage_layers) - 1 in stages
-        held = []
-        for name in self.shapes:
-            if name.startswith("decoder.layers."):
-                keep = name.split(".")[2] in layers
-            elif name.startswith(("embedding.", "position_embedding.")):
-                keep = first
-            else:
-                keep = last
-            if keep:
-                held.append(name)
-        return held
 
 
 def _ways(spec: PartitionSpec, mesh: dict[str, int]) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Optional
 
@@ -37,6 +38,20 @@ class PipelineConfig:
         stages = self.num_stages(pipe)
         fitting = [m for m in range(stages, 2 * stages + 1) if rows_per_replica % m == 0]
         return fitting[-1] if fitting else 2 * stages
+
+    def microbatches_in_flight(self, pipe: int, microbatches: int) -> float:
+        """Micro-batches of activations the first process holds at once: all of them under GPipe,
+        one per stage under 1F1B, a little more interleaved (Narayanan et al. 2021)."""
+        if self.schedule == "gpipe":
+            return microbatches
+        one_f_one_b = min(microbatches, pipe)
+        if self.schedule == "interleaved_1f1b":
+            return one_f_one_b * (1 + (pipe - 1) / (pipe * self.stages_per_process))
+        return one_f_one_b
+
+    def bubble(self, pipe: int, microbatches: int) -> float:
+        """The share of a step the pipeline idles: ``(pipe - 1) / (stages per process x micro-batches + pipe - 1)``."""
+        return (pipe - 1) / (self.stages_per_process * microbatches + pipe - 1)
 
     def validate(self, pipe: int, num_layers: int, rows_per_replica: int, key: str = "pipeline") -> None:
         if self.schedule not in SCHEDULE_NAMES:
@@ -85,3 +100,19 @@ def layer_ranges(
 def stages_of_process(pipe_rank: int, pipe: int, stages_per_process: int) -> list[int]:
     """The stages one process runs: ``rank``, ``rank + pipe``, ... (the interleaved schedules' loop)."""
     return [pipe_rank + loop * pipe for loop in range(stages_per_process)]
+
+
+def stage_parameter_names(names: Iterable[str], stage_layers: list[range], stages: list[int]) -> list[str]:
+    """The parameters a process of ``stages`` holds, as ``keep_stages`` keeps their modules: its
+    stages' layers, the embeddings with the first stage, the final norm and the head with the last."""
+    layers = {str(index) for stage in stages for index in stage_layers[stage]}
+    first, last = 0 in stages, len(stage_layers) - 1 in stages
+
+    def held(name: str) -> bool:
+        if name.startswith("decoder.layers."):
+            return name.split(".")[2] in layers
+        if name.startswith(("embedding.", "position_embedding.")):
+            return first
+        return last
+
+    return [name for name in names if held(name)]
