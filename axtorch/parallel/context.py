@@ -13,7 +13,7 @@ same work, the sequence is cut into ``2 x seq`` chunks and process ``r`` takes c
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -63,16 +63,26 @@ class _GatherAlongSequence(torch.autograd.Function):
 
 
 class GatheredSequence:
-    """An attention ``sequence_exchange``: every process's keys, values and key positions, in group order."""
+    """An attention ``sequence_exchange``: every process's keys, values and key positions, in group order.
+
+    Every layer of a forward gets the same positions tensor, so its gathered key positions are
+    kept and reused: one exchange of positions per forward, not one per layer.
+    """
 
     def __init__(self, group: dist.ProcessGroup):
         self.group = group
+        self._positions: Optional[torch.Tensor] = None
+        self._key_positions: Optional[torch.Tensor] = None
 
     def __call__(
         self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        parts = [torch.empty_like(positions) for _ in range(dist.get_world_size(self.group))]
-        dist.all_gather(parts, positions.contiguous(), group=self.group)
-        key_positions = torch.cat(parts, dim=1)
         gather = _GatherAlongSequence.apply
-        return gather(keys, self.group), gather(values, self.group), key_positions
+        return gather(keys, self.group), gather(values, self.group), self._gathered_positions(positions)
+
+    def _gathered_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        if positions is not self._positions or self._key_positions is None:
+            parts = [torch.empty_like(positions) for _ in range(dist.get_world_size(self.group))]
+            dist.all_gather(parts, positions.contiguous(), group=self.group)
+            self._positions, self._key_positions = positions, torch.cat(parts, dim=1)
+        return self._key_positions

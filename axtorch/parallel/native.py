@@ -128,7 +128,8 @@ class NativeBackend(HostFedBackend):
         if pipe > 1:
             config = self.pipeline_config
             ranges = layer_ranges(model.config.decoder.num_layers, config.num_stages(pipe), config.split_points)
-            model = keep_stages(model, ranges, stages_of_process(self.pipe_rank, pipe, config.stages_per_process))
+            stages = stages_of_process(self.pipe_rank, pipe, config.stages_per_process)
+            model = keep_stages(model, ranges, stages)
         if self.sizes["model"] > 1:
             self._apply_tensor_parallel(model, specs)
         if self.sizes["seq"] > 1:
@@ -141,7 +142,7 @@ class NativeBackend(HostFedBackend):
         model = model.to_empty(device=self.device)
         if pipe > 1:
             group = self.mesh["pipe"].get_group()
-            self.pipeline = Pipeline(model, self.pipeline_config, pipe, self.pipe_rank, group, self.device)
+            self.pipeline = Pipeline(model, self.pipeline_config, ranges, stages, group, self.device)
         return model
 
     def _apply_tensor_parallel(self, model: nn.Module, specs: dict[str, PartitionSpec]) -> None:

@@ -20,7 +20,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from axtorch.layers.transformer import TransformerLayerInput
 from axtorch.models.causal_lm import CausalLM, default_positions
-from axtorch.parallel.pipeline_config import PipelineConfig, layer_ranges, stages_of_process
+from axtorch.parallel.pipeline_config import PipelineConfig
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 
@@ -96,16 +96,16 @@ class Pipeline:
         self,
         model: CausalLM,
         config: PipelineConfig,
-        pipe: int,
-        pipe_rank: int,
+        ranges: list[range],
+        stage_indices: list[int],
         group: dist.ProcessGroup,
         device: torch.device,
     ):
+        """``model`` holds this process's ``stage_indices`` of the stages whose layers are ``ranges``."""
         self.config = config
-        self.pipe = pipe
-        self.num_stages = config.num_stages(pipe)
-        ranges = layer_ranges(model.config.decoder.num_layers, self.num_stages, config.split_points)
-        self.stage_indices = stages_of_process(pipe_rank, pipe, config.stages_per_process)
+        self.pipe = dist.get_world_size(group)
+        self.num_stages = len(ranges)
+        self.stage_indices = stage_indices
         self.group = group
         self.device = device
         self.modules = [
