@@ -158,14 +158,16 @@ def plan(
 
 def _precision(config: ExperimentConfig) -> str:
     trainer = config.trainer
+    float8 = config.model.float8
+    linears = f"; decoder linears in float8 ({float8.recipe} scales, torchao)" if float8 is not None else ""
     if trainer.precision is Precision.fp32:
-        return "fp32 throughout"
+        return f"fp32{linears}" if linears else "fp32 throughout"
     fsdp = (
         f"; FSDP (native) gathers bf16 parameters and reduces gradients in {trainer.reduce_precision.value}"
         if config.backend is BackendKind.native
         else ""
     )
-    return f"bf16 matmuls (autocast){fsdp}; parameters, gradients and AdamW state fp32"
+    return f"bf16 matmuls (autocast){linears}{fsdp}; parameters, gradients and AdamW state fp32"
 
 
 def _activation_bytes(model: CausalLMConfig, batch: int, seq: int, tensor_parallel: int) -> int:

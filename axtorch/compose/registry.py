@@ -35,6 +35,7 @@ from axtorch.layers.position import (
 from axtorch.layers.position_embedding import LearnedPositionEmbeddingConfig
 from axtorch.layers.remat import FullRematConfig, SelectiveRematConfig
 from axtorch.layers.residual import PostNormResidualConfig, PreNormResidualConfig, SandwichNormResidualConfig
+from axtorch.models.float8 import RowwiseFloat8Config, TensorwiseFloat8Config
 from axtorch.train.experiment import ExperimentConfig
 
 SCHEMA_NAME = "train_schema"
@@ -106,6 +107,15 @@ CHOICES: dict[str, tuple[str, dict[str, Any]]] = {
             "none": {"remat": None},
             "full": {"remat": FullRematConfig()},
             "selective": {"remat": SelectiveRematConfig()},
+        },
+    ),
+    # Float8 matmuls in the linears (torchao), applied by the trainer from outside the layers.
+    "model/float8": (
+        "model",
+        {
+            "none": {"float8": None},
+            "tensorwise": {"float8": TensorwiseFloat8Config()},
+            "rowwise": {"float8": RowwiseFloat8Config()},
         },
     ),
     "data/source": (

@@ -18,6 +18,7 @@ from axtorch.layers.kv_cache import KVCache
 from axtorch.layers.linear import LinearConfig
 from axtorch.layers.position_embedding import PositionEmbeddingConfig
 from axtorch.layers.transformer import DecoderConfig, DecoderInput, TransformerLayer
+from axtorch.models.float8 import Float8Config
 
 
 @dataclass
@@ -36,6 +37,9 @@ class CausalLMConfig:
     #: Reuse the embedding table as the output head.
     tie_embeddings: bool = False
     lm_head: LinearConfig = field(default_factory=LinearConfig)
+    #: Float8 training of the linears (``model/float8``): the trainer converts the built model
+    #: before sharding it; ``build()`` itself, and so inference, keeps ordinary linears.
+    float8: Optional[Float8Config] = None
 
     def validate(self, key: str = "model") -> None:
         for name in ("vocab_size", "dim", "max_seq_len"):
@@ -46,6 +50,8 @@ class CausalLMConfig:
         if not 0.0 <= self.embedding_dropout < 1.0:
             raise ConfigError(f"{key}.embedding_dropout", self.embedding_dropout, "a probability in [0, 1)")
         self.decoder.validate(self.dim, f"{key}.decoder")
+        if self.float8 is not None:
+            self.float8.validate(f"{key}.float8")
 
     def build(self) -> CausalLM:
         return CausalLM(self)

@@ -104,6 +104,8 @@ class ExperimentConfig:
             )
         if self.mesh.pipe > 1:
             self._validate_pipeline()
+        if self.model.float8 is not None:
+            self._validate_float8(self.model.float8.recipe)
         if self.model.decoder.scan_layers and self.backend is not BackendKind.xla:
             raise ConfigError(
                 "model.decoder.scan_layers",
@@ -113,6 +115,23 @@ class ExperimentConfig:
             )
         if self.backend is BackendKind.single:
             self.mesh.resolve(1, "mesh")  # distributed backends check the mesh against their world size
+
+    def _validate_float8(self, recipe: str) -> None:
+        if self.backend is BackendKind.xla:
+            raise ConfigError(
+                "model.float8",
+                recipe,
+                "none with backend=xla",
+                reason="torchao's float8 linears call torch._scaled_mm, which torch_xla does not lower",
+            )
+        if self.mesh.model > 1:
+            raise ConfigError(
+                "mesh.model",
+                self.mesh.model,
+                "1 with model.float8",
+                reason="tensor-parallel float8 linears need torchao's float8 parallel styles, which axtorch "
+                "does not apply; float8 composes with FSDP, HSDP and pipeline stages",
+            )
 
     def _validate_pipeline(self) -> None:
         pipe = self.mesh.pipe

@@ -95,13 +95,17 @@ def build_parallel_model(
     """
     with torch.device("meta"):
         whole = config.model.build()
+        # torchao's float8 linears initialise as torch's Linear does: draw from axtorch's own.
+        initial = whole if config.model.float8 is None else config.model.build()
+    if config.model.float8 is not None:
+        config.model.float8.build().convert(whole)
     model = backend.parallelize(whole)  # ``whole`` itself, or this process's pipeline stages of it
     values: Iterable[tuple[str, torch.Tensor]]
     if pretrained is not None:
         values = pretrained.model.state_dict().items()
     else:
         torch.manual_seed(config.trainer.seed)
-        values = initial_parameter_values(whole)  # the whole model's draws, so every stage gets its own
+        values = initial_parameter_values(initial)  # the whole model's draws, so every stage gets its own
     materialize(backend, model, values, whole_model=model is whole)
     return model
 

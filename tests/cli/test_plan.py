@@ -147,3 +147,19 @@ def test_a_pipeline_plan_holds_one_stage_per_process_and_reports_its_bubble(caps
     assert "pipeline bubble: 27.3% of each step idle" in out
     assert main([*overrides, "pipeline.microbatches=2"]) == 2
     assert "pipeline.microbatches=2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ([], "precision: fp32 throughout"),
+        (
+            ["backend=native", "mesh.fsdp=2", "trainer.precision=bf16", "trainer.reduce_precision=bf16"],
+            "precision: bf16 matmuls (autocast); FSDP (native) gathers bf16 parameters and reduces gradients in bf16",
+        ),
+        (["model/float8=tensorwise"], "precision: fp32; decoder linears in float8 (tensorwise scales, torchao)"),
+    ],
+)
+def test_the_plan_states_the_precision_policy(capsys, overrides, expected):
+    assert main(["experiment=debug", *overrides]) == 0
+    assert expected in capsys.readouterr().out

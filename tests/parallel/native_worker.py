@@ -31,6 +31,7 @@ def main() -> None:
 
     def record_weight_dtype(module, args) -> None:  # as the layer computes: what FSDP gathered
         seen.setdefault("weight_dtype", str(module.attention.q_proj.weight.dtype))
+        seen.setdefault("linear_class", type(module.attention.q_proj).__name__)
 
     next(iter(trainer.model.decoder.layers)).register_forward_pre_hook(record_weight_dtype)
     result = trainer.fit(until_step=int(until_step))
@@ -44,6 +45,7 @@ def main() -> None:
         "optim_local": optim_local,
         "optim_total": optim_total,
         "compute_weight_dtype": seen.get("weight_dtype"),
+        "linear_class": seen.get("linear_class"),
         "flops_per_token": trainer.flops_per_token,
     }
     with open(f"{out_prefix}.rank{trainer.backend.rank}.json", "w") as handle:

@@ -188,3 +188,26 @@ def test_bf16_gathers_bf16_weights_and_trains_as_one_device_under_autocast(tmp_p
     torch.testing.assert_close(torch.tensor(distributed), torch.tensor(single), rtol=0, atol=2e-3)
     state = read_model_tensors(tmp_path / "fsdp2" / "checkpoints" / f"step_{STEPS:08d}")
     assert {tensor.dtype for tensor in state.values()} == {torch.float32}
+
+
+@pytest.mark.slow
+def test_float8_linears_shard_with_fsdp_and_train_as_one_device_does(tmp_path):
+    """model/float8=tensorwise under fsdp=2: FSDP gathers the fp32 weights of torchao's float8
+    linears. Each process scales its own activations (a per-tensor amax over its half of the
+    batch), so the losses follow one device's float8 run to float8 rounding (2.4e-3 by step 5),
+    not bit for bit."""
+    pytest.importorskip("torchao.float8")
+    cache, float8 = tmp_path / "cache", "model/float8=tensorwise"
+    train_on_one_device(tmp_path / "single", cache, float8)
+    reports = _torchrun(
+        2,
+        tmp_path / "fsdp2",
+        STEPS,
+        debug_overrides(tmp_path / "fsdp2", cache, "backend=native", "mesh.fsdp=2", "sharding=fsdp", float8),
+    )
+    assert {report["linear_class"] for report in reports} == {"Float8Linear"}
+    single, distributed = train_losses(tmp_path / "single"), train_losses(tmp_path / "fsdp2")
+    # The tolerance of float8 against fp32 (tests/models/test_float8.py).
+    torch.testing.assert_close(torch.tensor(distributed), torch.tensor(single), rtol=0, atol=5e-3)
+    state = read_model_tensors(tmp_path / "fsdp2" / "checkpoints" / f"step_{STEPS:08d}")
+    assert {tensor.dtype for tensor in state.values()} == {torch.float32}

@@ -1,0 +1,113 @@
+"""Float8 training of a model's linear layers, through torchao (``model/float8=tensorwise|rowwise``).
+
+Applied to a built model from outside its layers, as sharding is: ``Float8Linears.convert``
+swaps each eligible ``Linear`` for torchao's ``Float8Linear``, which keeps the same ``weight``
+and ``bias`` parameters (so checkpoints, sharding rules and HF export are unchanged) and runs its
+matmuls in float8 with dynamic scales: one per tensor (``tensorwise``) or one per row
+(``rowwise``, more accurate, needs torch's per-row ``_scaled_mm``). The trainer converts before
+sharding, so FSDP gathers the high-precision weights and torchao scales the whole weight, as on
+one device. Inference from such a run uses ordinary linears.
+
+The speed-up needs float8 tensor cores (H100 class); on a CPU the recipes run (slowly), which is
+enough to check that they compose with FSDP and how far the loss moves. torchao is an optional
+dependency (``pip install 'axtorch[float8]'``; torchao 0.14 with torch 2.9, newer with newer torch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from axtorch.config.errors import ConfigError
+from axtorch.layers.linear import Linear
+
+#: torchao's float8 matmul needs both dimensions of every weight divisible by this.
+_FLOAT8_MULTIPLE = 16
+
+
+@dataclass
+class Float8Config:
+    """Slot type for ``model.float8``; None (the default) trains every linear in its own dtype."""
+
+    #: torchao's recipe name, set by each option.
+    recipe: ClassVar[str] = ""
+    #: Linears whose qualified name contains one of these stay in high precision. The head's
+    #: logits feed the loss directly, and the router's choice is discrete, so both are sensitive.
+    skip: list[str] = field(default_factory=lambda: ["lm_head", "router"])
+
+    def validate(self, key: str = "model.float8") -> None:
+        """Recipes that some torch builds cannot run refuse here."""
+
+    def build(self) -> Float8Linears:
+        return Float8Linears(self)
+
+
+@dataclass
+class TensorwiseFloat8Config(Float8Config):
+    """One dynamic scale per tensor: the fastest recipe, and the one torch's CPU matmul supports everywhere."""
+
+    recipe: ClassVar[str] = "tensorwise"
+
+
+@dataclass
+class RowwiseFloat8Config(Float8Config):
+    """One dynamic scale per row: closer to bf16 than tensorwise, on CPU only from torch 2.10."""
+
+    recipe: ClassVar[str] = "rowwise"
+
+    def validate(self, key: str = "model.float8") -> None:
+        if _torch_version() < (2, 10) and not torch.cuda.is_available():
+            raise ConfigError(
+                key,
+                "rowwise",
+                "tensorwise on a CPU with torch < 2.10",
+                reason=f"torch {torch.__version__}'s CPU float8 matmul takes one scale per tensor only",
+            )
+
+
+class Float8Linears:
+    """Converts a model's eligible ``Linear`` layers to torchao's float8 training linears."""
+
+    def __init__(self, config: Float8Config):
+        self.config = config
+
+    def eligible(self, name: str, module: nn.Module) -> bool:
+        """A ``Linear`` whose name is not skipped and whose weight float8 matmuls can take."""
+        return (
+            isinstance(module, Linear)
+            and not any(part in name for part in self.config.skip)
+            and module.in_features % _FLOAT8_MULTIPLE == 0
+            and module.out_features % _FLOAT8_MULTIPLE == 0
+        )
+
+    def convert(self, model: nn.Module) -> list[str]:
+        """Swap in place (works on the meta device); returns the converted linears' names."""
+        linear_class, torchao_config = _torchao_float8(self.config.recipe)
+        converted = [name for name, module in model.named_modules() if self.eligible(name, module)]
+        for name in converted:
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name)
+            setattr(parent, child, linear_class.from_float(getattr(parent, child), config=torchao_config))
+        return converted
+
+
+def _torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+def _torchao_float8(recipe: str) -> tuple[Any, Any]:
+    try:
+        from torchao.float8 import Float8LinearConfig
+        from torchao.float8.float8_linear import Float8Linear
+    except ImportError as error:
+        raise ConfigError(
+            "model.float8",
+            recipe,
+            "none, or install torchao (pip install 'axtorch[float8]')",
+            reason=f"float8 training runs through torchao, which does not import here: {error}",
+        ) from error
+    return Float8Linear, Float8LinearConfig.from_recipe_name(recipe)
