@@ -12,8 +12,9 @@ whose per-device memory fits with headroom, and ranks them by an analytical step
   of the link it crosses (the fast domain, NVLink or a TPU slice's ICI, when all its devices lie
   inside one; the network between hosts otherwise). FSDP's gathers and reduce-scatters and the
   data-parallel all-reduce (fp32, or bf16 as ``trainer.precision`` says) overlap with compute, so only what
-  exceeds it counts; tensor-parallel all-reduces, context-parallel key/value gathers and
-  expert all-to-alls (activations in the compute dtype) sit on the critical path and count whole.
+  exceeds it counts; tensor-parallel all-reduces, context-parallel key/value gathers, expert
+  all-to-alls and the pipeline stages' sends (activations in the compute dtype) sit on the
+  critical path and count whole.
 
 Estimated MFU is the model FLOPs over the step time at the datasheet peak. The cluster facts
 (``CLUSTERS``) are vendors' published per-device figures, rounded; an id the table lacks is
@@ -48,6 +49,8 @@ GB = 1e9
 #: Per-device bytes: fp32 parameter, gradient and AdamW's two moments.
 STATE_BYTES_PER_PARAMETER = 16
 RECOMPUTE = {"none": 1.0, "selective": 1.1, "full": 4 / 3}
+#: A mixture of experts' stacked expert weights, which expert parallelism places itself.
+_EXPERT_WEIGHT = re.compile(r"\.feed_forward\.experts\.")
 #: The ``model/remat`` choices, as the command line names them.
 REMAT_CONFIGS: dict[str, Optional[RematConfig]] = {
     name: choice["remat"] for name, choice in CHOICES["model/remat"][1].items()
@@ -250,19 +253,23 @@ class Planner:
         activations = _activation_bytes(model, micro_rows, self.seq_len // mesh["seq"], mesh["model"])
         memory = STATE_BYTES_PER_PARAMETER * elements + activations * len(first_stage) / layers * in_flight
         bubble = pipeline.bubble(pipe, microbatches) if pipe > 1 else 0.0
-        parts = self._step_parts(mesh, remat, elements, rows, bubble, len(first_stage))
+        parts = self._step_parts(mesh, sharding, remat, rows, bubble, len(first_stage))
         step = sum(parts.values())
         mfu = self._model_flops_seconds() / step
         return Candidate(dict(mesh), self.cluster.backend, sharding, remat, microbatches, memory, step, mfu, parts)
 
     def device_elements(self, mesh: dict[str, int], sharding: str) -> float:
         """Parameter elements on the busiest device: the first pipeline stage's, split by ``sharding``'s specs."""
+        return sum(self._device_parameter_elements(mesh, sharding).values())
+
+    def _device_parameter_elements(self, mesh: dict[str, int], sharding: str) -> dict[str, float]:
+        """Each of ``device_elements``'s parameters, by name: the collectives treat some apart (experts)."""
         specs = self._resolved(sharding, mesh)
         pipe = mesh["pipe"]
         layers = self.config.model.decoder.num_layers
         stage_layers = layer_ranges(layers, pipe, None) if pipe > 1 else [range(layers)]
         names = stage_parameter_names(self.shapes, stage_layers, stages_of_process(0, pipe, 1) if pipe > 1 else [0])
-        return sum(math.prod(self.shapes[name]) / _ways(specs[name], mesh) for name in names)
+        return {name: math.prod(self.shapes[name]) / _ways(specs[name], mesh) for name in names}
 
     def _model_flops_seconds(self) -> float:
         """The step's model FLOPs at every device's datasheet peak: the time MFU compares with."""
@@ -270,40 +277,57 @@ class Planner:
         return self.flops_per_token * tokens / (self.cluster.devices * self.cluster.peak_flops)
 
     def _step_parts(
-        self, mesh: dict[str, int], remat: str, elements: float, rows: int, bubble: float, stage_layers: int
+        self, mesh: dict[str, int], sharding: str, remat: str, rows: int, bubble: float, stage_layers: int
     ) -> dict[str, float]:
         compute = self._model_flops_seconds() * RECOMPUTE[remat] / self.kernel_efficiency
         parts = {"compute": compute}
         if bubble:  # idle for that share of the step: compute x bubble / (1 - bubble) seconds
             parts["pipeline bubble"] = compute * bubble / (1 - bubble)
-        volumes = self.collective_bytes(mesh, elements, rows, stage_layers)
+        volumes = self.collective_bytes(mesh, sharding, rows, stage_layers)
         # FSDP's gathers and reduce-scatters, and HSDP's all-reduce, overlap with compute.
         overlapped = volumes.pop("fsdp", 0.0) / self._bandwidth(mesh, "fsdp")
         overlapped += volumes.pop("data", 0.0) / self._bandwidth(mesh, "data")
         parts["fsdp/data exposed"] = max(0.0, overlapped - compute)
-        axes = {"tensor parallel": "model", "context parallel": "seq", "expert all-to-all": "expert"}
+        axes = {
+            "tensor parallel": "model",
+            "context parallel": "seq",
+            "expert all-to-all": "expert",
+            "pipeline sends": "pipe",
+        }
         for name, volume in volumes.items():
             parts[name] = volume / self._bandwidth(mesh, axes[name])
         return parts
 
-    def collective_bytes(self, mesh: dict[str, int], elements: float, rows: int, stage_layers: int) -> dict[str, float]:
-        """Bytes one device sends per step in each kind of collective (ring algorithms).
+    def collective_bytes(self, mesh: dict[str, int], sharding: str, rows: int, stage_layers: int) -> dict[str, float]:
+        """Bytes one device sends per step in each kind of collective (ring algorithms), as backend=native runs them.
 
-        ``elements`` are the parameters the device holds, ``rows`` its replica's sequences and
-        ``stage_layers`` the layers it runs.
+        The device is the busiest one (``device_elements``'s, with ``sharding``'s specs), ``rows``
+        its replica's sequences and ``stage_layers`` the layers it runs.
         """
         model = self.config.model
         width = model.dim
         local = rows * self.seq_len / mesh["seq"]  # tokens of one device: its rows, its slice of each
         volumes = {}
+        # FSDP2 shards every parameter it manages (norms too) over fsdp x seq x expert, whatever the
+        # specs say, and gathers each whole (as split by the other axes); split over expert, the
+        # expert weights are DTensors it leaves alone (fp32: no mixed precision).
         shard_group = mesh["fsdp"] * mesh["seq"] * mesh["expert"]
-        if shard_group > 1:  # gather twice (forward, backward) and reduce-scatter once, every parameter
-            volumes["fsdp"] = (2 * self.gather_bytes + self.reduce_bytes) * elements * (shard_group - 1)
+
+        def is_expert(name: str) -> bool:
+            return mesh["expert"] > 1 and _EXPERT_WEIGHT.search(name) is not None
+
+        unsharded = self._device_parameter_elements(mesh | {"fsdp": 1, "seq": 1, "expert": 1}, sharding)
+        managed = sum(n for name, n in unsharded.items() if not is_expert(name))
+        experts = sum(n for name, n in self._device_parameter_elements(mesh, sharding).items() if is_expert(name))
+        if shard_group > 1:  # gather twice (forward, backward) and reduce-scatter once
+            fsdp = (2 * self.gather_bytes + self.reduce_bytes) * managed * (shard_group - 1) / shard_group
+            # An expert weight is gathered over fsdp once (backward keeps the forward's), its gradient reduce-scattered.
+            volumes["fsdp"] = fsdp + 2 * 4 * experts * (mesh["fsdp"] - 1)
         if mesh["data"] > 1:  # HSDP: all-reduce the shard's gradients across the replicas
-            volumes["data"] = 2 * elements * self.reduce_bytes * (mesh["data"] - 1) / mesh["data"]
-        if mesh["model"] > 1:  # 2 all-reduces forward, 2 backward, per layer
-            t = mesh["model"]
-            volumes["tensor parallel"] = stage_layers * 4 * 2 * local * width * self.activation_bytes * (t - 1) / t
+            shard = managed / shard_group + experts
+            volumes["data"] = 2 * shard * self.reduce_bytes * (mesh["data"] - 1) / mesh["data"]
+        if mesh["model"] > 1:
+            volumes["tensor parallel"] = self._tensor_parallel_bytes(mesh, sharding, local, stage_layers)
         if mesh["seq"] > 1:  # keys and values gathered forward, their gradients reduced backward
             c = mesh["seq"]
             attention = model.decoder.layer.attention
@@ -315,7 +339,42 @@ class Planner:
             volumes["expert all-to-all"] = (
                 stage_layers * 4 * local * top_k * width * self.activation_bytes * (e - 1) / e
             )
+        if mesh["pipe"] > 1:
+            # Every micro-batch's activations go on to the next stage and their gradients back: an
+            # inner stage sends both, each end one of them (the two of a 2-stage pipeline, one each).
+            directions = 1 if mesh["pipe"] == 2 else 2
+            volumes["pipeline sends"] = directions * local * width * self.activation_bytes
         return volumes
+
+    def _tensor_parallel_bytes(self, mesh: dict[str, int], sharding: str, local: float, stage_layers: int) -> float:
+        """What the native backend's tensor parallelism (``NativeBackend._apply_tensor_parallel``) sends per step.
+
+        A row-parallel projection all-reduces its output forward; a column-parallel one its input's
+        gradient backward, each on its own (q, k and v: three); the vocab-parallel embedding its
+        output. The head's weight is gathered whole for the fused loss (without ``loss.chunk_size``,
+        its logits are gathered and its input's gradient all-reduced instead).
+        """
+        specs = self._resolved(sharding, mesh)
+
+        def split(name: str) -> bool:
+            return any(axes and "model" in axes for axes in specs.get(name, ()))
+
+        dim, vocab = self.config.model.dim, self.config.model.vocab_size
+        # The embedding's output and the gathered head weight are in the weights' dtype: what FSDP gathers, else fp32.
+        fsdp = mesh["data"] * mesh["fsdp"] * mesh["seq"] * mesh["expert"] > 1
+        weight_bytes = self.gather_bytes if fsdp else 4
+        layer = [name for name in self.shapes if name.startswith("decoder.layers.0.") and name.endswith(".weight")]
+        all_reduced = stage_layers * sum(split(name) for name in layer) * local * dim * self.activation_bytes
+        all_reduced += split("embedding.weight") * local * dim * weight_bytes
+        gathered = 0.0
+        if mesh["pipe"] == 1 and split("lm_head.weight"):  # with stages, the head is the last's, not the busiest's
+            if self.config.loss.chunk_size is None:
+                all_reduced += local * dim * self.activation_bytes
+                gathered = local * vocab * self.activation_bytes
+            else:
+                gathered = vocab * dim * weight_bytes
+        t = mesh["model"]
+        return (2 * all_reduced + gathered) * (t - 1) / t
 
     def _bandwidth(self, mesh: dict[str, int], axis: str) -> float:
         """The link an axis's collectives cross: fast when its devices lie within one fast domain."""

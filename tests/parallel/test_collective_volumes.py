@@ -1,4 +1,8 @@
-"""The planner's communication model against the bytes a real run moves (torchrun, gloo on CPU)."""
+"""The planner's communication model against the bytes a real run sends (torchrun, gloo on CPU, 2 processes).
+
+Each test runs one mesh of the debug model once: ``volume_worker.py`` prices every collective of
+one training step as its ring algorithm sends it, and the planner predicts the same step.
+"""
 
 import json
 import subprocess
@@ -7,36 +11,78 @@ from pathlib import Path
 
 import pytest
 from debug_runs import debug_overrides
+from test_native_moe import MOE
 
 from axtorch.cli.plan import load_plan_inputs
 from axtorch.cli.plan_search import Planner, cluster_for
+from axtorch.parallel.pipeline_config import layer_ranges
 
 WORKER = Path(__file__).with_name("volume_worker.py")
+PROCESSES = 2
+#: ``{kind: {"calls", "contributed", "sent"}}`` for one process, as the worker writes it.
+Volumes = dict[str, dict[str, float]]
 
 
-def _measured(tmp_path: Path, processes: int, overrides: list[str]) -> dict[str, list[int]]:
+def _measured_and_predicted(tmp_path: Path, sharding: str, *overrides: str) -> tuple[list[Volumes], dict[str, float]]:
+    """Every process's measured volumes, and the planner's bytes per device for the same step."""
+    overrides = (*overrides, f"sharding={sharding}")
+    run_overrides = debug_overrides(tmp_path / "run", tmp_path / "cache", "backend=native", *overrides)
     out = tmp_path / "volumes.json"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes), "--standalone"]
-    run = subprocess.run([*command, str(WORKER), str(out), *overrides], capture_output=True, text=True, timeout=600)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(PROCESSES), "--standalone"]
+    run = subprocess.run([*command, str(WORKER), str(out), *run_overrides], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    return json.loads(out.read_text())
+    config, mesh = load_plan_inputs(["experiment=debug", *overrides])
+    seq_len, batch = config.data.seq_len, config.trainer.batch_size
+    planner = Planner(config, {sharding: config.sharding}, cluster_for(f"gpu-H100-{PROCESSES}x1"), seq_len, batch)
+    rows = batch // (mesh["data"] * mesh["fsdp"] * mesh["expert"])
+    stage_layers = len(layer_ranges(config.model.decoder.num_layers, mesh["pipe"], None)[0])
+    return json.loads(out.read_text()), planner.collective_bytes(mesh, sharding, rows, stage_layers)
+
+
+def _fsdp_sent(volumes: Volumes) -> float:
+    return sum(volumes.get(kind, {}).get("sent", 0) for kind in ("all_gather", "reduce_scatter"))
 
 
 @pytest.mark.slow
 def test_fsdp_gathers_and_reduce_scatters_move_the_predicted_bytes(tmp_path):
-    mesh_overrides = ["mesh.fsdp=2", "sharding=fsdp"]
-    overrides = debug_overrides(tmp_path / "run", tmp_path / "cache", "backend=native", *mesh_overrides)
-    measured = _measured(tmp_path, 2, overrides)
-    # Ring collectives over 2 processes: a gather receives the other half of its output, a
-    # reduce-scatter sends the other half of its input (one shard).
-    gathered = measured["c10d._allgather_base_.default"][1] / 2
-    scattered = measured["c10d._reduce_scatter_base_.default"][1]
-    config, sizes = load_plan_inputs(["experiment=debug", *mesh_overrides])
-    planner = Planner(config, {"fsdp": config.sharding}, cluster_for("gpu-H100-2x1"), 64, 8)
-    mesh = {"pipe": 1, "data": 1, "fsdp": 2, "seq": 1, "expert": 1, "model": 1}
-    # FSDP2 shards every parameter, where the preset's specs leave norms whole: the planner counts
-    # those whole, a rounding error here (their 320 elements of 139,584).
-    elements = planner.device_elements(mesh, "fsdp")
-    predicted = planner.collective_bytes(mesh, elements, rows=4, stage_layers=2)["fsdp"]
-    assert gathered + scattered == pytest.approx(predicted, rel=0.01)
-    assert sizes == mesh
+    measured, predicted = _measured_and_predicted(tmp_path, "fsdp", "mesh.fsdp=2")
+    # Gathered twice and reduce-scattered once: half of each of the debug model's 139,584 parameters.
+    assert _fsdp_sent(measured[0]) == pytest.approx(predicted["fsdp"], rel=0.01)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_all_reduces_and_head_gather_move_the_predicted_bytes(tmp_path):
+    measured, predicted = _measured_and_predicted(tmp_path, "fsdp_tp", "mesh.model=2")
+    # Per layer 2 all-reduces forward, 5 backward (q, k, v, gate, up each its own); the embedding's
+    # all-reduce; the head's weight gathered for the fused loss. What remains is scalars: the
+    # gradient norm's partial sums over split gradients, the loss's token count and sums (72 bytes).
+    assert measured[0].keys() == {"all_reduce", "all_gather"}
+    sent = measured[0]["all_reduce"]["sent"] + measured[0]["all_gather"]["sent"]
+    assert sent == pytest.approx(predicted["tensor parallel"], rel=0.01)
+
+
+@pytest.mark.slow
+def test_pipeline_stages_send_the_predicted_activations_and_gradients(tmp_path):
+    measured, predicted = _measured_and_predicted(tmp_path, "fsdp", "mesh.pipe=2")
+    # The first stage sends each micro-batch's activations on, the second their gradients back:
+    # the same bytes, and nothing else of any size (the collectives left are the loss's scalars).
+    for volumes in measured:
+        assert volumes["send"]["sent"] == predicted["pipeline sends"]
+    assert predicted.keys() == {"pipeline sends"}
+
+
+@pytest.mark.slow
+def test_expert_all_to_alls_exchange_the_predicted_rows(tmp_path):
+    measured, predicted = _measured_and_predicted(tmp_path, "fsdp_ep", "mesh.expert=2", *MOE)
+    uniform_share = (PROCESSES - 1) / PROCESSES  # of a process's rows, routed to the other's experts
+    # Dispatch, combine and both their gradients: between them the processes exchange every
+    # token's top-k rows 4 times per layer, however they are routed (the per-layer exchange of the
+    # routing counts, 4 int64 each, is the remainder).
+    exchanged = sum(volumes["all_to_all"]["contributed"] for volumes in measured)
+    assert exchanged == pytest.approx(PROCESSES * predicted["expert all-to-all"] / uniform_share, rel=1e-4)
+    # The share that leaves a process depends on the routing: near the planner's uniform guess.
+    for volumes in measured:
+        all_to_all = volumes["all_to_all"]
+        assert all_to_all["sent"] / all_to_all["contributed"] == pytest.approx(uniform_share, rel=0.15)
+    # The expert axis is data-parallel elsewhere: FSDP shards the other weights over it.
+    assert _fsdp_sent(measured[0]) == pytest.approx(predicted["fsdp"], rel=0.01)
