@@ -62,8 +62,17 @@ class Backend(Protocol):
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Create or place optimizer state where the backend needs it before the first step."""
 
-    def end_step(self) -> None:
-        """Mark the end of a training step (XLA compiles and runs the step's graph here)."""
+    def step_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Apply ``optimizer``'s update to every parameter (its gradients are final)."""
+
+    def run_traced(self) -> None:
+        """Run the work traced since the last call as one program, before the host reads its results.
+
+        XLA traces lazily: reading a value (the loss, the gradient norm) runs just the graph that
+        value needs, and whatever else the step still needs later is traced and run again. Cut
+        here, each piece (forward and backward, the optimizer update, an evaluation batch) runs
+        once and compiles once. Eager backends have nothing pending.
+        """
 
     def to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Move a host batch (rows first) to the device(s), split as the backend's data axes say.
@@ -163,7 +172,10 @@ class HostFedBackend:
     def to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
-    def end_step(self) -> None:
+    def step_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.step()
+
+    def run_traced(self) -> None:
         pass
 
     def owned_pieces(self, tensor: torch.Tensor) -> list[Piece]:

@@ -21,12 +21,11 @@ from typing import TYPE_CHECKING, Any, Optional
 import numpy as np
 import torch
 import torch.distributed as dist
-from functorch.compile import default_partition, min_cut_rematerialization_partition
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from axtorch.config.errors import ConfigError
-from axtorch.layers.transformer import Decoder, TransformerLayerInput, add_aux_loss
+from axtorch.layers.transformer import Decoder
 from axtorch.models.causal_lm import CausalLM
 from axtorch.parallel.backend import ec2_instance_type
 from axtorch.parallel.mesh import MeshConfig
@@ -42,11 +41,13 @@ try:
     import torch_xla.core.xla_model as xm
     import torch_xla.distributed.spmd as xs
     import torch_xla.runtime as xr
-    from torch_xla.experimental.scan_layers import scan_layers
 except ImportError as error:  # pragma: no cover - exercised only without torch_xla
     raise ImportError(
         "backend=xla needs torch_xla matching torch (pip install 'axtorch[xla]': torch==2.9.0, torch_xla==2.9.0)"
     ) from error
+
+# After the check above: it imports torch_xla itself.
+from axtorch.parallel.xla_scan import LayerScan
 
 
 def _xla_spec(spec: PartitionSpec) -> tuple:
@@ -87,6 +88,8 @@ class XlaBackend:
         self.data_parallel_size = self.world_size
         self.is_main_process = self.rank == 0
         self.parameter_specs: dict[str, PartitionSpec] = {}
+        #: Runs the decoders whose config asks for ``scan_layers``; None when none does.
+        self.layer_scan: Optional[LayerScan] = None
 
     def parallelize(self, model: CausalLM) -> CausalLM:
         """Resolve the specs and hook the activations; parameters stay on the meta device until filled."""
@@ -99,7 +102,8 @@ class XlaBackend:
             self._hook_activation(modules[module_name], io, field, _xla_spec(spec))
         for module in modules.values():
             if isinstance(module, Decoder) and module.config.scan_layers:
-                module.layer_runner = scan_decoder_layers
+                self.layer_scan = self.layer_scan or LayerScan()
+                module.layer_runner = self.layer_scan
         return model
 
     def fill_parameter(self, model: nn.Module, name: str, value: torch.Tensor) -> None:
@@ -154,6 +158,15 @@ class XlaBackend:
             for key in ("exp_avg", "exp_avg_sq"):
                 state[key] = torch.zeros_like(param)
                 xs.mark_sharding(state[key], self.mesh, _xla_spec(spec))
+        # Zeros on the device now, not traced into the first update: its program is then the
+        # same as every later step's, compiled once.
+        torch_xla.sync()
+
+    def step_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.layer_scan is not None:
+            self.layer_scan.step_optimizer(optimizer)
+        else:
+            optimizer.step()
 
     def to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Transfer each tensor already split as MpDeviceLoader does: rows over the data-parallel
@@ -170,10 +183,12 @@ class XlaBackend:
         return tensor  # SPMD tensors are already global
 
     def clip_grad_norm(self, parameters: list[nn.Parameter], max_norm: Optional[float]) -> torch.Tensor:
+        if self.layer_scan is not None:
+            return self.layer_scan.clip_grad_norm(parameters, max_norm)
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm if max_norm is not None else math.inf)
 
-    def end_step(self) -> None:
-        torch_xla.sync()  # cut the lazy graph: one compiled program per training step
+    def run_traced(self) -> None:
+        torch_xla.sync()
 
     def barrier(self) -> None:
         if self.world_size > 1:  # pragma: no cover - multi-host only
@@ -209,39 +224,6 @@ class XlaBackend:
     def close(self) -> None:
         if self.world_size > 1 and dist.is_initialized():  # pragma: no cover - multi-host only
             dist.destroy_process_group()
-
-
-class _ScanStep(nn.Module):
-    """One decoder layer as a function of the scan carry ``(hidden_states, positions, aux_loss)``.
-
-    Positions travel as float32 (exact below 2**24), since scan's carry must be differentiable.
-    """
-
-    def __init__(self, layer: nn.Module):
-        super().__init__()
-        self.layer = layer
-
-    def forward(
-        self, hidden_states: torch.Tensor, positions: torch.Tensor, aux_loss: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        out = self.layer(TransformerLayerInput(hidden_states, positions.long()))
-        return out.hidden_states, positions.clone(), add_aux_loss(aux_loss, out.aux_loss)
-
-
-def scan_decoder_layers(
-    decoder: Decoder, hidden_states: torch.Tensor, positions: torch.Tensor
-) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """A ``LayerRunner`` that compiles one layer and loops it over the stacked weights of all.
-
-    The decoder's remat policy becomes AOTAutograd's min-cut rematerialisation of the scanned
-    layer (``torch.utils.checkpoint`` does not apply inside a traced scan body).
-    """
-    partition = default_partition if decoder.remat is None else min_cut_rematerialization_partition
-    aux_loss = torch.zeros((), dtype=torch.float32, device=hidden_states.device)
-    steps = [_ScanStep(layer) for layer in decoder.layers]
-    carry = (hidden_states, positions.float(), aux_loss)
-    hidden_states, _, aux_loss = scan_layers(steps, carry, partition_fn=partition)
-    return hidden_states, aux_loss
 
 
 def decode_device() -> tuple[torch.device, Callable[[], None]]:

@@ -309,16 +309,18 @@ class Trainer:
                 sums = pipeline.run(mb["input_ids"], mb["labels"], self._stage_loss(num_targets), train=True)
             total_loss += sums[0].float()
         grad_norm = self.backend.clip_grad_norm(list(self.model.parameters()), self.config.optim.grad_clip_norm)
-        loss_value = float(self.backend.all_reduce_sum(total_loss))
+        loss_sum = self.backend.all_reduce_sum(total_loss)
+        self.backend.run_traced()  # forward, backward and clipping as one program, before the reads below
+        loss_value = float(loss_sum)
         norm_value = float(grad_norm)  # the global norm: every process takes the same decision below
         lr = learning_rate(self.config.optim.schedule, self.config.optim.lr, self.step, self.config.trainer.max_steps)
         apply = self.numerics.check(self.step + 1, loss_value, norm_value)
         if apply:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
-            self.optimizer.step()
+            self.backend.step_optimizer(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
-        self.backend.end_step()
+        self.backend.run_traced()  # the update
         self.step += 1
         metrics = {"train/loss": loss_value, "train/grad_norm": norm_value, "train/lr": lr}
         if not apply:
@@ -354,6 +356,7 @@ class Trainer:
                         self.model, self.loss_fn, mb["input_ids"], mb["labels"], positions=mb.get("positions")
                     )
                 sums += torch.stack([loss.cross_entropy.double() * loss.num_tokens, loss.num_tokens.double()])
+                self.backend.run_traced()  # one batch's program, the same for every batch
         self.model.train()
         total, tokens = self.backend.all_reduce_sum(sums).tolist()
         if tokens == 0:

@@ -171,43 +171,36 @@ def test_launcher_runs_native_training_and_rejects_a_mesh_that_does_not_fit(tmp_
 
 
 @pytest.mark.slow
-def test_bf16_gathers_bf16_weights_and_trains_as_one_device_under_autocast(tmp_path):
-    """trainer.precision=bf16 on native FSDP: the layers compute with bf16 weights that FSDP
-    gathered (half the bytes), the shards and the optimizer stay fp32, and the losses follow a
-    single-device bf16-autocast run to bf16 rounding."""
-    cache, bf16 = tmp_path / "cache", "trainer.precision=bf16"
-    train_on_one_device(tmp_path / "single", cache, bf16)
+@pytest.mark.parametrize(
+    ("override", "report_key", "expected", "tolerance"),
+    [
+        # The layers compute with bf16 weights that FSDP gathered (half the bytes); the losses follow
+        # a one-device bf16-autocast run to bf16 rounding.
+        ("trainer.precision=bf16", "compute_weight_dtype", "torch.bfloat16", 2e-3),
+        # FSDP gathers the fp32 weights of torchao's float8 linears. Each process scales its own
+        # activations (a per-tensor amax over its half of the batch), so the losses follow one
+        # device's float8 run to float8 rounding (2.4e-3 by step 5; tests/models/test_float8.py
+        # holds float8 within 5e-3 of fp32), not bit for bit.
+        ("model/float8=tensorwise", "linear_class", "Float8Linear", 5e-3),
+    ],
+    ids=["bf16", "float8"],
+)
+def test_a_low_precision_policy_shards_with_fsdp_and_trains_as_one_device_does(
+    tmp_path, override, report_key, expected, tolerance
+):
+    """Under fsdp=2 the layers compute as the policy says, the checkpoint and the optimizer stay fp32."""
+    if override.startswith("model/float8"):
+        pytest.importorskip("torchao.float8")
+    cache = tmp_path / "cache"
+    train_on_one_device(tmp_path / "single", cache, override)
     reports = _torchrun(
         2,
         tmp_path / "fsdp2",
         STEPS,
-        debug_overrides(tmp_path / "fsdp2", cache, "backend=native", "mesh.fsdp=2", "sharding=fsdp", bf16),
+        debug_overrides(tmp_path / "fsdp2", cache, "backend=native", "mesh.fsdp=2", "sharding=fsdp", override),
     )
-    assert {report["compute_weight_dtype"] for report in reports} == {"torch.bfloat16"}
+    assert {report[report_key] for report in reports} == {expected}
     single, distributed = train_losses(tmp_path / "single"), train_losses(tmp_path / "fsdp2")
-    torch.testing.assert_close(torch.tensor(distributed), torch.tensor(single), rtol=0, atol=2e-3)
-    state = read_model_tensors(tmp_path / "fsdp2" / "checkpoints" / f"step_{STEPS:08d}")
-    assert {tensor.dtype for tensor in state.values()} == {torch.float32}
-
-
-@pytest.mark.slow
-def test_float8_linears_shard_with_fsdp_and_train_as_one_device_does(tmp_path):
-    """model/float8=tensorwise under fsdp=2: FSDP gathers the fp32 weights of torchao's float8
-    linears. Each process scales its own activations (a per-tensor amax over its half of the
-    batch), so the losses follow one device's float8 run to float8 rounding (2.4e-3 by step 5),
-    not bit for bit."""
-    pytest.importorskip("torchao.float8")
-    cache, float8 = tmp_path / "cache", "model/float8=tensorwise"
-    train_on_one_device(tmp_path / "single", cache, float8)
-    reports = _torchrun(
-        2,
-        tmp_path / "fsdp2",
-        STEPS,
-        debug_overrides(tmp_path / "fsdp2", cache, "backend=native", "mesh.fsdp=2", "sharding=fsdp", float8),
-    )
-    assert {report["linear_class"] for report in reports} == {"Float8Linear"}
-    single, distributed = train_losses(tmp_path / "single"), train_losses(tmp_path / "fsdp2")
-    # The tolerance of float8 against fp32 (tests/models/test_float8.py).
-    torch.testing.assert_close(torch.tensor(distributed), torch.tensor(single), rtol=0, atol=5e-3)
+    torch.testing.assert_close(torch.tensor(distributed), torch.tensor(single), rtol=0, atol=tolerance)
     state = read_model_tensors(tmp_path / "fsdp2" / "checkpoints" / f"step_{STEPS:08d}")
     assert {tensor.dtype for tensor in state.values()} == {torch.float32}

@@ -61,7 +61,8 @@ def runs(tmp_path_factory):
             debug_overrides(root / "xla_fsdp2_tp2", cache, "mesh.fsdp=2", "mesh.model=2", "sharding=fsdp_tp"),
         ),
         # Context parallelism (rows over fsdp, each sequence over seq) with the layers scanned
-        # over stacked weights and min-cut remat inside the scanned layer.
+        # over stacked weights and min-cut remat inside the scanned layer, over 2 accumulated
+        # micro-batches (the gradient norm sums each forward's stacked gradients).
         "xla_fsdp2_seq2_scan_remat": _xla(
             4,
             root / "xla_fsdp2_seq2_scan_remat.json",
@@ -74,6 +75,7 @@ def runs(tmp_path_factory):
                 "sharding=fsdp",
                 "model.decoder.scan_layers=true",
                 "model/remat=full",
+                "trainer.grad_accum_steps=2",
             ),
         ),
     }
@@ -97,6 +99,23 @@ def test_losses_match_a_single_device(runs, name):
     single, xla = train_losses(root / "single"), train_losses(root / name)
     assert len(xla) == STEPS
     torch.testing.assert_close(torch.tensor(xla), torch.tensor(single), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_each_step_runs_its_programs_once_and_later_steps_compile_none(runs):
+    """Forward, backward and clipping run as one program before the host reads the loss and the
+    gradient norm (a read before it would run, and compile, the forward again), then the update.
+    Scanned layers update one layer at a time: one program, compiled once, run per layer, so no
+    program grows with depth."""
+    _, reports = runs
+    unrolled, scanned = reports["xla_fsdp4"]["programs"], reports["xla_fsdp2_seq2_scan_remat"]["programs"]
+    assert len(unrolled) == len(scanned) == STEPS
+    assert [step["run"] for step in unrolled] == [2] * STEPS
+    layers = 2  # the debug model's: forward-backward, the update outside the layers, then each layer's
+    assert [step["run"] for step in scanned] == [2 + layers] * STEPS
+    assert scanned[0]["compiled"] == 3  # the layers' update compiled once
+    assert unrolled[0]["compiled"] == 2
+    assert all(step["compiled"] == 0 for step in unrolled[1:] + scanned[1:])
 
 
 @pytest.mark.slow

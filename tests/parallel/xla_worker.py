@@ -7,20 +7,40 @@ import json
 import sys
 
 import torch
+import torch_xla.core.xla_model as xm
+import torch_xla.debug.metrics as metrics
 
 from axtorch.compose.experiment import load_experiment_config
 from axtorch.parallel.xla import local_shard_shapes
 from axtorch.train.trainer import Trainer
 
 
+def _count(counter: str) -> int:
+    xm.wait_device_ops()  # executions are counted as they run, asynchronously
+    return metrics.counter_value(counter) or 0
+
+
 def main() -> None:
     out, until_step, *overrides = sys.argv[1:]
     trainer = Trainer(load_experiment_config(overrides))
+    programs: list[dict[str, int]] = []  # per training step: XLA programs compiled and run
+    train_step = trainer.train_step
+
+    def counted_step(batch):
+        before = _count("UncachedCompile"), _count("ExecuteReplicated")
+        out = train_step(batch)
+        programs.append(
+            {"compiled": _count("UncachedCompile") - before[0], "run": _count("ExecuteReplicated") - before[1]}
+        )
+        return out
+
+    trainer.train_step = counted_step
     result = trainer.fit(until_step=int(until_step))
     config = trainer.config
     rows = torch.zeros(config.trainer.batch_size, config.data.seq_len, dtype=torch.long)
     report = {
         "step": result.step,
+        "programs": programs,
         "parameters": {},
         "optimizer": {},
         "batch_shards": local_shard_shapes(trainer.backend.to_device({"input_ids": rows})["input_ids"]),
