@@ -44,3 +44,9 @@ def random_hf_model():
         return model
 
     return build
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Slow tests first. Under pytest-xdist (``make test``: a worker per core, whole files each),
+    the files holding them then start early, and the many short files fill in at the end."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

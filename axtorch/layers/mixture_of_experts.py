@@ -34,7 +34,7 @@ import math
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import ClassVar, Optional
+from typing import ClassVar, Optional, Union
 
 import torch
 from omegaconf import MISSING
@@ -215,14 +215,17 @@ class GroupedExperts(nn.Module):
 
 
 #: ``(experts, rows, counts) -> outputs``: every expert on its own rows. ``rows`` [N, dim] are
-#: sorted by expert, ``counts[e]`` of them for expert ``e``; the outputs come back in the same
-#: order. A backend that splits the experts over processes installs one that sends rows to their
-#: experts' processes and back (``MixtureOfExperts.expert_compute``).
-ExpertCompute = Callable[[GroupedExperts, torch.Tensor, torch.Tensor], torch.Tensor]
+#: sorted by expert, ``counts[e]`` of them for expert ``e`` (a tensor; dropless routing), or
+#: ``counts`` of them for every expert (an int: a capacity's fixed-shape buffer); the outputs
+#: come back in the same order. A backend that splits the experts over processes installs one
+#: that sends rows to their experts' processes and back (``MixtureOfExperts.expert_compute``).
+ExpertCompute = Callable[[GroupedExperts, torch.Tensor, Union[torch.Tensor, int]], torch.Tensor]
 
 
-def run_local_experts(experts: GroupedExperts, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """Every expert here, on this process."""
+def run_local_experts(experts: GroupedExperts, rows: torch.Tensor, counts: Union[torch.Tensor, int]) -> torch.Tensor:
+    """Every expert here, on this process: a capacity's buffer as one batched matmul."""
+    if isinstance(counts, int):  # static shapes, no host read: what XLA needs
+        return experts(rows.view(-1, counts, rows.shape[-1])).reshape(rows.shape)
     groups = rows.split(counts.tolist())
     return torch.cat([experts.expert(e, group) for e, group in enumerate(groups) if len(group)])
 
@@ -304,7 +307,7 @@ class MixtureOfExperts(nn.Module):
         spare = self.num_experts * capacity
         slot = torch.where(kept, assigned * capacity + rank, spare)
         buffer = tokens.new_zeros(spare + 1, dim).index_add_(0, slot, tokens.repeat_interleave(self.top_k, 0))
-        expert_out = self.experts(buffer[:spare].view(self.num_experts, capacity, dim)).reshape(spare, dim)
+        expert_out = self.expert_compute(self.experts, buffer[:spare], capacity)
         gathered = torch.cat([expert_out, expert_out.new_zeros(1, dim)])[slot]
         weights = routing.weights.reshape(-1) * kept
         return (gathered * weights[:, None]).view(num_tokens, self.top_k, dim).sum(1)

@@ -5,7 +5,10 @@ the batch and route their own tokens. A mixture-of-experts layer then hands its 
 expert, to ``ExpertParallelCompute``, which sends each row to the process that holds its expert
 (an all-to-all with uneven splits), runs the local experts there, and sends the outputs back
 (a second all-to-all). Both exchanges carry gradients, so backward runs the same route reversed.
-Routing stays per token and dropless, so the losses equal one device's.
+Dropless routing is per token, so the losses equal one device's. With a capacity, each process
+fills its experts' buffers from its own rows, as every data-parallel replica does: the capacity
+counts a process's tokens, like one device's micro-batch of those rows (the xla backend, one
+program over the global batch, counts the whole batch instead).
 """
 
 from __future__ import annotations
@@ -56,7 +59,9 @@ class ExpertParallelCompute:
         self.size = dist.get_world_size(self.group)
         self.gradient_scale = gradient_scale
 
-    def __call__(self, experts: GroupedExperts, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def __call__(self, experts: GroupedExperts, rows: torch.Tensor, counts: torch.Tensor | int) -> torch.Tensor:
+        if isinstance(counts, int):  # a capacity's buffer: that many rows, some empty, for every expert
+            counts = torch.full((experts.config.num_experts,), counts, dtype=torch.long, device=rows.device)
         local = counts.numel() // self.size
         # How many rows every process sends each of this process's experts: [processes, local experts].
         incoming = torch.empty_like(counts)

@@ -189,13 +189,6 @@ class NativeBackend(HostFedBackend):
         for module_name, module in model.named_modules():
             if not hasattr(module, "expert_compute"):  # a mixture of experts, whatever its kind
                 continue
-            if module.capacity_factor is not None:
-                raise ConfigError(
-                    f"{_config_key(module_name)}.capacity_factor",
-                    module.capacity_factor,
-                    "null (dropless routing) with mesh.expert > 1 on backend=native",
-                    reason="capacity would be counted per process, not over the batch as on one device",
-                )
             for param_name, param in list(module.experts.named_parameters(recurse=False)):
                 name = f"{module_name}.experts.{param_name}"
                 spec = specs[name]

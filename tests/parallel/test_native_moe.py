@@ -31,22 +31,28 @@ MOE = [
 ]
 
 
+#: Experts take at most their share of a call's assignments (top-2 of 4 experts: half the tokens each).
+CAPACITY = "model.decoder.layer.feed_forward.capacity_factor=1.0"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("processes", "mesh"),
+    ("processes", "mesh", "one_device"),
     [
         # Experts under FSDP (not split by expert), beside tensor-parallel attention.
-        (4, ["mesh.fsdp=2", "mesh.model=2", "sharding=fsdp_tp"]),
+        (4, ["mesh.fsdp=2", "mesh.model=2", "sharding=fsdp_tp"], []),
         # Expert parallelism: 2 of the 4 experts per process, tokens sent to them by all-to-all,
         # the experts' weights also split over fsdp, or replicated over data.
-        (4, ["mesh.fsdp=2", "mesh.expert=2", "sharding=fsdp_ep"]),
-        (4, ["mesh.data=2", "mesh.expert=2", "sharding=fsdp_ep"]),
+        (4, ["mesh.fsdp=2", "mesh.expert=2", "sharding=fsdp_ep"], []),
+        # With a capacity, each of the 4 replicas fills its experts' buffers from its own 2 rows,
+        # as one device does from each of 4 accumulated micro-batches of those rows.
+        (4, ["mesh.data=2", "mesh.expert=2", "sharding=fsdp_ep", CAPACITY], [CAPACITY, "trainer.grad_accum_steps=4"]),
     ],
-    ids=["fsdp2_tp2", "fsdp2_ep2", "hsdp2_ep2"],
+    ids=["fsdp2_tp2", "fsdp2_ep2", "hsdp2_ep2_capacity"],
 )
-def test_mixture_of_experts_losses_match_a_single_device(processes, mesh, tmp_path):
+def test_mixture_of_experts_losses_match_a_single_device(processes, mesh, one_device, tmp_path):
     cache = tmp_path / "cache"
-    train_on_one_device(tmp_path / "single", cache, *MOE)
+    train_on_one_device(tmp_path / "single", cache, *MOE, *one_device)
     out = tmp_path / "distributed"
     command = [
         sys.executable,
