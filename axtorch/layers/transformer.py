@@ -97,8 +97,8 @@ class DecoderConfig:
     final_norm: Optional[NormConfig] = None
     #: Activation checkpointing of each layer (``model/remat``); None keeps every activation.
     remat: Optional[RematConfig] = None
-    #: Run the layers as one compiled loop over stacked weights (``torch_xla``'s ``scan_layers``),
-    #: so that compile time does not grow with depth. Only ``backend=xla`` can; the math is unchanged.
+    #: Run the layers as one compiled loop over stacked weights (``torch_xla``'s ``scan``), so that
+    #: compile time does not grow with depth. Only ``backend=xla`` can; the math is unchanged.
     scan_layers: bool = False
 
     def validate(self, dim: int, key: str) -> None:

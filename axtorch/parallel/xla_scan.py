@@ -29,6 +29,8 @@ from torch_xla.experimental.scan import scan
 
 from axtorch.layers.transformer import Decoder, TransformerLayerInput, add_aux_loss
 
+#: A stacked weight: (its decoder's id, the parameter's name within a layer).
+StackKey = tuple[int, str]
 #: Where a scanned layer's parameter sits: (decoder, stacked name, layer index).
 Slot = tuple[int, str, int]
 
@@ -58,10 +60,10 @@ class LayerScan:
     """
 
     def __init__(self) -> None:
-        self.stacks: list[dict[str, torch.Tensor]] = []  # this step's training forwards
+        self.stacks: list[dict[StackKey, torch.Tensor]] = []  # this step's training forwards
         self.slots: dict[nn.Parameter, Slot] = {}  # the scanned layers' parameters
         self._templates: dict[int, _ScanStep] = {}  # per decoder: the layer the scan traces
-        self._stacked_grads: dict[tuple[int, str], torch.Tensor] = {}  # clipped, until the update
+        self._stacked_grads: dict[StackKey, torch.Tensor] = {}  # clipped, until the update
         self._indices: dict[int, torch.Tensor] = {}  # layer index -> the same on the device
 
     def __call__(
@@ -80,7 +82,7 @@ class LayerScan:
         if torch.is_grad_enabled():
             for tensor in stacked.values():
                 tensor.retain_grad()
-            self.stacks.append({f"{id(decoder)}.{name}": tensor for name, tensor in stacked.items()})
+            self.stacks.append({(id(decoder), name): tensor for name, tensor in stacked.items()})
             for index, layer in enumerate(parameters):
                 self.slots.update((param, (id(decoder), name, index)) for name, param in layer.items())
         if id(decoder) not in self._templates:  # a copy: tracing swaps its weights for the stacked slices
@@ -103,19 +105,18 @@ class LayerScan:
         ``step_optimizer`` hands each layer its slice.
         """
         stacks, self.stacks = self.stacks, []
-        stacked = {key: functools.reduce(operator.add, (_grad(stack[key]) for stack in stacks)) for key in stacks[0]}
+        keys = stacks[0] if stacks else {}
+        stacked = {key: functools.reduce(operator.add, (_grad(stack[key]) for stack in stacks)) for key in keys}
         grads = [p.grad for p in parameters if p.grad is not None and p not in self.slots]
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in [*grads, *stacked.values()]]))
         limit = max_norm if max_norm is not None else math.inf
         scale = torch.clamp(limit / (norm + 1e-6), max=1.0)
         for grad in grads:
             grad.mul_(scale)
-        self._stacked_grads = {}
+        self._stacked_grads = {key: grad * scale for key, grad in stacked.items()}
         for param in parameters:
             if param in self.slots:
                 param.grad = None
-                decoder, name, _ = self.slots[param]
-                self._stacked_grads[decoder, name] = stacked[f"{decoder}.{name}"] * scale
         return norm
 
     def step_optimizer(self, optimizer: torch.optim.Optimizer) -> None:

@@ -111,7 +111,7 @@ class ExperimentConfig:
                 "model.decoder.scan_layers",
                 True,
                 "false unless backend=xla",
-                reason=f"backend={self.backend.value} has no compiled loop over layers (torch_xla's scan_layers)",
+                reason=f"backend={self.backend.value} has no compiled loop over layers (torch_xla's scan)",
             )
         if self.backend is BackendKind.single:
             self.mesh.resolve(1, "mesh")  # distributed backends check the mesh against their world size
