@@ -59,7 +59,7 @@ class RowwiseFloat8Config(Float8Config):
     recipe: ClassVar[str] = "rowwise"
 
     def validate(self, key: str = "model.float8") -> None:
-        if _torch_version() < (2, 10) and not torch.cuda.is_available():
+        if torch.__version__ < "2.10" and not torch.cuda.is_available():  # TorchVersion: compares as versions
             raise ConfigError(
                 key,
                 "rowwise",
@@ -92,11 +92,6 @@ class Float8Linears:
             parent = model.get_submodule(parent_name)
             setattr(parent, child, linear_class.from_float(getattr(parent, child), config=torchao_config))
         return converted
-
-
-def _torch_version() -> tuple[int, int]:
-    major, minor = torch.__version__.split(".")[:2]
-    return int(major), int(minor)
 
 
 def _torchao_float8(recipe: str) -> tuple[Any, Any]:

@@ -60,15 +60,8 @@ class ExpertParallelCompute:
         self.gradient_scale = gradient_scale
 
     def __call__(self, experts: GroupedExperts, rows: torch.Tensor, counts: torch.Tensor | int) -> torch.Tensor:
-        if isinstance(counts, int):  # a capacity's buffer: that many rows, some empty, for every expert
-            counts = torch.full((experts.config.num_experts,), counts, dtype=torch.long, device=rows.device)
-        local = counts.numel() // self.size
-        # How many rows every process sends each of this process's experts: [processes, local experts].
-        incoming = torch.empty_like(counts)
-        dist.all_to_all_single(incoming, counts, group=self.group)
-        # Read once on the host: the splits of both exchanges, and the reordering below.
-        incoming_counts = incoming.view(self.size, local).tolist()
-        send = counts.view(self.size, local).sum(1).tolist()
+        local = experts.config.num_experts // self.size
+        incoming_counts, send = self._splits(counts, local)
         receive = [sum(row) for row in incoming_counts]
         received = _exchange(rows, send, receive, self.group)
         # Received rows come by sender, then by expert; the experts want them by expert, then by sender.
@@ -94,6 +87,15 @@ class ExpertParallelCompute:
         computed = torch.cat(outputs) if outputs else received[:0]
         back = torch.empty_like(computed).index_copy(0, order, computed)
         return _exchange(back, receive, send, self.group)
+
+    def _splits(self, counts: torch.Tensor | int, local: int) -> tuple[list[list[int]], list[int]]:
+        """How many rows every process sends each of this process's experts ([processes][local
+        experts]), and how many this process sends each process; read once on the host."""
+        if isinstance(counts, int):  # a capacity's buffer: every process sends every expert that many rows
+            return [[counts] * local] * self.size, [counts * local] * self.size
+        incoming = torch.empty_like(counts)
+        dist.all_to_all_single(incoming, counts, group=self.group)
+        return incoming.view(self.size, local).tolist(), counts.view(self.size, local).sum(1).tolist()
 
     def _local(self, weight: DTensor) -> torch.Tensor:
         """This process's experts, whole, of a stacked weight; their gradient summed and scaled."""

@@ -130,7 +130,7 @@ class ExperimentConfig:
                 self.mesh.model,
                 "1 with model.float8",
                 reason="tensor-parallel float8 linears need torchao's float8 parallel styles, which axtorch "
-                "does not apply; float8 composes with FSDP, HSDP and pipeline stages",
+                "does not apply; float8 composes with FSDP and pipeline stages",
             )
 
     def _validate_pipeline(self) -> None:
