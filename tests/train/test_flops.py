@@ -47,17 +47,26 @@ def test_measured_peak_agrees_with_an_independent_timing_and_physics() -> None:
     a = torch.randn(768, 768)
 
     def timed() -> float:
-        start = time.perf_counter()
-        for _ in range(4):
+        calls, start = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - start) < 0.2:
             torch.matmul(a, a)
-        return 4 * 2 * 768**3 / (time.perf_counter() - start)
+            calls += 1
+        return calls * 2 * 768**3 / elapsed
 
-    achieved = max(timed() for _ in range(4))  # the best of several: other load only slows a timing down
-    peak = max(measure_matmul_peak_flops(torch.device("cpu"), size=512, seconds=0.2) for _ in range(2))
+    # One thread each, taking turns, the best of several: under a parallel test run another worker
+    # shares the cores, and a multi-threaded matmul whose threads wait on a busy core measures its
+    # neighbour, not this machine.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        pairs = [(timed(), measure_matmul_peak_flops(torch.device("cpu"), size=512, seconds=0.2)) for _ in range(3)]
+    finally:
+        torch.set_num_threads(threads)
+    achieved, peak = max(p[0] for p in pairs), max(p[1] for p in pairs)
     # The same machine runs both, so they agree within a generous factor.
     assert achieved / 4 < peak < achieved * 4
     # No core does more than 64 fp32 FLOPs a cycle (two AVX-512 FMA units), nor runs above 6 GHz.
-    assert peak < torch.get_num_threads() * 64 * 6e9
+    assert peak < 64 * 6e9
 
 
 def test_measuring_the_peak_leaves_the_global_random_state_alone() -> None:
