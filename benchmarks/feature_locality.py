@@ -17,11 +17,18 @@ A feature is *local* when the only files outside its defining file that name it 
 Interop converters (``axtorch/interop/*``) are reported in their own column and do not count
 against locality: translating an external format necessarily names the features it maps.
 
-A second check, backend freedom, asserts that nothing under ``axtorch/layers/`` or
+A second check, family locality, does the same for the interop model families registered in
+``axtorch.interop.families.FAMILIES``: a family (an adapter object, e.g. ``MIXTRAL``) is local when
+no file besides its own (``families/mixtral.py``) and the family registry
+(``families/__init__.py``) names its adapter or its module, or special-cases it by comparing a
+value with its HF ``model_type`` or class name (``model_type == "mixtral"``). Adding a family is
+then one file and one registry line.
+
+A third check, backend freedom, asserts that nothing under ``axtorch/layers/`` or
 ``axtorch/models/`` imports (or reaches through an attribute) ``torch.distributed``,
 ``torch_xla`` or ``axtorch.parallel``: model code is single-device code, parallelised from outside.
 
-Importable: ``feature_reports()`` and ``backend_violations()`` return the data the tables print,
+Importable: ``feature_reports()``, ``family_reports()`` and ``backend_violations()`` return the data the tables print,
 and ``tests/test_feature_locality.py`` asserts on them.
 """
 
@@ -38,6 +45,7 @@ from typing import Optional
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "axtorch"
 REGISTRY_FILE = "axtorch/compose/registry.py"
+FAMILY_REGISTRY_FILE = "axtorch/interop/families/__init__.py"
 CONVERTER_DIR = "axtorch/interop/"
 BACKEND_FREE_DIRS = ("axtorch/layers/", "axtorch/models/")
 FORBIDDEN_IMPORTS = ("torch.distributed", "torch_xla", "axtorch.parallel")
@@ -86,6 +94,25 @@ class FeatureReport:
         """References that make the feature non-local: anything not registry, re-export or converter."""
         allowed = set(self.registry) | set(self.re_exports) | set(self.converters)
         return [r for r in self.references if r not in allowed]
+
+    @property
+    def is_local(self) -> bool:
+        return not self.non_local
+
+
+@dataclass
+class FamilyReport:
+    """One registered interop family: where its adapter is defined and who else names it."""
+
+    binding: str  # the adapter's module-level name, e.g. MIXTRAL
+    model_type: str
+    architecture: str
+    defining_file: str
+    references: list[Reference] = field(default_factory=list)  # outside the defining file
+
+    @property
+    def non_local(self) -> list[Reference]:
+        return [r for r in self.references if r.file != FAMILY_REGISTRY_FILE]
 
     @property
     def is_local(self) -> bool:
@@ -273,6 +300,70 @@ def feature_reports(files: Optional[list[ParsedFile]] = None) -> list[FeatureRep
     return reports
 
 
+def _family_bindings() -> dict[str, tuple[object, str]]:
+    """{adapter's module-level name: (adapter, defining file)} for every registered family."""
+    import importlib
+
+    from axtorch.interop.families import FAMILIES
+
+    bindings: dict[str, tuple[object, str]] = {}
+    for path in sorted((REPO_ROOT / FAMILY_REGISTRY_FILE).parent.glob("*.py")):
+        if path.name == "__init__.py":
+            continue
+        module = importlib.import_module(_module_name(_relative(path)))
+        tree = ast.parse(path.read_text())
+        assigned = {
+            target.id
+            for node in tree.body
+            if isinstance(node, ast.Assign)
+            for target in node.targets
+            if isinstance(target, ast.Name)
+        }
+        for name in assigned:
+            if any(getattr(module, name) is family for family in FAMILIES):
+                bindings[name] = (getattr(module, name), _relative(path))
+    missing = [family.model_type for family in FAMILIES if all(family is not value for value, _ in bindings.values())]
+    if missing:
+        raise RuntimeError(f"registered families not assigned in a module of their own: {missing}")
+    return bindings
+
+
+def _compared_strings(parsed: ParsedFile) -> Iterator[tuple[str, int]]:
+    """String constants a comparison tests against (``x == "mixtral"``, ``x in ("a", "b")``)."""
+    for node in ast.walk(parsed.tree):
+        if isinstance(node, ast.Compare):
+            for operand in [node.left, *node.comparators]:
+                for inner in ast.walk(operand):
+                    if isinstance(inner, ast.Constant) and isinstance(inner.value, str):
+                        yield inner.value, node.lineno
+
+
+def family_reports(files: Optional[list[ParsedFile]] = None) -> list[FamilyReport]:
+    files = files if files is not None else [parse(p) for p in source_files()]
+    bindings = _family_bindings()
+    reports = []
+    for binding, (family, defining_file) in bindings.items():
+        report = FamilyReport(binding, family.model_type, family.architecture, defining_file)  # type: ignore[attr-defined]
+        module = _module_name(defining_file)
+        for parsed in files:
+            if parsed.path == defining_file:
+                continue
+            report.references += [
+                Reference(parsed.path, line, target, is_import=True)
+                for target, line in parsed.imports
+                if target == module or target.startswith(module + ".")
+            ]
+            report.references += [
+                Reference(parsed.path, line, value, is_import=False)
+                for value, line in _compared_strings(parsed)
+                if value in (report.model_type, report.architecture)
+            ]
+            report.references += [ref for ref in references(parsed, {binding}) if not ref.is_import]
+        report.references = sorted(set(report.references), key=lambda r: (r.file, r.line, r.name))
+        reports.append(report)
+    return reports
+
+
 def backend_violations(files: Optional[list[ParsedFile]] = None) -> list[str]:
     """``file:line target`` for every layers/models import or attribute chain into a parallel backend."""
     files = files if files is not None else [parse(p) for p in source_files()]
@@ -325,9 +416,24 @@ def locality_table(reports: list[FeatureReport]) -> str:
     return "\n".join(rows)
 
 
+def family_table(reports: list[FamilyReport]) -> str:
+    rows = [
+        "| family (model_type: HF class) | adapter | defined in | references outside it and the registry | verdict |",
+        "|---|---|---|---|---|",
+    ]
+    for r in reports:
+        other = ", ".join(f"{ref} {ref.name}" for ref in r.non_local) or "-"
+        rows.append(
+            f"| {r.model_type}: {r.architecture} | {r.binding} | {r.defining_file} | {other} "
+            f"| {'local' if r.is_local else 'NOT LOCAL'} |"
+        )
+    return "\n".join(rows)
+
+
 def main() -> int:
     files = [parse(p) for p in source_files()]
     reports = feature_reports(files)
+    families = family_reports(files)
     _, empty = registered_features()
     violations = backend_violations(files)
 
@@ -338,13 +444,18 @@ def main() -> int:
     local = sum(r.is_local for r in reports)
     print(f"\n{local}/{len(reports)} local. (n): how many references (names imported or used) that file holds.")
 
+    local_families = sum(r.is_local for r in families)
+    print(f"\n## Family locality ({len(families)} interop families registered in {FAMILY_REGISTRY_FILE})\n")
+    print(family_table(families))
+    print(f"\n{local_families}/{len(families)} local.")
+
     print(
         "\n## Backend freedom "
         "(axtorch/layers/, axtorch/models/ import no torch.distributed, torch_xla, axtorch.parallel)\n"
     )
     print("| check | result |\n|---|---|")
     print(f"| backend-free | {'yes' if not violations else 'NO: ' + '; '.join(violations)} |")
-    return 0 if local == len(reports) and not violations else 1
+    return 0 if local == len(reports) and local_families == len(families) and not violations else 1
 
 
 if __name__ == "__main__":

@@ -3,8 +3,8 @@
     python benchmarks/gpu_train.py [--model llama3_1b] [--seq-len 2048] [--batch 4] [--steps 20] [--no-compile]
 
 The model is an axtorch preset (``conf/model``); HF's ``LlamaForCausalLM`` is built from the
-same config (``llama_config_to_hf``) with the same weights. Each step is forward, loss, backward
-and a fused AdamW update, with float32 master weights and bf16 autocast, both models compiled
+same config (the Llama family adapter, ``interop.families.llama``) with the same weights. Each
+step is forward, loss, backward and a fused AdamW update, with float32 master weights and bf16 autocast, both models compiled
 with ``torch.compile``. axtorch runs its default loss (the head fused with the cross-entropy,
 ``loss.chunk_size``); HF runs its own. MFU is model FLOPs (6N plus attention, PaLM appendix B)
 per second over the chip's datasheet bf16 dense peak (``axtorch.train.peak_flops``).
@@ -24,7 +24,8 @@ import torch
 import transformers
 
 from axtorch.compose.experiment import load_experiment_config
-from axtorch.interop.hf_llama import axtorch_to_hf_state_dict, llama_config_to_hf
+from axtorch.interop.families.llama import LLAMA
+from axtorch.interop.families.llama_layout import axtorch_to_hf_state_dict
 from axtorch.train.flops import (
     active_non_embedding_parameters,
     measure_matmul_peak_flops,
@@ -45,7 +46,7 @@ def build(model_name: str, device: torch.device) -> tuple[torch.nn.Module, torch
         ours = config.build()
     ours.to_empty(device=device)
     ours.init_weights()
-    hf_config = transformers.LlamaConfig(**llama_config_to_hf(config))
+    hf_config = transformers.LlamaConfig(**LLAMA.config_to_hf(config))
     hf_config._attn_implementation = "sdpa"
     with torch.device("meta"):
         theirs = transformers.LlamaForCausalLM(hf_config)

@@ -46,7 +46,8 @@ def measure(implementation: str, seq_len: int, batch: int) -> dict[str, float]:
     import torch
     import transformers
 
-    from axtorch.interop.hf_llama import hf_to_axtorch_state_dict, llama_config_from_hf
+    from axtorch.interop.families import config_from_hf
+    from axtorch.interop.families.llama_layout import hf_to_axtorch_state_dict
     from axtorch.train.loss import CrossEntropyLossConfig, forward_with_loss
 
     torch.manual_seed(0)
@@ -55,7 +56,7 @@ def measure(implementation: str, seq_len: int, batch: int) -> dict[str, float]:
     hf_model = transformers.LlamaForCausalLM(hf_config)
     tokens = torch.randint(0, CONFIG["vocab_size"], (batch, seq_len + 1))
     if implementation.startswith("axtorch"):
-        model = llama_config_from_hf(hf_config).build()
+        model = config_from_hf(hf_config).build()
         model.load_state_dict(hf_to_axtorch_state_dict(hf_model.state_dict(), tie_embeddings=False))
         del hf_model
         # "axtorch": the default loss, the head fused with the cross-entropy in chunks of tokens;

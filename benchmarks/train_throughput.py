@@ -16,7 +16,8 @@ import time
 import torch
 import transformers
 
-from axtorch.interop.hf_llama import hf_to_axtorch_state_dict, llama_config_from_hf
+from axtorch.interop.families import config_from_hf
+from axtorch.interop.families.llama_layout import hf_to_axtorch_state_dict
 from axtorch.train.flops import measure_matmul_peak_flops, mfu, transformer_flops_per_token
 from axtorch.train.loss import CrossEntropyLossConfig, forward_with_loss
 
@@ -38,7 +39,7 @@ def build_models():
     hf_config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     hf_model = transformers.LlamaForCausalLM(hf_config)
-    ours = llama_config_from_hf(hf_config).build()
+    ours = config_from_hf(hf_config).build()
     ours.load_state_dict(hf_to_axtorch_state_dict(hf_model.state_dict(), tie_embeddings=False))
     return hf_model, ours
 

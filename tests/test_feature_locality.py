@@ -46,6 +46,33 @@ def test_every_registered_feature_is_local(tool, files):
     )
 
 
+def test_every_interop_family_is_one_file_and_one_registry_line(tool, files):
+    reports = tool.family_reports(files)
+    assert {r.model_type for r in reports} >= {"gpt2", "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"}
+    offenders = {f"{r.model_type} ({r.defining_file})": [f"{ref} {ref.name}" for ref in r.non_local] for r in reports}
+    assert not any(offenders.values()), f"families named outside their file and the family registry: {offenders}"
+
+
+def test_the_check_catches_code_special_casing_a_family(tool, files):
+    special_case = tool.parse_source(
+        "from axtorch.interop.families.mixtral import MIXTRAL\n"
+        "def experts(hf):\n"
+        "    if hf['model_type'] in ('qwen3_moe', 'other'):\n"
+        "        return 1\n"
+        "    return MIXTRAL\n",
+        "axtorch/interop/special_case.py",
+    )
+    reports = {r.model_type: r for r in tool.family_reports([*files, special_case])}
+    assert [str(ref) for ref in reports["qwen3_moe"].non_local] == ["axtorch/interop/special_case.py:3"]
+    # The import of its module (and of the adapter from it), and the use of the adapter.
+    assert [f"{ref} {ref.name}" for ref in reports["mixtral"].non_local] == [
+        "axtorch/interop/special_case.py:1 axtorch.interop.families.mixtral",
+        "axtorch/interop/special_case.py:1 axtorch.interop.families.mixtral.MIXTRAL",
+        "axtorch/interop/special_case.py:5 MIXTRAL",
+    ]
+    assert reports["qwen2"].is_local
+
+
 def test_every_feature_builds_an_axtorch_module(tool, files):
     """The check reads ``build``'s return annotation; a feature without one would escape half the check."""
     missing = [r.config_class.__name__ for r in tool.feature_reports(files) if r.module_class is None]

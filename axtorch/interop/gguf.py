@@ -1,10 +1,13 @@
-"""Load llama.cpp GGUF files of the ``llama``, ``qwen2`` and ``qwen3`` architectures: model, config, tokenizer.
+"""Load llama.cpp GGUF files: model, config, tokenizer.
 
 A GGUF file is translated into the HF representation of its family (config dict, parameter
-names, rotate-half Q/K rows) and built by ``hf_llama``, so one code path maps onto axtorch. What
-GGUF adds is undone here: quantised blocks are dequantised (``gguf.quants.dequantize``), shapes
-are stored innermost-first, and for ``llama`` files llama.cpp's converter reordered the Q/K rows
-for its interleaved RoPE. ``gguf_export`` writes such files.
+names, rotate-half Q/K rows) and built by that family's adapter (``interop.families``), so one
+code path maps onto axtorch. The families say which GGUF architectures they are
+(``GGUFLayout``): ``llama`` (Llama, Mistral with its window, Mixtral with experts), ``qwen2``,
+``qwen3``, ``qwen2moe``, ``qwen3moe``. What GGUF adds is undone here: quantised blocks are
+dequantised (``gguf.quants.dequantize``), shapes are stored innermost-first, and for ``llama``
+files llama.cpp's converter reordered the Q/K rows for its interleaved RoPE. ``gguf_export``
+writes such files.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ import torch
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
 from axtorch.data.tokenizer import Tokenizer
-from axtorch.interop.hf_llama import llama_config_from_hf, llama_model_from_hf_tensors
+from axtorch.interop.families import Family, gguf_architectures, gguf_families, model_from_hf_tensors
+from axtorch.interop.families.family import getter
 from axtorch.interop.sentencepiece_vocab import sentencepiece_bpe
 from axtorch.layers.position import Llama3RotaryEmbeddingConfig, RotaryEmbeddingConfig
 from axtorch.models.causal_lm import CausalLM, CausalLMConfig
@@ -40,10 +44,25 @@ LAYER_NAMES = {
     "ffn_norm": "post_attention_layernorm",
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
+    # Mixtures of experts: the router, the stacked experts [E, ...] (canonical HF names, which
+    # have no suffix: see ``families.experts``) and Qwen2-MoE's gated shared expert.
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
-#: ``general.architecture`` -> the HF ``model_type`` of the same network. Only ``llama`` files
-#: carry interleaved Q/K rows: llama.cpp runs the others with rotate-half (NeoX) RoPE.
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+#: GGUF tensors that are stacked experts: HF's canonical names for them carry no ``.weight``.
+STACKED_EXPERTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+#: llama.cpp stores the shared expert's gate as a vector, HF as a [1, dim] matrix.
+SHARED_EXPERT_GATE = "ffn_gate_inp_shexp"
+#: ``tokenizer.ggml.model`` values: llama.cpp names its tokenizer kinds after the models that
+#: brought them (GPT-2's byte-level BPE, Llama's SentencePiece), whatever the file's architecture.
+BYTE_LEVEL_BPE_TOKENIZER = "gpt2"
+SENTENCEPIECE_TOKENIZER = "llama"
 #: Llama 3.1's per-pair RoPE frequency divisors, as llama.cpp stores them.
 ROPE_FACTORS = "rope_freqs.weight"
 GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -59,6 +78,37 @@ QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+#: DeepSeek LLM's letters: an optional space, then a run of cased letters (Latin, Greek, Cyrillic,
+#: Armenian, Georgian, Cherokee, letterlike symbols, full-width Latin, ...), one range list copied
+#: from its tokenizer.json. Written with escapes: the list holds compatibility characters (U+212A
+#: KELVIN SIGN, U+2126 OHM SIGN, ...) that a Unicode-normalising editor would silently rewrite.
+DEEPSEEK_LLM_LETTERS = (
+    "\\s?["
+    "A-Za-z\u00b5\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u01ba\u01bc-\u01bf\u01c4-\u0293\u0295-\u02af"
+    "\u0370-\u0373\u0376\u0377\u037b-\u037d\u037f\u0386\u0388-\u038a\u038c\u038e-\u03a1\u03a3-\u03f5"
+    "\u03f7-\u0481\u048a-\u052f\u0531-\u0556\u10a0-\u10c5\u13a0-\u13f5\u13f8-\u13fd\u1c90-\u1cba"
+    "\u1cbd-\u1cbf\u1d00-\u1d2b\u1d6b-\u1d77\u1d79-\u1d9a\u1e00-\u1f15\u1f18-\u1f1d\u1f20-\u1f45"
+    "\u1f48-\u1f4d\u1f50-\u1f57\u1f59\u1f5b\u1f5d\u1f5f-\u1f7d\u1f80-\u1fb4\u1fb6-\u1fbc\u1fbe"
+    "\u1fc2-\u1fc4\u1fc6-\u1fcc\u1fd0-\u1fd3\u1fd6-\u1fdb\u1fe0-\u1fec\u1ff2-\u1ff4\u1ff6-\u1ffc\u2102"
+    "\u2107\u210a-\u2113\u2115\u2119-\u211d\u2124\u2126\u2128\u212a-\u212d\u212f-\u2134\u2139"
+    "\u213c-\u213f\u2145-\u2149\u214e\u2183\u2184\u2c00-\u2c7b\u2c7e-\u2ce4\u2ceb-\u2cee\u2cf2\u2cf3"
+    "\ua640-\ua66d\ua680-\ua69b\ua722-\ua76f\ua771-\ua787\ua78b-\ua78e\uab70-\uabbf\ufb00-\ufb06"
+    "\ufb13-\ufb17\uff21-\uff3a\uff41-\uff5a\U00010400-\U0001044f\U000104b0-\U000104d3"
+    "\U000104d8-\U000104fb\U00010c80-\U00010cb2\U00010cc0-\U00010cf2\U000118a0-\U000118df"
+    "\U0001e900-\U0001e943"
+    "]+"
+)
+#: DeepSeek's punctuation: an optional space, then ASCII punctuation (the ranges also hold the
+#: ASCII letters, which the letters split has already isolated), full-width forms, curly quotes,
+#: the ideographic space and CJK full stops.
+DEEPSEEK_PUNCTUATION = "\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+"
+#: DeepSeek's CJK runs: CJK ideographs, everything from U+0800 up to them, and Hangul syllables.
+DEEPSEEK_CJK = "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+"
+#: DeepSeek LLM's (and V2's) splits, each applied to the pieces the one before left: newlines
+#: alone, letters, punctuation, trailing whitespace, CJK. Digits then go one by one.
+DEEPSEEK_LLM_SPLITS = ("[\r\n]", DEEPSEEK_LLM_LETTERS, DEEPSEEK_PUNCTUATION, r"\s+$", DEEPSEEK_CJK)
+#: DeepSeek Coder's splits: as DeepSeek LLM's, with any Unicode letters and punctuation.
+DEEPSEEK_CODER_SPLITS = ("[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", DEEPSEEK_CJK)
 
 
 def _byte_level(*first: pre_tokenizers.PreTokenizer, use_regex: bool = True) -> pre_tokenizers.PreTokenizer:
@@ -70,13 +120,26 @@ def _split(pattern: str) -> pre_tokenizers.PreTokenizer:
     return _byte_level(pre_tokenizers.Split(Regex(pattern), behavior="isolated"), use_regex=False)
 
 
-#: ``tokenizer.ggml.pre`` -> the pre-tokenizer llama.cpp applies before byte-level BPE: GPT-2's
-#: regex (``smollm`` splits every digit off first, as HF SmolLM2 does), or a regex of its own.
+def _splits_then_digits(*patterns: str) -> pre_tokenizers.PreTokenizer:
+    """Each pattern splits the pieces the one before left (tokenizer.json's ``Sequence``), then every digit alone."""
+    splits = [pre_tokenizers.Split(Regex(pattern), behavior="isolated") for pattern in patterns]
+    return _byte_level(*splits, pre_tokenizers.Digits(individual_digits=True), use_regex=False)
+
+
+#: ``tokenizer.ggml.pre`` -> the pre-tokenizer llama.cpp applies before byte-level BPE, built as the
+#: model's own tokenizer.json declares it: GPT-2's regex (``smollm`` and ``command-r`` split every
+#: digit off first), a regex of its own (``llama-bpe``, ``qwen2``), or DeepSeek's sequence of
+#: splits. Where llama.cpp's regex engine reads DeepSeek's differently (digit runs, spaces beyond
+#: U+0800) tokenizer.json wins; docs/interop.md lists the differences.
 PRE_TOKENIZERS = {
     "gpt-2": lambda: _byte_level(),
     "smollm": lambda: _byte_level(pre_tokenizers.Digits(individual_digits=True)),
     "llama-bpe": lambda: _split(LLAMA3_SPLIT),
     "qwen2": lambda: _split(QWEN2_SPLIT),
+    # After smollm, which GGUF export names for this same pre-tokenizer; llama.cpp splits both alike.
+    "command-r": lambda: _byte_level(pre_tokenizers.Digits(individual_digits=True)),
+    "deepseek-llm": lambda: _splits_then_digits(*DEEPSEEK_LLM_SPLITS),
+    "deepseek-coder": lambda: _splits_then_digits(*DEEPSEEK_CODER_SPLITS),
 }
 
 _REQUIRED = object()
@@ -85,23 +148,25 @@ _REQUIRED = object()
 def from_gguf(
     path: str | os.PathLike[str], dtype: torch.dtype = torch.float32
 ) -> tuple[CausalLM, CausalLMConfig, Tokenizer]:
-    """Load a ``llama``, ``qwen2`` or ``qwen3`` GGUF file with its byte-level BPE tokenizer.
+    """Load a GGUF file of a registered family's architecture, with its tokenizer.
 
     Weights are dequantised to float32, then cast to ``dtype``. Raises ``ValueError`` for
-    anything axtorch cannot represent (other architectures, RoPE scaling, experts, tokenizer kinds).
+    anything axtorch cannot represent (other architectures, RoPE scaling, tokenizer kinds).
     """
     reader = _reader(path)
     architecture = _metadata(reader, "general.architecture")
-    if architecture not in ARCHITECTURES:
+    if not gguf_families(architecture):
         raise ValueError(
-            f"{path}: GGUF general.architecture={architecture!r} is not supported; supported: {sorted(ARCHITECTURES)}"
+            f"{path}: GGUF general.architecture={architecture!r} is not supported; supported: {gguf_architectures()}"
         )
-    config = llama_config_from_hf(_hf_config(reader, architecture))
+    family, hf = _hf_config(reader, architecture)
+    config = family.config_from_hf(getter(hf))
     tokenizer = _tokenizer(reader)
     attention = config.decoder.layer.attention
-    interleaved = architecture == "llama"
+    assert family.gguf is not None  # gguf_families lists only families with a layout
+    interleaved = family.gguf.interleaved_qk
     tensors = _hf_tensors(reader, attention.num_heads, attention.resolved_kv_heads(), interleaved)
-    return llama_model_from_hf_tensors(config, tensors, dtype), config, tokenizer
+    return model_from_hf_tensors(family, config, tensors, dtype), config, tokenizer
 
 
 def tokenizer_from_gguf(path: str | os.PathLike[str]) -> Tokenizer:
@@ -132,8 +197,8 @@ def _metadata(reader: GGUFReader, key: str, default: Any = _REQUIRED) -> Any:
     return field.contents()
 
 
-def _hf_config(reader: GGUFReader, architecture: str) -> dict[str, Any]:
-    """The HF ``config.json`` dict equal in function to the GGUF's ``<architecture>.*`` metadata."""
+def _hf_config(reader: GGUFReader, architecture: str) -> tuple[Family, dict[str, Any]]:
+    """The family and HF ``config.json`` dict equal in function to the GGUF's ``<architecture>.*`` metadata."""
 
     def key(name: str, default: Any = _REQUIRED) -> Any:
         return _metadata(reader, f"{architecture}.{name}", default)
@@ -143,11 +208,6 @@ def _hf_config(reader: GGUFReader, architecture: str) -> dict[str, Any]:
         raise ValueError(
             f"GGUF {architecture}.rope.scaling.type={scaling_type!r} is not supported: "
             f"only unscaled RoPE and Llama 3's ({ROPE_FACTORS})"
-        )
-    experts = key("expert_count", 0)
-    if experts:
-        raise ValueError(
-            f"GGUF {architecture}.expert_count={experts} is not supported: no mixture-of-experts layers yet"
         )
     dim = key("embedding_length")
     num_heads = key("attention.head_count")
@@ -163,12 +223,12 @@ def _hf_config(reader: GGUFReader, architecture: str) -> dict[str, Any]:
     rope_scaling = None
     if ROPE_FACTORS in tensor_names:
         rope_scaling = _llama3_rope_scaling(_rope_factors(reader), rope_theta, head_dim)
-    return {
+    has_qkv_bias = "blk.0.attn_q.bias" in tensor_names
+    hf = {
         "rope_scaling": rope_scaling,
-        "model_type": ARCHITECTURES[architecture],
         "vocab_size": len(_metadata(reader, "tokenizer.ggml.tokens")),
         "hidden_size": dim,
-        "intermediate_size": key("feed_forward_length"),
+        "intermediate_size": key("feed_forward_length", None),
         "num_hidden_layers": key("block_count"),
         "num_attention_heads": num_heads,
         "num_key_value_heads": key("attention.head_count_kv", num_heads),
@@ -177,8 +237,17 @@ def _hf_config(reader: GGUFReader, architecture: str) -> dict[str, Any]:
         "rms_norm_eps": key("attention.layer_norm_rms_epsilon"),
         "rope_theta": rope_theta,
         "tie_word_embeddings": "output.weight" not in tensor_names,
-        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+        "attention_bias": has_qkv_bias,
+        "qkv_bias": has_qkv_bias,
     }
+    layouts = [(family, family.gguf) for family in gguf_families(architecture) if family.gguf is not None]
+    for _, layout in layouts:
+        hf.update(layout.config_fields(key))
+    held = [family for family, layout in layouts if layout.holds(hf)]
+    if not held:
+        names = ", ".join(family.architecture for family, _ in layouts)
+        raise ValueError(f"GGUF {architecture} metadata matches none of the families it may hold ({names})")
+    return held[0], {**hf, "model_type": held[0].model_type}
 
 
 def _rope_factors(reader: GGUFReader) -> torch.Tensor:
@@ -234,11 +303,12 @@ def _llama3_rope_scaling(factors: torch.Tensor, theta: float, head_dim: int) -> 
 def _hf_name(gguf_name: str) -> str:
     match = _LAYER_TENSOR.match(gguf_name)
     if match and match["name"] in LAYER_NAMES:
-        return f"model.layers.{match['i']}.{LAYER_NAMES[match['name']]}.{match['suffix']}"
+        suffix = "" if match["name"] in STACKED_EXPERTS else f".{match['suffix']}"
+        return f"model.layers.{match['i']}.{LAYER_NAMES[match['name']]}{suffix}"
     stem, _, suffix = gguf_name.rpartition(".")
     if stem in GLOBAL_NAMES and suffix in ("weight", "bias"):
         return f"{GLOBAL_NAMES[stem]}.{suffix}"
-    raise ValueError(f"GGUF tensor {gguf_name!r} has no counterpart in a plain Llama model")
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no counterpart in an axtorch model")
 
 
 def _halves_from_interleaved(rows: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -267,6 +337,8 @@ def _hf_tensors(
         if not values.flags.writeable:  # unquantised data is a read-only view of the memory map
             values = values.copy()
         weight = torch.from_numpy(values).reshape(tuple(int(n) for n in reversed(tensor.shape)))
+        if tensor.name.endswith(f"{SHARED_EXPERT_GATE}.weight"):
+            weight = weight.reshape(1, -1)
         if interleaved and ".q_proj." in name:
             weight = _halves_from_interleaved(weight, num_heads)
         elif interleaved and ".k_proj." in name:
@@ -280,7 +352,7 @@ def _tokenizer(reader: GGUFReader) -> Tokenizer:
     from gguf import TokenType
 
     kind = _metadata(reader, "tokenizer.ggml.model")
-    if kind == "llama":
+    if kind == SENTENCEPIECE_TOKENIZER:
         tokens = _metadata(reader, "tokenizer.ggml.tokens")
         inner = sentencepiece_bpe(
             tokens,
@@ -289,10 +361,10 @@ def _tokenizer(reader: GGUFReader) -> Tokenizer:
             bool(_metadata(reader, "tokenizer.ggml.add_space_prefix", True)),
         )
         return Tokenizer(inner, eos_token=tokens[_metadata(reader, "tokenizer.ggml.eos_token_id")])
-    if kind != "gpt2":
+    if kind != BYTE_LEVEL_BPE_TOKENIZER:
         raise ValueError(
-            f"GGUF tokenizer.ggml.model={kind!r} is not supported; supported: 'gpt2' (byte-level BPE), "
-            "'llama' (SentencePiece BPE)"
+            f"GGUF tokenizer.ggml.model={kind!r} is not supported; supported: {BYTE_LEVEL_BPE_TOKENIZER!r} "
+            f"(byte-level BPE), {SENTENCEPIECE_TOKENIZER!r} (SentencePiece BPE)"
         )
     pre = _metadata(reader, "tokenizer.ggml.pre", "gpt-2")
     if pre not in PRE_TOKENIZERS:

@@ -1,8 +1,9 @@
-"""Write a model and its tokenizer as a llama.cpp GGUF file (``llama`` or ``qwen3`` architecture).
+"""Write a model and its tokenizer as a llama.cpp GGUF file, in its family's GGUF architecture.
 
-The model goes through its HF representation (``llama_config_to_hf``, HF tensor names), the same
-path as ``to_hf``, and the reader's translation is inverted: GGUF metadata keys for the config,
-GGUF tensor names, llama.cpp's interleaved Q/K row order (``llama`` only), and quantisation. The
+The model goes through its HF representation (the family ``to_hf`` would write: its config
+dict, canonical HF tensor names), and the reader's translation is inverted: GGUF metadata keys
+for the config (the family's own through ``GGUFLayout.metadata``), GGUF tensor names, llama.cpp's
+interleaved Q/K row order (``llama`` files only), and quantisation. The
 tokenizer must be byte-level BPE with one of the pre-tokenizers the reader rebuilds
 (``gguf.PRE_TOKENIZERS``: GPT-2's, which axtorch trains, SmolLM's, Llama 3's, Qwen2's).
 """
@@ -20,17 +21,20 @@ import torch
 from tokenizers import models
 
 from axtorch.data.tokenizer import Tokenizer
+from axtorch.interop.families import family_for
+from axtorch.interop.families.family import GGUFLayout
+from axtorch.interop.families.llama_layout import axtorch_to_hf_state_dict
 from axtorch.interop.gguf import (
-    ARCHITECTURES,
+    BYTE_LEVEL_BPE_TOKENIZER,
     GLOBAL_NAMES,
     LAYER_NAMES,
     LLAMA3_ROPE_BANDS,
     PRE_TOKENIZERS,
     ROPE_FACTORS,
+    SHARED_EXPERT_GATE,
     interleaved_from_halves,
     rope_divisors,
 )
-from axtorch.interop.hf_llama import axtorch_to_hf_state_dict, llama_config_to_hf
 from axtorch.layers.position import RotaryEmbeddingConfig
 from axtorch.models.causal_lm import CausalLM
 
@@ -46,17 +50,18 @@ def to_gguf(model: CausalLM, tokenizer: Tokenizer, path: str | os.PathLike[str],
 
     ``dtype`` is one of ``GGUF_DTYPES`` for the weight matrices: ``q8_0`` is 32-value blocks with
     one f16 scale each, ``q4_0``/``q4_1``/``q5_0``/``q5_1`` llama.cpp's 4- and 5-bit blocks.
-    Raises ``ValueError``, before writing anything, for a model that llama.cpp's ``llama``
-    architecture cannot express or a tokenizer it cannot rebuild.
+    Raises ``ValueError``, before writing anything, for a model that no GGUF architecture of a
+    family can express or a tokenizer llama.cpp cannot rebuild.
     """
     import gguf
 
     if dtype not in GGUF_DTYPES:
         raise ValueError(f"GGUF dtype {dtype!r} is not supported; supported: {', '.join(GGUF_DTYPES)}")
-    hf = llama_config_to_hf(model.config)
-    architecture = _architecture(hf)
+    family = family_for(model.config)
+    hf = family.config_to_hf(model.config)
+    layout = _layout(family.gguf, hf)
     vocab = _tokenizer_fields(tokenizer, model.config.vocab_size)
-    writer = gguf.GGUFWriter(os.fspath(path), architecture)
+    writer = gguf.GGUFWriter(os.fspath(path), layout.architecture)
     writer.add_name("axtorch export")
     writer.add_file_type(
         gguf.LlamaFileType.ALL_F32 if dtype == "f32" else gguf.LlamaFileType[f"MOSTLY_{dtype.upper()}"]
@@ -68,6 +73,8 @@ def to_gguf(model: CausalLM, tokenizer: Tokenizer, path: str | os.PathLike[str],
     writer.add_embedding_length(hf["hidden_size"])
     writer.add_block_count(hf["num_hidden_layers"])
     writer.add_feed_forward_length(hf["intermediate_size"])
+    for name, value in layout.metadata(hf).items():
+        _add_metadata(writer, f"{layout.architecture}.{name}", value)
     writer.add_head_count(hf["num_attention_heads"])
     writer.add_head_count_kv(hf["num_key_value_heads"])
     writer.add_key_length(head_dim)
@@ -76,7 +83,7 @@ def to_gguf(model: CausalLM, tokenizer: Tokenizer, path: str | os.PathLike[str],
     writer.add_rope_freq_base(float(hf["rope_theta"]))
     writer.add_layer_norm_rms_eps(float(hf["rms_norm_eps"]))
     writer.add_vocab_size(model.config.vocab_size)
-    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_model(BYTE_LEVEL_BPE_TOKENIZER)
     writer.add_tokenizer_pre(vocab["pre"])
     writer.add_token_list(vocab["tokens"])
     writer.add_token_types(vocab["types"])
@@ -84,7 +91,7 @@ def to_gguf(model: CausalLM, tokenizer: Tokenizer, path: str | os.PathLike[str],
     writer.add_eos_token_id(tokenizer.eos_id)
     writer.add_bos_token_id(tokenizer.eos_id)  # axtorch packs documents after EOS, never a BOS
     writer.add_add_bos_token(False)
-    for name, array in _gguf_tensors(model, hf, interleaved=architecture == "llama"):
+    for name, array in _gguf_tensors(model, hf, interleaved=layout.interleaved_qk):
         _add_tensor(writer, name, array, dtype)
     if hf.get("rope_scaling") is not None:
         writer.add_tensor(ROPE_FACTORS, _rope_factors(model))
@@ -94,23 +101,31 @@ def to_gguf(model: CausalLM, tokenizer: Tokenizer, path: str | os.PathLike[str],
     writer.close()
 
 
-def _architecture(hf: dict[str, Any]) -> str:
-    """The GGUF architecture for the model's HF config; ValueError for what GGUF export cannot write."""
-    writable = ("llama", "qwen3")
-    if hf["model_type"] not in writable:
-        raise ValueError(
-            f"GGUF export writes the {' and '.join(writable)} architectures; this model needs HF "
-            f"model_type={hf['model_type']!r} (a sliding window or experts)"
-        )
+def _layout(layout: GGUFLayout | None, hf: dict[str, Any]) -> GGUFLayout:
+    """The model's GGUF layout; ValueError for what GGUF export cannot write."""
+    if layout is None:
+        raise ValueError(f"GGUF export: axtorch has no GGUF layout for HF model_type={hf['model_type']!r}")
+    refusal = layout.refuses(hf)
+    if refusal is not None:
+        raise ValueError(f"GGUF export: llama.cpp's {layout.architecture} cannot express {refusal}")
     scaling = hf.get("rope_scaling")
-    if scaling is not None and not (hf["model_type"] == "llama" and _is_released_llama3(scaling)):
+    if scaling is not None and not (layout.interleaved_qk and _is_released_llama3(scaling)):
         raise ValueError(
             f"GGUF export writes unscaled RoPE and Llama 3's released settings only; this model has "
             f"rope_scaling={scaling}"
         )
     if hf.get("attention_bias") or hf.get("mlp_bias"):
-        raise ValueError("GGUF export takes no attention or MLP biases")
-    return next(name for name, model_type in ARCHITECTURES.items() if model_type == hf["model_type"])
+        raise ValueError("GGUF export takes no attention biases on all four projections, nor MLP biases")
+    return layout
+
+
+def _add_metadata(writer: Any, key: str, value: Any) -> None:
+    if isinstance(value, bool):
+        writer.add_bool(key, value)
+    elif isinstance(value, int):
+        writer.add_uint32(key, value)
+    else:
+        writer.add_float32(key, float(value))
 
 
 def _is_released_llama3(scaling: dict[str, Any]) -> bool:
@@ -179,9 +194,14 @@ def _gguf_tensors(model: CausalLM, hf: dict[str, Any], interleaved: bool) -> Ite
     for name, tensor in axtorch_to_hf_state_dict(model.state_dict()).items():
         values = tensor.detach().to(device="cpu", dtype=torch.float32)
         stem, _, suffix = name.rpartition(".")
-        if stem.startswith("model.layers."):
+        if name.startswith("model.layers.") and name.split(".", 3)[3] in _GGUF_NAMES:  # stacked experts
+            _, _, index, module = name.split(".", 3)
+            gguf_name = f"blk.{index}.{_GGUF_NAMES[module]}.weight"
+        elif stem.startswith("model.layers."):
             _, _, index, module = stem.split(".", 3)
             gguf_name = f"blk.{index}.{_GGUF_NAMES[module]}.{suffix}"
+            if _GGUF_NAMES[module] == SHARED_EXPERT_GATE:
+                values = values.flatten()
         else:
             gguf_name = f"{_GLOBAL_GGUF_NAMES[stem]}.{suffix}"
         if interleaved and stem.endswith("q_proj"):

@@ -1,19 +1,17 @@
 """Read and write Hugging Face checkpoint directories (``config.json`` + safetensors).
 
-The name and config mapping of each family lives in its own module (``hf_llama`` for Llama,
-Mistral, Qwen2 and Qwen3; ``hf_gpt2``); this module picks the family and is the file layer:
-single-file and sharded safetensors, streamed one tensor at a time so that loading never holds a
-model twice.
+Each family's config and tensor mapping is its adapter in ``interop.families``, which also picks
+the family; this module is the file layer: single-file and sharded safetensors, streamed one
+tensor at a time so that loading never holds a model twice.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from functools import partial
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import tokenizers
 import torch
@@ -21,19 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from axtorch.data.tokenizer import Tokenizer
-from axtorch.interop.hf_gpt2 import (
-    gpt2_config_from_hf,
-    gpt2_config_to_hf,
-    gpt2_model_from_hf_tensors,
-    gpt2_state_dict_to_hf,
-)
-from axtorch.interop.hf_llama import (
-    axtorch_to_hf_state_dict,
-    llama_config_from_hf,
-    llama_config_to_hf,
-    llama_family,
-    llama_model_from_hf_tensors,
-)
+from axtorch.interop.families import config_from_hf, family_for, hf_family, model_from_hf_tensors
 from axtorch.models.causal_lm import CausalLM, CausalLMConfig
 
 CONFIG_FILE = "config.json"
@@ -41,16 +27,6 @@ WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
 #: transformers' default ``max_shard_size`` ("5GB").
 DEFAULT_MAX_SHARD_BYTES = 5_000_000_000
-
-_ConfigReader = Callable[[Mapping[str, Any]], CausalLMConfig]
-_ModelReader = Callable[[CausalLMConfig, Iterable[tuple[str, torch.Tensor]], torch.dtype], CausalLM]
-_ConfigWriter = Callable[[CausalLMConfig], dict[str, Any]]
-_TensorWriter = Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]]
-
-#: HF ``model_type`` -> the family's config and tensor readers. Any other type goes to the Llama
-#: family, whose config mapping names the types it supports.
-_READERS: dict[str, tuple[_ConfigReader, _ModelReader]] = {"gpt2": (gpt2_config_from_hf, gpt2_model_from_hf_tensors)}
-_LLAMA_READERS = (llama_config_from_hf, llama_model_from_hf_tensors)
 
 
 def hf_tokenizer(directory: str | os.PathLike[str]) -> tuple[Tokenizer, Optional[str]]:
@@ -87,24 +63,16 @@ def save_hf_tokenizer(tokenizer: Tokenizer, directory: str | os.PathLike[str]) -
 
 
 def from_hf(directory: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> tuple[CausalLM, CausalLMConfig]:
-    """Load a HF GPT-2, Llama, Mistral, Qwen2, Qwen3, Mixtral or Qwen3-MoE checkpoint directory.
+    """Load a HF checkpoint directory of any registered family (``interop.families.FAMILIES``).
 
     Tensors are read in the checkpoint's dtype and cast to ``dtype``. Raises ``ValueError`` for a
     model type or config feature axtorch cannot represent.
     """
     directory = Path(directory)
     hf_config = json.loads((directory / CONFIG_FILE).read_text())
-    config_from_hf, model_from_hf_tensors = _READERS.get(hf_config.get("model_type"), _LLAMA_READERS)
     config = config_from_hf(hf_config)
-    return model_from_hf_tensors(config, _read_safetensors(directory), dtype), config
-
-
-def _writers(config: CausalLMConfig) -> tuple[_ConfigWriter, _TensorWriter]:
-    """GPT-2's for a model with absolute position embeddings, the Llama families' for any other."""
-    if config.position_embedding is not None:
-        return gpt2_config_to_hf, gpt2_state_dict_to_hf
-    # The family decides how a mixture of experts' tensors are laid out (Mixtral's or Qwen3-MoE's names).
-    return llama_config_to_hf, partial(axtorch_to_hf_state_dict, model_type=llama_family(config))
+    family = hf_family(hf_config)
+    return model_from_hf_tensors(family, config, _read_safetensors(directory), dtype), config
 
 
 def _weight_files(directory: Path) -> list[Path]:
@@ -134,19 +102,18 @@ def to_hf(
 ) -> None:
     """Write ``model`` as a checkpoint that ``transformers`` loads as is.
 
-    A model with absolute position embeddings is written as ``GPT2LMHeadModel``. Any other is
-    ``LlamaForCausalLM`` unless it needs another family: a sliding window gives
-    ``MistralForCausalLM``, QK-norm ``Qwen3ForCausalLM``, a mixture of experts
-    ``MixtralForCausalLM`` or (with QK-norm) ``Qwen3MoeForCausalLM`` (see ``llama_config_to_hf``).
-    ``dtype`` defaults to the model's. Weights over ``max_shard_bytes`` are split into
-    ``model-0000i-of-0000n.safetensors`` files plus an index. An earlier export in ``directory``
-    is replaced. Raises ``ValueError`` (before writing anything) if no such family can express the model.
+    The family is the first registered one that can express the model (``families.family_for``:
+    GPT-2 for absolute position embeddings, else Llama unless the model needs more, e.g. Mistral
+    for a sliding window, Qwen3 for QK-norm, Mixtral for experts). ``dtype`` defaults to the
+    model's. Weights over ``max_shard_bytes`` are split into ``model-0000i-of-0000n.safetensors``
+    files plus an index. An earlier export in ``directory``
+    is replaced. Raises ``ValueError`` (before writing anything) if no family can express the model.
     """
-    config_to_hf, state_dict_to_hf = _writers(model.config)
-    hf_config = config_to_hf(model.config)
+    family = family_for(model.config)
+    hf_config = family.config_to_hf(model.config)
     dtype = dtype or next(model.parameters()).dtype
     hf_config["torch_dtype"] = str(dtype).removeprefix("torch.")
-    state = state_dict_to_hf(model.state_dict())
+    state = family.tensors_to_hf(model.config, model.state_dict())
     shards = _plan_shards(state, dtype.itemsize, max_shard_bytes)
 
     directory = Path(directory)

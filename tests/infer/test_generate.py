@@ -12,7 +12,8 @@ from axtorch.data.tokenizer import train_byte_level_bpe
 from axtorch.infer.cpu_weights import PackedLinear, pack_linears, quantize_int8
 from axtorch.infer.generate import generate, generate_ids
 from axtorch.infer.sampling import SamplingConfig, apply_penalties, sample_next_token
-from axtorch.interop.hf_llama import hf_to_axtorch_state_dict, llama_config_from_hf
+from axtorch.interop.families import config_from_hf
+from axtorch.interop.families.llama_layout import hf_to_axtorch_state_dict
 from axtorch.layers.linear import Linear
 from axtorch.models import CausalLMInput
 from axtorch.train.trainer import Trainer, build_model
@@ -158,7 +159,7 @@ def test_greedy_generation_equals_transformers_generate():
     )
     torch.manual_seed(0)
     hf_model = transformers.LlamaForCausalLM(hf_config).eval()
-    ours = llama_config_from_hf(hf_config).build()
+    ours = config_from_hf(hf_config).build()
     ours.load_state_dict(hf_to_axtorch_state_dict(hf_model.state_dict(), tie_embeddings=False))
     ours.eval()
     ids = generate_ids(ours, PROMPTS, 10)

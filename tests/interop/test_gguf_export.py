@@ -81,10 +81,12 @@ def test_transformers_reads_the_exported_tokenizer_as_it_was(tmp_path, tokenizer
         assert theirs(text, add_special_tokens=False).input_ids == tokenizer.encode(text), text
 
 
-def test_what_the_llama_architecture_cannot_express_is_refused_before_writing(tmp_path, tokenizer):
-    sliding = _model(tokenizer, "model=mistral_tiny")
-    with pytest.raises(ValueError, match="needs HF model_type='mistral'"):
-        to_gguf(sliding, tokenizer, tmp_path / "mistral.gguf")
+def test_what_no_gguf_architecture_can_express_is_refused_before_writing(tmp_path, tokenizer):
+    with pytest.raises(ValueError, match="no GGUF layout for HF model_type='gpt2'"):
+        to_gguf(_model(tokenizer, "model=gpt2_tiny"), tokenizer, tmp_path / "gpt2.gguf")
+    unnormalised = _model(tokenizer, "model=qwen3_moe_tiny", "model.decoder.layer.feed_forward.router.normalize_top_k=false")
+    with pytest.raises(ValueError, match="qwen3moe cannot express top-k weights that are not renormalised"):
+        to_gguf(unnormalised, tokenizer, tmp_path / "qwen3moe.gguf")
     with pytest.raises(ValueError, match="GGUF dtype 'q4_k' is not supported; supported: f32, f16, bf16, q8_0"):
         to_gguf(_model(tokenizer), tokenizer, tmp_path / "q4.gguf", "q4_k")
     assert not list(tmp_path.iterdir())

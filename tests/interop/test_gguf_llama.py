@@ -217,7 +217,7 @@ def test_tokenizer_keeps_control_tokens_whole_and_decodes_exactly(tmp_path):
         (dict(architecture="gemma2"), "general.architecture='gemma2'"),
         (dict(rope_scaling=gguf.RopeScalingType.LINEAR), "llama.rope.scaling.type='linear'"),
         (dict(tokenizer_model="bert"), "tokenizer.ggml.model='bert'"),
-        (dict(pre="deepseek-llm"), "tokenizer.ggml.pre='deepseek-llm'"),
+        (dict(pre="falcon"), "tokenizer.ggml.pre='falcon'"),
         (
             dict(extra_tensors=[("rope_freqs.weight", np.linspace(1, 3, 8, dtype=np.float32))]),
             "'rope_freqs.weight' holds RoPE frequency divisors that are not Llama 3's",

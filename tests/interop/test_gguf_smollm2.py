@@ -20,7 +20,7 @@ import torch
 from axtorch.infer.generate import generate
 from axtorch.infer.sampling import SamplingConfig
 from axtorch.interop import from_gguf
-from axtorch.interop.hf_llama import axtorch_to_hf_name
+from axtorch.interop.families.llama_layout import axtorch_to_hf_name
 from axtorch.models import CausalLMInput
 
 pytest.importorskip("gguf")

@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 from axtorch.infer.generate import generate_ids
 from axtorch.infer.sampling import SamplingConfig
 from axtorch.interop import from_hf, to_hf
-from axtorch.interop.hf_gpt2 import gpt2_config_from_hf
+from axtorch.interop.families import config_from_hf
 from axtorch.layers.attention_mask import SlidingWindowMaskConfig
 from axtorch.layers.feed_forward import GatedFeedForwardConfig
 from axtorch.layers.linear import LinearConfig
@@ -142,7 +142,7 @@ def test_from_hf_refuses_gpt2_flags_axtorch_cannot_represent(fields, message, tm
 
 
 def _tiny_gpt2_config():
-    return gpt2_config_from_hf({"model_type": "gpt2", **SHAPE})
+    return config_from_hf({"model_type": "gpt2", **SHAPE})
 
 
 def _set(path, value):

@@ -1,4 +1,4 @@
-"""Mixtral and Qwen3-MoE checkpoints <-> axtorch's mixture of experts: the same logits in float64 at each hop.
+"""Mixtral, Qwen2-MoE and Qwen3-MoE checkpoints <-> axtorch's mixture of experts: the same logits in float64 at each hop.
 
 Tiny HF models with random weights are saved in each layout transformers reads (the hub's
 per-expert tensors, which ``save_pretrained`` writes by default, and transformers 5's fused
@@ -15,12 +15,13 @@ transformers = pytest.importorskip("transformers")
 
 from axtorch.compose.experiment import load_experiment_config
 from axtorch.interop import from_hf, to_hf
-from axtorch.interop.hf_llama import llama_config_from_hf
+from axtorch.interop.families import config_from_hf
 from axtorch.layers.attention_mask import CausalMaskConfig, SlidingWindowMaskConfig
 from axtorch.layers.mixture_of_experts import Gating, MixtureOfExpertsConfig
 from axtorch.models.causal_lm import CausalLMInput
 
 mixtral = transformers.models.mixtral.modeling_mixtral
+qwen2_moe = transformers.models.qwen2_moe.modeling_qwen2_moe
 qwen3_moe = transformers.models.qwen3_moe.modeling_qwen3_moe
 
 SHAPE = dict(
@@ -48,6 +49,13 @@ CASES = {
         False,
         dict(num_experts=4, moe_intermediate_size=24, head_dim=16, norm_topk_prob=False),
         "Qwen3MoeForCausalLM",
+    ),
+    # Routed experts plus a sigmoid-gated shared expert, biases on q/k/v only.
+    "qwen2_moe": (
+        transformers.Qwen2MoeConfig,
+        False,
+        dict(num_experts=4, moe_intermediate_size=24, shared_expert_intermediate_size=40, norm_topk_prob=False),
+        "Qwen2MoeForCausalLM",
     ),
     "qwen3_moe-normalised-window": (
         transformers.Qwen3MoeConfig,
@@ -80,8 +88,7 @@ def float64_hf_moe(monkeypatch):
             values = values / values.sum(-1, keepdim=True)
         return logits, values, indices
 
-    for module in (mixtral, qwen3_moe):
-        prefix = "Mixtral" if module is mixtral else "Qwen3Moe"
+    for module, prefix in ((mixtral, "Mixtral"), (qwen2_moe, "Qwen2Moe"), (qwen3_moe, "Qwen3Moe")):
         monkeypatch.setattr(getattr(module, f"{prefix}RMSNorm"), "forward", rms_norm)
         monkeypatch.setattr(getattr(module, f"{prefix}TopKRouter"), "forward", router)
 
@@ -95,7 +102,7 @@ def _hf_model(case, **overrides):
     model = transformers.AutoModelForCausalLM.from_config(config).double().eval()
     with torch.no_grad():  # HF initialises norms to 1 and may start routers at 0: make every weight matter
         for name, param in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name or name.endswith("bias"):
                 param.add_(0.1 * torch.randn_like(param))
             elif name.endswith("mlp.gate.weight"):
                 param.copy_(torch.randn_like(param))
@@ -190,7 +197,7 @@ def test_load_balancing_loss_is_hf_mixtral_loss_per_layer_summed(num_layers, tmp
 
 
 def test_from_hf_maps_the_router_fields():
-    mixtral_config = llama_config_from_hf(
+    mixtral_config = config_from_hf(
         {**SHAPE, "model_type": "mixtral", "num_local_experts": 8, "router_aux_loss_coef": 0.02}
     )
     feed_forward = mixtral_config.decoder.layer.feed_forward
@@ -199,7 +206,7 @@ def test_from_hf_maps_the_router_fields():
     assert mixtral_config.decoder.layer.attention.query_norm is None
     # transformers 5 writes num_local_experts for Qwen3-MoE too; the hub's files say num_experts.
     for experts_key in ("num_experts", "num_local_experts"):
-        qwen = llama_config_from_hf(
+        qwen = config_from_hf(
             {
                 **SHAPE,
                 "model_type": "qwen3_moe",
@@ -222,7 +229,8 @@ def test_from_hf_maps_the_router_fields():
         ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise=0.1"),
         ("qwen3_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step=2"),
         ("qwen3_moe", {"mlp_only_layers": [0]}, "mlp_only_layers=[0]"),
-        ("qwen2_moe", {}, "model_type='qwen2_moe'"),
+        ("qwen2_moe", {"use_sliding_window": True, "max_window_layers": 2}, "mixing full_attention and sliding"),
+        ("deepseek_v3", {}, "model_type='deepseek_v3' is not supported"),
     ],
 )
 def test_from_hf_refuses_what_axtorch_cannot_represent(model_type, fields, message, tmp_path):
@@ -232,9 +240,7 @@ def test_from_hf_refuses_what_axtorch_cannot_represent(model_type, fields, messa
 
 
 def _tiny_moe_config(model_type="mixtral"):
-    return llama_config_from_hf(
-        {**SHAPE, "model_type": model_type, "num_local_experts": 4, "moe_intermediate_size": 24}
-    )
+    return config_from_hf({**SHAPE, "model_type": model_type, "num_local_experts": 4, "moe_intermediate_size": 24})
 
 
 @pytest.mark.parametrize(

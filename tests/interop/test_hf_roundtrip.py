@@ -9,7 +9,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from axtorch.interop import from_hf, to_hf
-from axtorch.interop.hf_llama import llama_config_from_hf
+from axtorch.interop.families import config_from_hf
 from axtorch.layers.attention_mask import CausalMaskConfig, SlidingWindowMaskConfig
 from axtorch.layers.feed_forward import MLPFeedForwardConfig
 from axtorch.layers.linear import LinearConfig
@@ -79,8 +79,13 @@ CASES = {
     ),
     "mistral": ("mistral", False, dict(sliding_window=None), "LlamaForCausalLM"),
     "mistral-window": ("mistral", False, dict(sliding_window=5), "MistralForCausalLM"),
-    "qwen2-tied": ("qwen2", True, {}, None),
-    "qwen2-window": ("qwen2", False, dict(use_sliding_window=True, sliding_window=5, max_window_layers=0), None),
+    "qwen2-tied": ("qwen2", True, {}, "Qwen2ForCausalLM"),
+    "qwen2-window": (
+        "qwen2",
+        False,
+        dict(use_sliding_window=True, sliding_window=5, max_window_layers=0),
+        "Qwen2ForCausalLM",
+    ),
     "qwen3-tied": ("qwen3", True, dict(head_dim=16), "Qwen3ForCausalLM"),
     "qwen3-window-biases": (
         "qwen3",
@@ -201,7 +206,7 @@ def test_from_hf_maps_each_feature_to_its_config(case):
         "num_attention_heads": 8,
         **fields,
     }
-    attention = llama_config_from_hf(config).decoder.layer.attention
+    attention = config_from_hf(config).decoder.layer.attention
     for name, value in {"mask": CausalMaskConfig(), "query_norm": None, "key_norm": None, **expected}.items():
         assert getattr(attention, name) == value, name
 
@@ -246,7 +251,7 @@ def test_from_hf_refuses_what_axtorch_cannot_represent(family, fields, message, 
 
 
 def _tiny_llama_config():
-    return llama_config_from_hf({k: v for k, v in SHAPE.items() if k != "rope_theta"})
+    return config_from_hf({k: v for k, v in SHAPE.items() if k != "rope_theta"})
 
 
 def _sliding_window_with_attention_biases(config):
@@ -255,16 +260,22 @@ def _sliding_window_with_attention_biases(config):
     attention.qkv_projection = attention.output_projection = LinearConfig(bias=True)
 
 
+def _qkv_biases_with_query_key_norms(config):
+    attention = config.decoder.layer.attention
+    attention.qkv_projection = LinearConfig(bias=True)  # Qwen2's biases, but Qwen2 has no QK-norm
+    attention.query_norm = attention.key_norm = RMSNormConfig(eps=config.decoder.layer.norm.eps)
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
         (lambda c: setattr(c.decoder.layer, "norm", LayerNormConfig()), "LayerNormConfig"),
         (lambda c: setattr(c.decoder.layer, "feed_forward", MLPFeedForwardConfig(hidden_dim=160)), "gated MLP"),
         (lambda c: setattr(c.decoder.layer.attention, "position", NoPositionConfig()), "RoPE"),
-        (lambda c: setattr(c.decoder.layer.attention, "qkv_projection", LinearConfig(bias=True)), "q/k/v"),
+        (_qkv_biases_with_query_key_norms, "Qwen3ForCausalLM: bias on the q/k/v projections but not the output"),
         (lambda c: setattr(c.decoder.layer.attention, "query_norm", RMSNormConfig(eps=1e-5)), "query/key norms"),
         (lambda c: setattr(c.decoder.layer.attention, "key_norm", LayerNormConfig()), "query/key norms"),
-        (_sliding_window_with_attention_biases, "Mistral has no attention_bias"),
+        (_sliding_window_with_attention_biases, "MistralForCausalLM: attention biases"),
     ],
 )
 def test_to_hf_refuses_what_no_hf_family_can_express(change, message, tmp_path):

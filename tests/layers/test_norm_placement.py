@@ -6,7 +6,7 @@ import torch
 from axtorch.compose.experiment import load_experiment_config
 from axtorch.config.errors import ConfigError
 from axtorch.config.serialize import config_from_dict, config_to_dict
-from axtorch.interop.hf_llama import llama_config_to_hf
+from axtorch.interop.families.llama import LLAMA
 from axtorch.layers import (
     AttentionConfig,
     AttentionInput,
@@ -177,6 +177,6 @@ def test_residual_dropout_out_of_range_is_a_config_error_naming_the_key():
     ids=lambda o: o[0],
 )
 def test_hf_llama_export_refuses_what_llama_cannot_express(overrides):
-    llama_config_to_hf(load_experiment_config([]).model)  # the default, pre-norm, exports
-    with pytest.raises(ValueError, match="can express this model"):
-        llama_config_to_hf(load_experiment_config(overrides).model)
+    LLAMA.config_to_hf(load_experiment_config([]).model)  # the default, pre-norm, exports
+    with pytest.raises(ValueError, match="LlamaForCausalLM cannot express this model"):
+        LLAMA.config_to_hf(load_experiment_config(overrides).model)

@@ -8,7 +8,7 @@ from meta_presets import build_on_meta
 from axtorch.cli.plan import load_plan_inputs, main, plan
 from axtorch.compose.experiment import load_experiment_config
 from axtorch.config.errors import ConfigError
-from axtorch.interop.hf_gpt2 import gpt2_config_from_hf
+from axtorch.interop.families import config_from_hf
 from axtorch.interop.pretrained import check_same_architecture
 from axtorch.parallel.mesh import MeshConfig
 from axtorch.parallel.rules import resolve_parameter_specs
@@ -46,14 +46,14 @@ def _released_hf_config(preset):
 @pytest.mark.parametrize("preset", sorted(RELEASED))
 def test_preset_is_the_released_network_with_hf_s_exact_parameter_count(preset):
     config, model = build_on_meta(f"model={preset}")
-    check_same_architecture(config.model, gpt2_config_from_hf(_released_hf_config(preset)), f"hf:{preset}")
+    check_same_architecture(config.model, config_from_hf(_released_hf_config(preset)), f"hf:{preset}")
     assert sum(p.numel() for p in model.parameters()) == RELEASED[preset][1]
 
 
 def test_init_from_refuses_a_preset_whose_position_table_has_another_length():
     ours = load_experiment_config(["model=gpt2_124m", "model.max_seq_len=2048"]).model
     with pytest.raises(ConfigError, match=r"model\.max_seq_len=2048 vs 1024"):
-        check_same_architecture(ours, gpt2_config_from_hf(_released_hf_config("gpt2_124m")), "hf:gpt2")
+        check_same_architecture(ours, config_from_hf(_released_hf_config("gpt2_124m")), "hf:gpt2")
 
 
 @pytest.mark.parametrize("sharding", ["replicated", "fsdp", "fsdp_tp"])

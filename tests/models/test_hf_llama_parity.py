@@ -12,7 +12,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from axtorch.interop.hf_llama import hf_to_axtorch_name, hf_to_axtorch_state_dict, llama_config_from_hf
+from axtorch.interop.families import config_from_hf
+from axtorch.interop.families.llama_layout import hf_to_axtorch_name, hf_to_axtorch_state_dict
 from axtorch.layers.attention_mask import CausalMaskConfig
 from axtorch.layers.position import RotaryEmbeddingConfig
 from axtorch.models import CausalLMInput
@@ -92,7 +93,7 @@ def _family_config(case: str):
 
 
 def _ours(hf_config, hf_model):
-    config = llama_config_from_hf(hf_config)
+    config = config_from_hf(hf_config)
     model = config.build().double().eval()
     state = hf_to_axtorch_state_dict(hf_model.state_dict(), config.tie_embeddings)
     model.load_state_dict(state, strict=True)

@@ -4,7 +4,7 @@ import pytest
 from meta_presets import build_on_meta
 
 from axtorch.compose.experiment import load_experiment_config
-from axtorch.interop.hf_llama import llama_config_from_hf
+from axtorch.interop.families import config_from_hf
 from axtorch.interop.pretrained import check_same_architecture
 from axtorch.layers.attention_mask import SlidingWindowMaskConfig
 from axtorch.layers.norm import RMSNormConfig
@@ -170,4 +170,4 @@ RELEASED_HF_CONFIGS = {
 @pytest.mark.parametrize("preset", sorted(RELEASED_HF_CONFIGS))
 def test_preset_is_the_network_that_the_released_hf_config_imports_as(preset):
     ours = load_experiment_config([f"model={preset}"]).model
-    check_same_architecture(ours, llama_config_from_hf(RELEASED_HF_CONFIGS[preset]), f"hf:{preset}")
+    check_same_architecture(ours, config_from_hf(RELEASED_HF_CONFIGS[preset]), f"hf:{preset}")

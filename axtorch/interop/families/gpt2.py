@@ -13,12 +13,12 @@ cannot honour raises ``ValueError`` naming it.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 
-from axtorch.interop.assembly import model_from_state_dict
+from axtorch.interop.families.family import Family, Getter, NamedTensor, requirement
 from axtorch.layers.attention import AttentionConfig
 from axtorch.layers.attention_mask import CausalMaskConfig
 from axtorch.layers.feed_forward import Activation, MLPFeedForwardConfig
@@ -28,7 +28,7 @@ from axtorch.layers.position import NoPositionConfig
 from axtorch.layers.position_embedding import LearnedPositionEmbeddingConfig
 from axtorch.layers.residual import PreNormResidualConfig
 from axtorch.layers.transformer import DecoderConfig, TransformerLayerConfig
-from axtorch.models.causal_lm import CausalLM, CausalLMConfig
+from axtorch.models.causal_lm import CausalLMConfig
 
 #: ``GPT2Config``'s defaults, for the keys a ``config.json`` leaves out.
 _HF_DEFAULTS = {
@@ -86,18 +86,16 @@ _HF_BLOCK = re.compile(r"h\.(?P<i>\d+)\.(?P<rest>.+)")
 _AXTORCH_LAYER = re.compile(r"decoder\.layers\.(?P<i>\d+)\.(?P<rest>.+)")
 
 
-def gpt2_config_from_hf(hf: Mapping[str, Any]) -> CausalLMConfig:
-    """An axtorch config equal in function to a HF GPT-2 ``config.json`` dict."""
-    hf = {**_HF_DEFAULTS, **hf}
-    if hf.get("model_type") != "gpt2":
-        raise ValueError(f"HF config model_type={hf.get('model_type')!r} is not GPT-2's ('gpt2')")
-    if hf.get("quantization_config") is not None:
+def _config_from_hf(get: Getter) -> CausalLMConfig:
+    """An axtorch config equal in function to a HF GPT-2 config."""
+    hf = {key: get(key, default) for key, default in _HF_DEFAULTS.items()}
+    if get("quantization_config") is not None:
         raise ValueError("HF config quantization_config is set: quantized checkpoints are not supported")
-    unsupported = [flag for flag, value in _REQUIRED_FLAGS.items() if bool(hf.get(flag, value)) != value]
+    unsupported = {flag: get(flag, value) for flag, value in _REQUIRED_FLAGS.items() if bool(get(flag, value)) != value}
     if unsupported:
         raise ValueError(
             "HF config "
-            + ", ".join(f"{flag}={hf[flag]!r}" for flag in unsupported)
+            + ", ".join(f"{flag}={value!r}" for flag, value in unsupported.items())
             + " is not supported; supported: "
             + ", ".join(f"{flag}={_REQUIRED_FLAGS[flag]}" for flag in unsupported)
         )
@@ -138,15 +136,13 @@ def gpt2_config_from_hf(hf: Mapping[str, Any]) -> CausalLMConfig:
     )
 
 
-def _require(condition: bool, feature: str) -> None:
-    if not condition:
-        raise ValueError(f"HF GPT-2 cannot express this model: {feature}")
+_require = requirement("GPT2LMHeadModel")
 
 
-def gpt2_config_to_hf(config: CausalLMConfig) -> dict[str, Any]:
+def _config_to_hf(config: CausalLMConfig) -> dict[str, Any]:
     """A ``config.json`` dict for ``config`` as a HF ``GPT2LMHeadModel``.
 
-    ``ValueError`` naming the first feature GPT-2 lacks. Only exact config types are accepted: a
+    ``CannotExpress`` naming the first feature GPT-2 lacks. Only exact config types are accepted: a
     subclass may compute something else.
     """
     layer = config.decoder.layer
@@ -215,21 +211,18 @@ def _transposed_if_conv1d(hf_module: str, suffix: str, tensor: torch.Tensor) -> 
     return tensor.t() if hf_module in _CONV1D and suffix == "weight" else tensor
 
 
-def gpt2_state_dict_from_hf(
-    tensors: Iterable[tuple[str, torch.Tensor]], tie_embeddings: bool
-) -> dict[str, torch.Tensor]:
+def _tensors_from_hf(config: CausalLMConfig, tensors: Iterable[NamedTensor]) -> Iterator[NamedTensor]:
     """HF GPT-2 tensors under axtorch's names, with q/k/v split out of ``c_attn``.
 
     Names may carry the ``transformer.`` prefix (``save_pretrained``) or not (the original
     checkpoints); mask buffers and, when tied, the redundant ``lm_head.weight`` are dropped.
     """
-    converted = {}
     for name, tensor in tensors:
         local = name.removeprefix("transformer.")
         block = _HF_BLOCK.fullmatch(local)
         if block is None:
             module, _, suffix = local.rpartition(".")
-            if module == "lm_head" and tie_embeddings:
+            if module == "lm_head" and config.tie_embeddings:
                 continue
             target = _TOP_LEVEL.get(module)
         else:
@@ -241,16 +234,15 @@ def gpt2_state_dict_from_hf(
                 # Copies, so that each of q, k and v owns its storage as a parameter should.
                 parts = _transposed_if_conv1d(module, suffix, tensor).chunk(3)
                 for target, part in zip(_QKV, parts):
-                    converted[f"{layer}{target}.{suffix}"] = part.clone(memory_format=torch.contiguous_format)
+                    yield f"{layer}{target}.{suffix}", part.clone(memory_format=torch.contiguous_format)
                 continue
             target = layer + _IN_LAYER[module] if module in _IN_LAYER else None
         if target is None or suffix not in ("weight", "bias"):
             raise KeyError(f"no axtorch parameter corresponds to HF GPT-2 tensor {name!r}")
-        converted[f"{target}.{suffix}"] = _transposed_if_conv1d(module, suffix, tensor).contiguous()
-    return converted
+        yield f"{target}.{suffix}", _transposed_if_conv1d(module, suffix, tensor).contiguous()
 
 
-def gpt2_state_dict_to_hf(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _tensors_to_hf(config: CausalLMConfig, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """axtorch tensors under HF GPT-2's names as ``save_pretrained`` writes them, q/k/v fused into ``c_attn``."""
     top_level = {ours: hf for hf, ours in _TOP_LEVEL.items()}
     in_layer = {ours: hf for hf, ours in _IN_LAYER.items()}
@@ -278,9 +270,11 @@ def gpt2_state_dict_to_hf(state: Mapping[str, torch.Tensor]) -> dict[str, torch.
     return converted
 
 
-def gpt2_model_from_hf_tensors(
-    config: CausalLMConfig, tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype
-) -> CausalLM:
-    """Build ``config`` around HF-named ``tensors`` cast to ``dtype`` (lazily: see ``model_from_state_dict``)."""
-    state = gpt2_state_dict_from_hf(((name, tensor.to(dtype)) for name, tensor in tensors), config.tie_embeddings)
-    return model_from_state_dict(config, state)
+GPT2 = Family(
+    model_type="gpt2",
+    architecture="GPT2LMHeadModel",
+    config_from_hf=_config_from_hf,
+    config_to_hf=_config_to_hf,
+    tensors_from_hf=_tensors_from_hf,
+    tensors_to_hf=_tensors_to_hf,
+)

@@ -1,0 +1,103 @@
+"""Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): Qwen2 whose every MLP is routed SwiGLU experts plus
+one shared expert that every token uses, scaled per token by a sigmoid gate."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from axtorch.interop.families.experts import (
+    ExpertFormat,
+    aux_loss_coefficient,
+    every_layer_sparse,
+    gated_shared_expert,
+    moe_config,
+    routed_experts,
+)
+from axtorch.interop.families.family import Getter, GGUFLayout
+from axtorch.interop.families.llama_layout import (
+    attention_biases,
+    dense_feed_forward,
+    llama_layout_family,
+    mask_from_layer_types,
+    sliding_window,
+)
+from axtorch.layers.attention_mask import MaskConfig
+from axtorch.layers.feed_forward import Activation
+from axtorch.layers.mixture_of_experts import MixtureOfExpertsConfig
+from axtorch.models.causal_lm import CausalLMConfig
+
+
+def _read(get: Getter, activation: Activation) -> MixtureOfExpertsConfig:
+    every_layer_sparse(get)
+    shared = dense_feed_forward(get("shared_expert_intermediate_size", 5632), activation, bias=False)
+    return moe_config(
+        get,
+        activation,
+        num_experts=get("num_experts", 60),
+        top_k=get("num_experts_per_tok", 4),
+        hidden_dim=get("moe_intermediate_size", 1408),
+        normalize=bool(get("norm_topk_prob", False)),
+        shared_experts=shared,
+    )
+
+
+def _write(config: CausalLMConfig, require: Callable[[bool, str], None]) -> dict[str, Any]:
+    experts = routed_experts(config, require)
+    shared_width = gated_shared_expert(experts, require)
+    return {
+        "num_experts": experts.num_experts,
+        "num_experts_per_tok": experts.router.top_k,
+        "moe_intermediate_size": experts.hidden_dim,
+        "shared_expert_intermediate_size": shared_width,
+        "norm_topk_prob": experts.router.normalize_top_k,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "router_aux_loss_coef": aux_loss_coefficient(config, experts),
+    }
+
+
+def _mask(get: Getter) -> MaskConfig:
+    # With use_sliding_window, HF's Qwen2-MoE slides on alternate layers only: refused as mixed.
+    if not get("use_sliding_window", False):
+        return mask_from_layer_types(None, None)
+    num_layers, first_full = get("num_hidden_layers"), get("max_window_layers", 28)
+    layer_types = get("layer_types") or [
+        "sliding_attention" if (i + 1) % 2 and i < first_full else "full_attention" for i in range(num_layers)
+    ]
+    return mask_from_layer_types(get("sliding_window", 4096), layer_types)
+
+
+def _fields(config: CausalLMConfig, require: Callable[[bool, str], None]) -> dict[str, Any]:
+    qkv, output = attention_biases(config)
+    require(not output, "a bias on the attention output projection")
+    require(sliding_window(config) is None, "a sliding window (it slides on alternate layers only)")
+    return {"qkv_bias": qkv, "use_sliding_window": False}
+
+
+QWEN2_MOE = llama_layout_family(
+    "qwen2_moe",
+    "Qwen2MoeForCausalLM",
+    mask=_mask,
+    biases=lambda get: (bool(get("qkv_bias", True)), False, False),
+    fields=_fields,
+    experts=ExpertFormat(read=_read, write=_write),
+    # llama.cpp does not renormalise Qwen2-MoE's top-k weights, as the released models do not.
+    gguf=GGUFLayout(
+        "qwen2moe",
+        config_fields=lambda key: {
+            "num_experts": key("expert_count"),
+            "num_experts_per_tok": key("expert_used_count"),
+            "moe_intermediate_size": key("expert_feed_forward_length"),
+            "shared_expert_intermediate_size": key("expert_shared_feed_forward_length"),
+            "norm_topk_prob": False,
+        },
+        metadata=lambda hf: {
+            "expert_count": hf["num_experts"],
+            "expert_used_count": hf["num_experts_per_tok"],
+            "expert_feed_forward_length": hf["moe_intermediate_size"],
+            "expert_shared_feed_forward_length": hf["shared_expert_intermediate_size"],
+        },
+        refuses=lambda hf: "renormalised top-k weights" if hf["norm_topk_prob"] else None,
+    ),
+)

@@ -1,0 +1,94 @@
+"""Qwen3-MoE: Qwen3 whose every MLP is a mixture of SwiGLU experts (head size dim / heads by default)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from axtorch.interop.families.experts import (
+    ExpertFormat,
+    aux_loss_coefficient,
+    every_layer_sparse,
+    moe_config,
+    no_shared_experts,
+    routed_experts,
+)
+from axtorch.interop.families.family import Getter, GGUFLayout
+from axtorch.interop.families.llama_layout import (
+    attention_biases,
+    llama_biases,
+    llama_layout_family,
+    qwen_window_fields,
+    qwen_window_mask,
+    sliding_window,
+)
+from axtorch.layers.feed_forward import Activation
+from axtorch.layers.mixture_of_experts import MixtureOfExpertsConfig
+from axtorch.models.causal_lm import CausalLMConfig
+
+
+def _read(get: Getter, activation: Activation) -> MixtureOfExpertsConfig:
+    every_layer_sparse(get)
+    return moe_config(
+        get,
+        activation,
+        # config.json from transformers 5 says num_local_experts; the hub's files say num_experts.
+        num_experts=get("num_experts") or get("num_local_experts") or 128,
+        top_k=get("num_experts_per_tok", 8),
+        hidden_dim=get("moe_intermediate_size", 768),
+        normalize=bool(get("norm_topk_prob", False)),
+    )
+
+
+def _write(config: CausalLMConfig, require: Callable[[bool, str], None]) -> dict[str, Any]:
+    experts = routed_experts(config, require)
+    no_shared_experts(experts, require)
+    return {
+        "num_experts": experts.num_experts,
+        "num_experts_per_tok": experts.router.top_k,
+        "moe_intermediate_size": experts.hidden_dim,
+        "norm_topk_prob": experts.router.normalize_top_k,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "router_aux_loss_coef": aux_loss_coefficient(config, experts),
+    }
+
+
+def _fields(config: CausalLMConfig, require: Callable[[bool, str], None]) -> dict[str, Any]:
+    qkv, output = attention_biases(config)
+    require(
+        qkv == output,
+        "bias on the q/k/v projections but not the output one, or the reverse (attention_bias covers all four)",
+    )
+    # Unlike Qwen3, every layer slides when use_sliding_window is set.
+    return {
+        "attention_bias": qkv,
+        **qwen_window_fields(sliding_window(config), config.decoder.num_layers, all_layers=True),
+    }
+
+
+QWEN3_MOE = llama_layout_family(
+    "qwen3_moe",
+    "Qwen3MoeForCausalLM",
+    mask=lambda get: qwen_window_mask(get, all_layers=True),
+    biases=llama_biases,
+    fields=_fields,
+    qk_norm=True,
+    experts=ExpertFormat(read=_read, write=_write),
+    # llama.cpp always renormalises Qwen3-MoE's top-k weights, as the released models do.
+    gguf=GGUFLayout(
+        "qwen3moe",
+        config_fields=lambda key: {
+            "num_experts": key("expert_count"),
+            "num_experts_per_tok": key("expert_used_count"),
+            "moe_intermediate_size": key("expert_feed_forward_length"),
+            "norm_topk_prob": True,
+        },
+        metadata=lambda hf: {
+            "expert_count": hf["num_experts"],
+            "expert_used_count": hf["num_experts_per_tok"],
+            "expert_feed_forward_length": hf["moe_intermediate_size"],
+        },
+        refuses=lambda hf: None if hf["norm_topk_prob"] else "top-k weights that are not renormalised",
+    ),
+)
