@@ -4,10 +4,11 @@
 
 The model is an axtorch preset (``conf/model``); HF's ``LlamaForCausalLM`` is built from the
 same config (the Llama family adapter, ``interop.families.llama``) with the same weights. Each
-step is forward, loss, backward and a fused AdamW update, with float32 master weights and bf16 autocast, both models compiled
-with ``torch.compile``. axtorch runs its default loss (the head fused with the cross-entropy,
-``loss.chunk_size``); HF runs its own. MFU is model FLOPs (6N plus attention, PaLM appendix B)
-per second over the chip's datasheet bf16 dense peak (``axtorch.train.peak_flops``).
+step is forward, loss, backward and a fused AdamW update, with float32 master weights and bf16
+autocast, both models compiled with ``torch.compile``. axtorch runs its default loss (the head
+fused with the cross-entropy, ``loss.chunk_size``); HF runs its own. MFU is model FLOPs (6N plus
+attention, PaLM appendix B) per second over the chip's datasheet bf16 dense peak
+(``axtorch.train.peak_flops``).
 
 ``--device cpu`` runs the same code on the CPU (against the measured fp32 GEMM peak, without
 autocast), which is how the test suite checks that the script works on a machine with no GPU.

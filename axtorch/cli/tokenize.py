@@ -49,6 +49,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         shard_tokens = _positive("shard_tokens", options.get("shard_tokens", str(1 << 28)))
         data = load_experiment_config(overrides).data
         validate_data_config(data)
+        if data.source is None:
+            raise ConfigError("data.mixture", "(set)", "one data.source: axtorch-tokenize writes one corpus")
         source = data.source.build()
         out.mkdir(parents=True, exist_ok=True)
         tokenizer = load_or_train_tokenizer(data.tokenizer, source, out)

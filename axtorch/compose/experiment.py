@@ -22,7 +22,7 @@ from hydra.errors import HydraException, MissingConfigException, OverrideParseEx
 from omegaconf import DictConfig, Node
 from omegaconf.errors import OmegaConfBaseException
 
-from axtorch.compose.registry import register_configs
+from axtorch.compose.registry import register_configs, resolve_mixture_sources
 from axtorch.config.errors import ConfigError
 from axtorch.config.serialize import to_object
 from axtorch.parallel.hardware import detect_hardware_id
@@ -143,6 +143,7 @@ def check_keys_exist(base: DictConfig, overrides: Sequence[str]) -> None:
 
 def to_experiment_config(cfg: DictConfig) -> ExperimentConfig:
     """Convert a composed config into typed dataclasses and run the cross-field checks."""
+    resolve_mixture_sources(cfg)
     try:
         config = to_object(cfg, ExperimentConfig)
     except OmegaConfBaseException as error:

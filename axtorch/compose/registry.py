@@ -11,12 +11,17 @@ from __future__ import annotations
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
+from axtorch.config.errors import ConfigError
+from axtorch.data.parquet import ParquetSourceConfig
 from axtorch.data.shards import TokenizedSourceConfig
 from axtorch.data.sources import (
     HFDatasetSourceConfig,
     JsonlSourceConfig,
     PythonStdlibSourceConfig,
+    SourceConfig,
     TextFilesSourceConfig,
 )
 from axtorch.layers.attention_kernel import SoftcappedKernelConfig
@@ -125,6 +130,7 @@ CHOICES: dict[str, tuple[str, dict[str, Any]]] = {
             "text_files": TextFilesSourceConfig(),
             "jsonl": JsonlSourceConfig(),
             "hf_dataset": HFDatasetSourceConfig(),
+            "parquet": ParquetSourceConfig(),
             "tokenized": TokenizedSourceConfig(),
         },
     ),
@@ -138,3 +144,27 @@ def register_configs() -> None:
     for group, (package, options) in CHOICES.items():
         for name, node in options.items():
             store.store(group=group, name=name, node=node, package=package)
+
+
+def resolve_mixture_sources(composed: DictConfig) -> None:
+    """Give each ``data.mixture`` entry written as ``{kind: <a data/source option>, ...}`` that option's typed node.
+
+    A list entry cannot be filled by a config group as ``data.source`` is, so the option is named
+    inside it; entries that are already typed are left as they are.
+    """
+    options = CHOICES["data/source"][1]
+    for index, entry in enumerate(composed.data.get("mixture") or []):
+        source = entry.source
+        if not isinstance(source, DictConfig) or issubclass(OmegaConf.get_type(source) or dict, SourceConfig):
+            continue
+        key = f"data.mixture[{index}].source.kind"
+        kind = source.get("kind")
+        if kind not in options:
+            raise ConfigError(key, kind, f"one of the data/source options {sorted(options)}")
+        fields = {name: value for name, value in source.items() if name != "kind"}
+        try:
+            entry.source = OmegaConf.merge(OmegaConf.structured(options[kind]), fields)
+        except OmegaConfBaseException as error:  # an unknown field, a wrong type
+            raise ConfigError(
+                f"data.mixture[{index}].source", dict(fields), f"the fields of {kind}", str(error).splitlines()[0]
+            ) from error

@@ -37,9 +37,13 @@ def _import_class(path: str) -> type:
 
 
 def _declared_dataclass(annotation: Any) -> type | None:
-    for candidate in (annotation, *typing.get_args(annotation)):  # SomeConfig or Optional[SomeConfig]
+    """The dataclass a field declares: ``SomeConfig``, ``Optional[SomeConfig]``, or the elements of
+    ``list[SomeConfig]``; None for ``Any`` and plain values."""
+    for candidate in (annotation, *typing.get_args(annotation)):
         if isinstance(candidate, type) and dataclasses.is_dataclass(candidate):
             return candidate
+        if typing.get_origin(candidate) is list:
+            return _declared_dataclass(typing.get_args(candidate)[0])
     return None
 
 
@@ -47,7 +51,7 @@ def _to_plain(value: Any, declared: type | None) -> Any:
     if dataclasses.is_dataclass(value):
         hints = typing.get_type_hints(type(value))
         node: dict[str, Any] = {}
-        if declared is not None and type(value) is not declared:
+        if type(value) is not declared:  # a subclass, or a dataclass in a field typed Any
             node[TYPE_KEY] = _class_path(type(value))
         for field in dataclasses.fields(value):
             node[field.name] = _to_plain(getattr(value, field.name), _declared_dataclass(hints[field.name]))
@@ -55,7 +59,7 @@ def _to_plain(value: Any, declared: type | None) -> Any:
     if isinstance(value, enum.Enum):
         return value.value
     if isinstance(value, (list, tuple)):
-        return [_to_plain(v, None) for v in value]
+        return [_to_plain(v, declared) for v in value]
     return value
 
 

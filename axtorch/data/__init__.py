@@ -1,16 +1,21 @@
-"""Data pipeline: document sources, tokenizer, packed token caches and resumable batch loaders."""
+"""Data pipeline: document sources, tokenizer, packed token caches, streaming, and resumable batch loaders."""
 
+from axtorch.data.batches import DataModule, TrainBatches
 from axtorch.data.config import DataConfig
-from axtorch.data.loader import BatchIterator, DataModule, build_data
+from axtorch.data.loader import BatchIterator, PackedDataModule, build_data
+from axtorch.data.mixture import MixtureEntryConfig
 from axtorch.data.packing import PackedSequences
+from axtorch.data.parquet import ParquetSourceConfig
 from axtorch.data.sources import (
     DocumentSource,
     HFDatasetSourceConfig,
     JsonlSourceConfig,
+    PartitionedSource,
     PythonStdlibSourceConfig,
     SourceConfig,
     TextFilesSourceConfig,
 )
+from axtorch.data.streaming import StreamingDataModule
 from axtorch.data.tokenizer import Tokenizer, TokenizerConfig, load_or_train_tokenizer
 
 __all__ = [
@@ -20,12 +25,18 @@ __all__ = [
     "DocumentSource",
     "HFDatasetSourceConfig",
     "JsonlSourceConfig",
+    "MixtureEntryConfig",
+    "PackedDataModule",
     "PackedSequences",
+    "ParquetSourceConfig",
+    "PartitionedSource",
     "PythonStdlibSourceConfig",
     "SourceConfig",
+    "StreamingDataModule",
     "TextFilesSourceConfig",
     "Tokenizer",
     "TokenizerConfig",
+    "TrainBatches",
     "build_data",
     "load_or_train_tokenizer",
 ]

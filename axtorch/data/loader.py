@@ -1,7 +1,8 @@
 """Batches of packed sequences: a shuffled, resumable training stream and a fixed validation pass.
 
 The training order is a pure function of (seed, epoch, batch index), so a run restored from a
-checkpoint sees exactly the batches an uninterrupted run would have seen.
+checkpoint sees exactly the batches an uninterrupted run would have seen, on any number of
+data-parallel ranks. A corpus read while training goes through ``axtorch.data.streaming`` instead.
 """
 
 from __future__ import annotations
@@ -13,33 +14,27 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from axtorch.data.batches import Batch, DataModule, check_batch_size, iter_validation_batches, to_batch
 from axtorch.data.config import DataConfig
-from axtorch.data.packing import PackedSequences, prepare_corpus
+from axtorch.data.packing import PackedSequences, prepare_corpus, validate_data_config
+from axtorch.data.streaming import build_streaming_data
 from axtorch.data.tokenizer import Tokenizer
 
-Batch = dict[str, torch.Tensor]
-
-
-def to_batch(windows: np.ndarray) -> Batch:
-    """Split ``[B, S + 1]`` windows into ``input_ids`` and next-token ``labels``, both ``[B, S]`` int64."""
-    tokens = torch.from_numpy(windows)
-    return {"input_ids": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
-
-
-def _check_batch_size(batch_size: int) -> None:
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+__all__ = ["Batch", "BatchIterator", "DataModule", "PackedDataModule", "build_data", "iter_validation_batches"]
 
 
 class BatchIterator(Iterator[Batch]):
     """Endless training batches: each epoch is a fresh permutation, its ragged tail dropped.
 
     Epoch ``e`` permutes the sequence indices with ``torch.Generator().manual_seed(seed *
-    1_000_003 + e)`` and batch ``i`` takes slice ``[i * B, (i + 1) * B)`` of that permutation.
+    1_000_003 + e)`` and global batch ``i`` takes slice ``[i * B, (i + 1) * B)`` of that
+    permutation; rank ``r`` of ``R`` gathers only its ``B / R`` consecutive rows of it.
     """
 
-    def __init__(self, sequences: PackedSequences, batch_size: int, seed: int):
-        _check_batch_size(batch_size)
+    def __init__(self, sequences: PackedSequences, batch_size: int, seed: int, rank: int = 0, ranks: int = 1):
+        check_batch_size(batch_size)
+        if batch_size % ranks or not 0 <= rank < ranks:
+            raise ValueError(f"rank {rank} of {ranks} cannot take an equal share of batch_size={batch_size}")
         self.batches_per_epoch = len(sequences) // batch_size
         if self.batches_per_epoch == 0:
             raise ValueError(
@@ -48,6 +43,7 @@ class BatchIterator(Iterator[Batch]):
             )
         self._sequences = sequences
         self._batch_size = batch_size
+        self._rows = slice(rank * batch_size // ranks, (rank + 1) * batch_size // ranks)
         self._seed = seed
         self._epoch = 0
         self._index = 0
@@ -71,17 +67,27 @@ class BatchIterator(Iterator[Batch]):
 
     def __next__(self) -> Batch:
         start = self._index * self._batch_size
-        indices = self._permutation_for(self._epoch)[start : start + self._batch_size]
+        indices = self._permutation_for(self._epoch)[start : start + self._batch_size][self._rows]
         self._index += 1
         if self._index == self.batches_per_epoch:
             self._epoch, self._index = self._epoch + 1, 0
         return to_batch(self._sequences.gather(indices))
 
     def state_dict(self) -> dict[str, int]:
-        """The position of the next batch, JSON-serialisable."""
+        """The position of the next batch, JSON-serialisable (the same on every rank)."""
         return {"epoch": self._epoch, "index": self._index}
 
+    def combine(self, states: list[dict[str, Any]]) -> dict[str, Any]:
+        if any(state != states[0] for state in states):
+            raise RuntimeError(f"data-parallel ranks disagree on the data position: {states}")
+        return states[0]
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "epoch" not in state:
+            raise ValueError(
+                f"data iterator state {sorted(state)} was saved by the streaming loader; "
+                "resume with the data config the checkpoint was trained with"
+            )
         epoch, index = int(state["epoch"]), int(state["index"])
         if epoch < 0 or not 0 <= index < self.batches_per_epoch:
             raise ValueError(
@@ -91,22 +97,8 @@ class BatchIterator(Iterator[Batch]):
         self._epoch, self._index = epoch, index
 
 
-def iter_validation_batches(
-    sequences: PackedSequences, batch_size: int, max_batches: Optional[int] = None
-) -> Iterator[Batch]:
-    """Sequences in order; the last partial batch is dropped unless it is the only one."""
-    _check_batch_size(batch_size)
-    count = len(sequences)
-    num_batches = count // batch_size if count >= batch_size else min(count, 1)
-    if max_batches is not None:
-        num_batches = min(num_batches, max_batches)
-    for batch in range(num_batches):
-        indices = np.arange(batch * batch_size, min((batch + 1) * batch_size, count))
-        yield to_batch(sequences.gather(indices))
-
-
-class DataModule:
-    """What the trainer needs from the data: the tokenizer and the train and validation batches."""
+class PackedDataModule:
+    """A corpus tokenized up front: memory-mapped token arrays cut into windows (``packing.py``)."""
 
     def __init__(
         self,
@@ -130,17 +122,23 @@ class DataModule:
     def val_num_sequences(self) -> int:
         return len(self._val)
 
-    def train_batches(self, batch_size: int) -> BatchIterator:
-        return BatchIterator(self._train, batch_size, self._seed)
+    def train_batches(
+        self, global_batch_size: int, data_parallel_rank: int = 0, data_parallel_size: int = 1
+    ) -> BatchIterator:
+        return BatchIterator(self._train, global_batch_size, self._seed, data_parallel_rank, data_parallel_size)
 
     def val_batches(self, batch_size: int, max_batches: Optional[int] = None) -> Iterator[Batch]:
         return iter_validation_batches(self._val, batch_size, max_batches)
 
 
 def build_data(cfg: DataConfig) -> DataModule:
-    """Load (or tokenize and cache) the corpus described by ``cfg``."""
+    """The data ``cfg`` describes: streamed while training, or tokenized (and cached) up front."""
+    validate_data_config(cfg)
+    streaming = build_streaming_data(cfg)
+    if streaming is not None:
+        return streaming
     corpus = prepare_corpus(cfg)
-    return DataModule(
+    return PackedDataModule(
         tokenizer=corpus.tokenizer,
         tokenizer_path=corpus.tokenizer_path,
         train=PackedSequences(corpus.train_tokens, cfg.seq_len, "train"),

@@ -27,7 +27,7 @@ from tqdm import tqdm
 from axtorch.config.errors import ConfigError
 from axtorch.data.config import DataConfig
 from axtorch.data.shards import ShardedTokens, read_shards, token_dtype
-from axtorch.data.sources import DocumentSource, SourceConfig, stable_hash, write_file_atomically
+from axtorch.data.sources import DocumentSource, stable_hash, write_file_atomically
 from axtorch.data.tokenizer import (
     TOKENIZER_FILE,
     Tokenizer,
@@ -46,14 +46,7 @@ _ENCODE_BATCH_DOCUMENTS = 64
 
 def validate_data_config(cfg: DataConfig) -> None:
     """Reject a bad ``data`` section before any file is read or any token is made."""
-    if not isinstance(cfg.source, SourceConfig):
-        raise ConfigError(
-            "data.source", cfg.source, "a SourceConfig subclass instance, e.g. PythonStdlibSourceConfig()"
-        )
-    if cfg.seq_len < 1:
-        raise ConfigError("data.seq_len", cfg.seq_len, "an integer >= 1")
-    if not 0.0 <= cfg.val_fraction < 0.5:
-        raise ConfigError("data.val_fraction", cfg.val_fraction, "a number in [0, 0.5)")
+    cfg.validate()
     validate_tokenizer_config(cfg.tokenizer)
 
 
@@ -191,6 +184,8 @@ def prepare_corpus(cfg: DataConfig) -> PackedCorpus:
     A source that names token shards (``data=tokenized``) is read from them instead.
     """
     validate_data_config(cfg)
+    if cfg.source is None:
+        raise ConfigError("data.source", None, "one source to tokenize up front (a mixture streams)")
     shards = cfg.source.pretokenized()
     if shards is not None:
         tokenizer, splits = read_shards(shards)

@@ -3,6 +3,9 @@
 Every source yields whole documents (one string each) in a deterministic order, because the
 train/validation split and the packed token arrays are keyed by document index. The fingerprint
 changes whenever the documents may have changed, so cached tokens are never reused for a new corpus.
+A ``PartitionedSource`` can also be read in disjoint parts, each from a saved position, which is
+what streaming (``axtorch.data.streaming``) needs: every data-parallel rank reads only its parts,
+and a resume seeks instead of reading again.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 from typing import Any, BinaryIO, Optional
 
@@ -64,6 +68,23 @@ class DocumentSource(ABC):
         """A stable hash that changes whenever the yielded documents may change."""
 
 
+class PartitionedSource(DocumentSource):
+    """A corpus readable as ``parts`` disjoint parts, each resumable from an integer position.
+
+    The parts of one ``parts`` count together hold every document once. A position is how far
+    into its part a reader got (bytes, rows or documents, as the source counts them); 0 is the
+    part's start, and reading from a saved position yields exactly the documents that followed it.
+    """
+
+    @abstractmethod
+    def read_part(self, part: int, parts: int, position: int) -> Iterator[tuple[str, int]]:
+        """Part ``part`` of ``parts``'s documents after ``position``, each with the position just after it."""
+
+    def iter_documents(self) -> Iterator[str]:
+        for text, _ in self.read_part(0, 1, 0):
+            yield text
+
+
 @dataclass
 class SourceConfig:
     """Marker base for the polymorphic ``data.source`` slot; each subclass builds one kind of source."""
@@ -75,13 +96,17 @@ class SourceConfig:
         """A directory of token shards that replaces tokenizing (``axtorch.data.shards``); None for documents."""
         return None
 
+    def build_streaming(self) -> Optional[PartitionedSource]:
+        """The source to read lazily while training (``streaming=true``); None: tokenize it whole, up front."""
+        return None
+
 
 def _read_text(path: Path) -> str:
     # A stray non-UTF-8 byte in one file of a large corpus should not abort tokenization.
     return path.read_text(encoding="utf-8", errors="replace")
 
 
-def _files_fingerprint(kind: str, files: list[Path], **settings: Any) -> str:
+def files_fingerprint(kind: str, files: list[Path], **settings: Any) -> str:
     """Hash of path, size and mtime of every file: cheap to compute, and any edit changes it."""
     stats = []
     for path in files:
@@ -90,7 +115,7 @@ def _files_fingerprint(kind: str, files: list[Path], **settings: Any) -> str:
     return stable_hash(kind, settings, stats)
 
 
-def _resolve_globs(patterns: list[str], key: str) -> list[Path]:
+def resolve_globs(patterns: list[str], key: str) -> list[Path]:
     """Expand ``~`` and (recursive) globs into a sorted, deduplicated list of files.
 
     A pattern that matches no file is a ConfigError on ``key``: a typo in a path should fail
@@ -128,7 +153,7 @@ class PythonStdlibSource(DocumentSource):
             yield _read_text(path)
 
     def fingerprint(self) -> str:
-        return _files_fingerprint("python-stdlib", self.files)
+        return files_fingerprint("python-stdlib", self.files)
 
 
 @dataclass
@@ -154,7 +179,7 @@ class TextFilesSource(DocumentSource):
             yield _read_text(path)
 
     def fingerprint(self) -> str:
-        return _files_fingerprint("text-files", self.files)
+        return files_fingerprint("text-files", self.files)
 
 
 @dataclass
@@ -164,26 +189,55 @@ class TextFilesSourceConfig(SourceConfig):
     paths: list[str] = MISSING
 
     def build(self) -> TextFilesSource:
-        return TextFilesSource(_resolve_globs(self.paths, "data.source.paths"))
+        return TextFilesSource(resolve_globs(self.paths, "data.source.paths"))
 
 
-class JsonlSource(DocumentSource):
-    """Each non-blank line of each file is a JSON object whose ``text_field`` is one document."""
+class JsonlSource(PartitionedSource):
+    """Each non-blank line of each file is a JSON object whose ``text_field`` is one document.
+
+    Part ``p`` of ``P`` is the ``p``-th of ``P`` equal byte ranges of the files laid end to end; a
+    line belongs to the range its first byte lies in, so a reader seeks to its range and reads
+    nobody else's lines. A position is the bytes of the part consumed, always at a line start.
+    """
 
     def __init__(self, files: list[Path], text_field: str):
         self.files = files
         self.text_field = text_field
+        self._file_starts = [0]
+        for path in files:
+            self._file_starts.append(self._file_starts[-1] + path.stat().st_size)
 
-    def iter_documents(self) -> Iterator[str]:
-        for path in self.files:
-            with path.open(encoding="utf-8", errors="replace") as lines:
-                for line_number, line in enumerate(lines, start=1):
+    def read_part(self, part: int, parts: int, position: int) -> Iterator[tuple[str, int]]:
+        total = self._file_starts[-1]
+        begin, end = total * part // parts, total * (part + 1) // parts
+        at = begin + position
+        for index, path in enumerate(self.files):
+            file_start, file_end = self._file_starts[index], self._file_starts[index + 1]
+            if file_end <= at or file_start == file_end:
+                continue
+            if file_start >= end:
+                return
+            with path.open("rb") as file:
+                local = max(at - file_start, 0)
+                if local and position == 0:  # a range's first byte may sit inside its predecessor's last line
+                    file.seek(local - 1)
+                    file.readline()
+                    local = file.tell()
+                file.seek(local)
+                line_number: Optional[int] = 1 if local == 0 else None  # unknown after a seek
+                line_start = file_start + local
+                while line_start < end and (line := file.readline()):
+                    next_start = line_start + len(line)
                     if line.strip():
-                        yield self._text_of(line, f"{path}:{line_number}")
+                        where = f"{path}:{line_number}" if line_number else f"{path} (byte {line_start - file_start})"
+                        yield self._text_of(line, where), next_start - begin
+                    line_start = next_start
+                    line_number = line_number + 1 if line_number else None
+            at = max(at, file_end)
 
-    def _text_of(self, line: str, where: str) -> str:
+    def _text_of(self, line: bytes, where: str) -> str:
         try:
-            record = json.loads(line)
+            record = json.loads(line.decode("utf-8", errors="replace"))
         except json.JSONDecodeError as error:
             raise ValueError(f"{where}: not valid JSON ({error.msg})") from error
         if not isinstance(record, dict) or self.text_field not in record:
@@ -195,22 +249,33 @@ class JsonlSource(DocumentSource):
         return text
 
     def fingerprint(self) -> str:
-        return _files_fingerprint("jsonl", self.files, text_field=self.text_field)
+        return files_fingerprint("jsonl", self.files, text_field=self.text_field)
 
 
 @dataclass
 class JsonlSourceConfig(SourceConfig):
-    """JSON-lines files given by globs, one document per line."""
+    """JSON-lines files given by globs, one document per line; ``streaming``: read while training."""
 
     paths: list[str] = MISSING
     text_field: str = "text"
+    streaming: bool = False
 
     def build(self) -> JsonlSource:
-        return JsonlSource(_resolve_globs(self.paths, "data.source.paths"), self.text_field)
+        return JsonlSource(resolve_globs(self.paths, "data.source.paths"), self.text_field)
+
+    def build_streaming(self) -> Optional[JsonlSource]:
+        return self.build() if self.streaming else None
 
 
-class HFDatasetSource(DocumentSource):
-    """One column of a Hugging Face ``datasets`` split, in the dataset's row order."""
+class HFDatasetSource(PartitionedSource):
+    """One column of a Hugging Face ``datasets`` split, in the dataset's row order.
+
+    With ``streaming`` the split is an ``IterableDataset``: rows arrive as they are read, none is
+    downloaded or held up front. Part ``p`` of ``P`` is ``IterableDataset.shard(P, p)`` when the
+    dataset has at least ``P`` file shards (each reader opens only its files), else every ``P``-th
+    row (each reader reads every row and keeps its own). A position counts the part's rows; a
+    resume reads past that many rows again but tokenizes none of them.
+    """
 
     def __init__(
         self,
@@ -219,12 +284,14 @@ class HFDatasetSource(DocumentSource):
         split: str,
         data_files: Optional[list[str]],
         text_field: str,
+        streaming: bool = False,
     ):
         self.path = path
         self.name = name
         self.split = split
         self.data_files = None if data_files is None else [os.path.expanduser(f) for f in data_files]
         self.text_field = text_field
+        self.streaming = streaming
         self._dataset: Any = None
 
     def _load(self) -> Any:
@@ -236,19 +303,25 @@ class HFDatasetSource(DocumentSource):
                     "data.source is an HF dataset but the `datasets` package is not installed; "
                     "run `pip install datasets` or install axtorch with the `hf` extra"
                 ) from error
-            dataset = datasets.load_dataset(self.path, self.name, split=self.split, data_files=self.data_files)
-            if self.text_field not in dataset.column_names:
-                raise ConfigError(
-                    "data.source.text_field",
-                    self.text_field,
-                    f"a column of the dataset: {dataset.column_names}",
-                )
+            dataset = datasets.load_dataset(
+                self.path, self.name, split=self.split, data_files=self.data_files, streaming=self.streaming
+            )
+            columns = dataset.column_names  # None for a streamed dataset whose features are unknown
+            if columns is not None and self.text_field not in columns:
+                raise ConfigError("data.source.text_field", self.text_field, f"a column of the dataset: {columns}")
             self._dataset = dataset
         return self._dataset
 
-    def iter_documents(self) -> Iterator[str]:
-        for row in self._load():
-            yield row[self.text_field]
+    def read_part(self, part: int, parts: int, position: int) -> Iterator[tuple[str, int]]:
+        dataset = self._load()
+        if parts > 1 and getattr(dataset, "num_shards", 0) >= parts:
+            rows: Iterator[Any] = iter(dataset.shard(num_shards=parts, index=part))
+        else:
+            rows = islice(dataset, part, None, parts)
+        for index, row in enumerate(islice(rows, position, None), start=position + 1):
+            if self.text_field not in row:
+                raise ConfigError("data.source.text_field", self.text_field, f"a column of the dataset: {sorted(row)}")
+            yield row[self.text_field], index
 
     def fingerprint(self) -> str:
         # The arguments identify a hub dataset; local data files also contribute their stats so an
@@ -257,7 +330,7 @@ class HFDatasetSource(DocumentSource):
             {Path(m).absolute() for f in self.data_files or [] for m in glob.glob(f, recursive=True)},
             key=str,
         )
-        return _files_fingerprint(
+        return files_fingerprint(
             "hf-dataset",
             [f for f in local_files if f.is_file()],
             path=self.path,
@@ -270,13 +343,18 @@ class HFDatasetSource(DocumentSource):
 
 @dataclass
 class HFDatasetSourceConfig(SourceConfig):
-    """A dataset loaded with ``datasets.load_dataset`` (hub name, or a builder such as ``json``)."""
+    """A dataset loaded with ``datasets.load_dataset`` (hub name, or a builder such as ``json``);
+    ``streaming``: as an ``IterableDataset``, read while training."""
 
     path: str = MISSING
     name: Optional[str] = None
     split: str = "train"
     data_files: Optional[list[str]] = None
     text_field: str = "text"
+    streaming: bool = False
 
     def build(self) -> HFDatasetSource:
-        return HFDatasetSource(self.path, self.name, self.split, self.data_files, self.text_field)
+        return HFDatasetSource(self.path, self.name, self.split, self.data_files, self.text_field, self.streaming)
+
+    def build_streaming(self) -> Optional[HFDatasetSource]:
+        return self.build() if self.streaming else None

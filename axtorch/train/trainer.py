@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 
 from axtorch.config.errors import ConfigError
 from axtorch.config.serialize import config_to_yaml
-from axtorch.data.loader import Batch, build_data
+from axtorch.data.loader import Batch, DataModule, build_data
 from axtorch.interop.pretrained import (
     Pretrained,
     check_same_architecture,
@@ -168,7 +168,9 @@ class Trainer:
         self.micro_batch_size = self.local_batch_size // trainer.grad_accum_steps
         if self.backend.pipeline is not None:
             self.backend.pipeline.prepare(self.local_batch_size)
-        self.train_batches = self.data.train_batches(trainer.batch_size)
+        self.train_batches = self.data.train_batches(
+            trainer.batch_size, self.backend.data_parallel_rank, self.backend.data_parallel_size
+        )
         self.step = 0
         self.tokens_per_step = trainer.batch_size * config.data.seq_len
         self.flops_per_token = self._flops_per_token()
@@ -181,7 +183,7 @@ class Trainer:
 
     # ----------------------------------------------------------------------------------- setup
 
-    def _build_data_once(self):
+    def _build_data_once(self) -> DataModule:
         """The main process tokenizes and caches the corpus; the others then read its cache."""
         if self.backend.is_main_process:
             data = build_data(self.config.data)
@@ -218,7 +220,8 @@ class Trainer:
     def trainer_state(self) -> dict[str, Any]:
         return {
             "step": self.step,
-            "data": self.train_batches.state_dict(),
+            # Each rank knows only its own part of a streamed corpus's position: the checkpoint holds all.
+            "data": self.train_batches.combine(self.backend.all_gather_object(self.train_batches.state_dict())),
             "rng": capture_rng_state(),
             "model_config_digest": self.model_digest,
             "config_digest": config_digest(self.config_text),
@@ -269,16 +272,19 @@ class Trainer:
     # ------------------------------------------------------------------------------ the step
 
     def _micro_batches(self, batch: Batch) -> list[Batch]:
-        """This replica's rows of the global batch, cut into micro-batches on the device."""
-        start = self.backend.data_parallel_rank * self.local_batch_size
-        rows = len(batch["input_ids"])  # a final validation batch may be short
+        """This replica's rows, cut into micro-batches on the device."""
         return [
             self.backend.to_device({k: v[i : i + self.micro_batch_size] for k, v in batch.items()})
-            for i in range(start, min(start + self.local_batch_size, rows), self.micro_batch_size)
+            for i in range(0, len(batch["input_ids"]), self.micro_batch_size)
         ]
 
+    def _replica_rows(self, batch: Batch) -> Batch:
+        """This replica's rows of a global batch (a final validation batch may be short)."""
+        start = self.backend.data_parallel_rank * self.local_batch_size
+        return {k: v[start : start + self.local_batch_size] for k, v in batch.items()}
+
     def train_step(self, batch: Batch) -> dict[str, float]:
-        """One optimizer step over ``batch`` (the global batch), with gradient accumulation.
+        """One optimizer step over ``batch`` (this replica's rows of the global batch), with gradient accumulation.
 
         Every micro-batch's summed loss is divided by the target count of the whole global batch,
         so accumulation and data parallelism weigh every token the same as one big batch would.
@@ -345,7 +351,7 @@ class Trainer:
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # (loss sum, tokens)
         pipeline = self.backend.pipeline
         for batch in self.data.val_batches(self.config.trainer.batch_size, self.config.trainer.eval_batches):
-            for mb in self._micro_batches(batch):
+            for mb in self._micro_batches(self._replica_rows(batch)):
                 if pipeline is not None:
                     if len(mb["input_ids"]) % pipeline.microbatches == 0:  # a short last batch: not pipelined
                         with self._autocast():

@@ -84,7 +84,9 @@ def test_transformers_reads_the_exported_tokenizer_as_it_was(tmp_path, tokenizer
 def test_what_no_gguf_architecture_can_express_is_refused_before_writing(tmp_path, tokenizer):
     with pytest.raises(ValueError, match="no GGUF layout for HF model_type='gpt2'"):
         to_gguf(_model(tokenizer, "model=gpt2_tiny"), tokenizer, tmp_path / "gpt2.gguf")
-    unnormalised = _model(tokenizer, "model=qwen3_moe_tiny", "model.decoder.layer.feed_forward.router.normalize_top_k=false")
+    unnormalised = _model(
+        tokenizer, "model=qwen3_moe_tiny", "model.decoder.layer.feed_forward.router.normalize_top_k=false"
+    )
     with pytest.raises(ValueError, match="qwen3moe cannot express top-k weights that are not renormalised"):
         to_gguf(unnormalised, tokenizer, tmp_path / "qwen3moe.gguf")
     with pytest.raises(ValueError, match="GGUF dtype 'q4_k' is not supported; supported: f32, f16, bf16, q8_0"):

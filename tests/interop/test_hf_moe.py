@@ -1,4 +1,5 @@
-"""Mixtral, Qwen2-MoE and Qwen3-MoE checkpoints <-> axtorch's mixture of experts: the same logits in float64 at each hop.
+"""Mixtral, Qwen2-MoE and Qwen3-MoE checkpoints <-> axtorch's mixture of experts: the same logits
+in float64 at each hop.
 
 Tiny HF models with random weights are saved in each layout transformers reads (the hub's
 per-expert tensors, which ``save_pretrained`` writes by default, and transformers 5's fused
