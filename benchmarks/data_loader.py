@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/data_loader.py [--sizes-mb 40 160] [--workers 2] [--batches 200]
         [--stream-sizes-mb 500 2000] [--stream-batches 2000] [--step-repeats 3]
+        [--stream-ranks 2] [--memory-limit-mb N]
 
 For each size, synthesises a corpus of that many MB of text files (documents of 2-20 KB drawn
 from the standard library's sources, repeated), runs ``axtorch-tokenize`` on it in a child
@@ -19,6 +20,12 @@ proportional to it is held; (b) on the first corpus, times ``--stream-batches`` 
 reference shape from the streaming loader, tokenizing on the fly on one core (one torch thread, one
 tokenizers thread, no worker process), against the training step of the reference model timed
 in this same run (``train_throughput.py``'s axtorch step).
+
+``--memory-limit-mb N`` runs each streaming child in a Linux memory cgroup limited to N MiB (page
+cache included, reclaimed under the limit; no swap), so that a corpus of 10x N streams through a
+process the kernel would kill for holding more: ``--stream-sizes-mb 10240 --memory-limit-mb 1024
+--stream-ranks 1 --stream-batches 0`` is a corpus of 10x the memory the reader may use. It needs a
+writable cgroup memory controller (v1 ``/sys/fs/cgroup/memory`` or v2), usually root.
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ from axtorch.compose import load_experiment_config
 from axtorch.data.loader import build_data
 
 BATCH, SEQ_LEN = 8, 256
-STREAMS, RANKS = 8, 2
+STREAMS = 8
 
 
 def documents(megabytes: int):
@@ -126,16 +133,76 @@ def streaming_overrides(corpus: Path, cache: Path) -> list[str]:
     ]
 
 
-def stream_in_child(corpus: Path, cache: Path, batches: int) -> dict[str, float]:
-    """Run ``_child_stream`` in a fresh interpreter on one core; its figures and peak RSS (MiB)."""
+class MemoryCgroup:
+    """A Linux memory cgroup (v1 or v2) limited to ``limit_mb`` MiB, page cache included, no swap."""
+
+    def __init__(self, limit_mb: int):
+        name = f"axtorch-bench-{os.getpid()}"
+        v1, v2 = Path("/sys/fs/cgroup/memory"), Path("/sys/fs/cgroup")
+        self.v1 = v1.is_dir()
+        self.path = (v1 if self.v1 else v2) / name
+        try:
+            self.path.mkdir()
+        except OSError as error:
+            raise SystemExit(f"--memory-limit-mb needs a writable cgroup memory controller: {error}") from error
+        limit = str(limit_mb << 20)
+        if self.v1:
+            (self.path / "memory.limit_in_bytes").write_text(limit)
+            swap = self.path / "memory.memsw.limit_in_bytes"
+            if swap.exists():
+                swap.write_text(limit)
+        else:
+            (self.path / "memory.max").write_text(limit)
+            (self.path / "memory.swap.max").write_text("0")
+
+    def enter(self) -> None:
+        """Move the calling process in (as a child's ``preexec_fn``)."""
+        (self.path / "cgroup.procs").write_text(str(os.getpid()))
+
+    def peak_mib(self) -> float:
+        peak = self.path / ("memory.max_usage_in_bytes" if self.v1 else "memory.peak")
+        return int(peak.read_text()) / 2**20 if peak.exists() else float("nan")
+
+    def killed_for_memory(self) -> bool:
+        events = self.path / ("memory.oom_control" if self.v1 else "memory.events")
+        return any(
+            line.split()[0] in ("oom_kill", "oom") and line.split()[1] != "0"
+            for line in events.read_text().splitlines()
+        )
+
+    def remove(self) -> None:
+        self.path.rmdir()
+
+
+def stream_in_child(
+    corpus: Path, cache: Path, batches: int, ranks: int, memory_limit_mb: int | None = None
+) -> dict[str, float]:
+    """Run ``_child_stream`` in a fresh interpreter on one core (in a memory cgroup if limited);
+    its figures, peak RSS (MiB) and the cgroup's peak (page cache included)."""
     environment = {**os.environ, "RAYON_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    command = [sys.executable, __file__, "--child-stream", str(corpus), str(cache), str(batches)]
-    result = subprocess.run(command, check=True, capture_output=True, text=True, env=environment)
-    return json.loads(result.stdout.splitlines()[-1])
+    command = [sys.executable, __file__, "--child-stream", str(corpus), str(cache), str(batches), str(ranks)]
+    cgroup = MemoryCgroup(memory_limit_mb) if memory_limit_mb else None
+    try:
+        result = subprocess.run(
+            command, capture_output=True, text=True, env=environment, preexec_fn=cgroup.enter if cgroup else None
+        )
+        if cgroup and cgroup.killed_for_memory():
+            raise SystemExit(
+                f"the streaming child exceeded {memory_limit_mb} MiB and was killed: {result.stderr[-2000:]}"
+            )
+        if result.returncode:
+            raise SystemExit(f"the streaming child failed: {result.stderr[-4000:]}")
+        figures = json.loads(result.stdout.splitlines()[-1])
+        if cgroup:
+            figures["cgroup_peak_mib"] = cgroup.peak_mib()
+        return figures
+    finally:
+        if cgroup:
+            cgroup.remove()
 
 
-def _child_stream(corpus: Path, cache: Path, batches: int) -> None:
-    """(a) rank 0 of ``RANKS``'s whole share of the corpus through the reader; (b) ``batches`` loader batches."""
+def _child_stream(corpus: Path, cache: Path, batches: int, ranks: int) -> None:
+    """(a) rank 0 of ``ranks``'s whole share of the corpus through the reader; (b) ``batches`` loader batches."""
     import resource
 
     import torch
@@ -156,8 +223,7 @@ def _child_stream(corpus: Path, cache: Path, batches: int) -> None:
     source = config.data.source.build_streaming()
     started = time.perf_counter()
     documents = characters = 0
-    per_rank = STREAMS // RANKS
-    for part in range(per_rank):  # rank 0's virtual streams
+    for part in range(STREAMS // ranks):  # rank 0's virtual streams
         for text, _ in source.read_part(part, STREAMS, 0):
             documents += 1
             characters += len(text)
@@ -188,24 +254,31 @@ def step_tokens_per_second(repeats: int) -> float:
     return len(batches) * STEP_BATCH * SEQ_LEN / seconds
 
 
-def streaming_tables(root: Path, sizes_mb: list[int], batches: int, step_repeats: int) -> None:
+def streaming_tables(
+    root: Path, sizes_mb: list[int], batches: int, step_repeats: int, ranks: int, memory_limit_mb: int | None
+) -> None:
     cache = root / "stream-cache"
+    limit = f" (limit {memory_limit_mb} MiB)" if memory_limit_mb else ""
     print()
-    print(f"| streamed JSONL corpus | documents | rank 0 of {RANKS}: documents read | read MB/s | peak RSS (MiB) |")
-    print("|---|---|---|---|---|")
+    print(
+        f"| streamed JSONL corpus | documents | rank 0 of {ranks}: documents read | read MB/s | peak RSS (MiB) "
+        f"| cgroup peak{limit}, page cache included (MiB) |"
+    )
+    print("|---|---|---|---|---|---|")
     rate = None
     for index, megabytes in enumerate(sizes_mb):
         corpus = root / f"stream-{megabytes}"
         count = synthesise_jsonl(corpus, megabytes)
-        figures = stream_in_child(corpus, cache, batches if index == 0 else 0)
+        figures = stream_in_child(corpus, cache, batches if index == 0 else 0, ranks, memory_limit_mb)
         rate = figures.get("loader_tokens_per_s", rate)
         print(
             f"| {megabytes} MB | {count:,} | {figures['documents']:,.0f} | {figures['read_mb_per_s']:.0f} | "
-            f"{figures['peak_rss_mib']:.0f} |"
+            f"{figures['peak_rss_mib']:.0f} | {figures.get('cgroup_peak_mib', float('nan')):.0f} |"
         )
         shutil.rmtree(corpus)
+    if rate is None:  # no loader batches asked for
+        return
     step = step_tokens_per_second(step_repeats)
-    assert rate is not None
     print()
     print("| streaming loader tokens/s (1 core) | training step tokens/s (same run) | ratio |")
     print("|---|---|---|")
@@ -213,35 +286,46 @@ def streaming_tables(root: Path, sizes_mb: list[int], batches: int, step_repeats
 
 
 def main() -> None:
-    if len(sys.argv) == 5 and sys.argv[1] == "--child-stream":
-        _child_stream(Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]))
+    if len(sys.argv) == 6 and sys.argv[1] == "--child-stream":
+        _child_stream(Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes-mb", type=int, nargs="+", default=[40, 160])
+    parser.add_argument("--sizes-mb", type=int, nargs="*", default=[40, 160], help="none: skip the tokenize tables")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--batches", type=int, default=200)
     parser.add_argument("--step-tokens-per-s", type=float, default=1010.0, help="train_throughput.py's axtorch figure")
     parser.add_argument("--stream-sizes-mb", type=int, nargs="*", default=[500, 2000])
     parser.add_argument("--stream-batches", type=int, default=2000)
     parser.add_argument("--step-repeats", type=int, default=3)
+    parser.add_argument("--stream-ranks", type=int, default=2, help="the streaming child reads rank 0 of these")
+    parser.add_argument("--memory-limit-mb", type=int, default=None, help="run streaming children in a memory cgroup")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="axtorch-data-bench-"))
     try:
-        print("| corpus | files | tokens | tokenize s | tokens/s | peak RSS (MiB) |")
-        print("|---|---|---|---|---|---|")
-        for megabytes in args.sizes_mb:
-            corpus, out = root / f"corpus-{megabytes}", root / f"tokens-{megabytes}"
-            files = synthesise(corpus, megabytes)
-            seconds, tokens, peak = tokenize(corpus, out, args.workers)
-            print(f"| {megabytes} MB | {files:,} | {tokens:,} | {seconds:.1f} | {tokens / seconds:,.0f} | {peak:.0f} |")
-            shutil.rmtree(corpus)
-        rate = loader_tokens_per_second(root / f"tokens-{args.sizes_mb[-1]}", args.batches)
-        print()
-        print("| loader tokens/s | training step tokens/s | ratio |")
-        print("|---|---|---|")
-        print(f"| {rate:,.0f} | {args.step_tokens_per_s:,.0f} | {rate / args.step_tokens_per_s:,.0f}x |")
+        if args.sizes_mb:
+            print("| corpus | files | tokens | tokenize s | tokens/s | peak RSS (MiB) |")
+            print("|---|---|---|---|---|---|")
+            for megabytes in args.sizes_mb:
+                corpus, out = root / f"corpus-{megabytes}", root / f"tokens-{megabytes}"
+                files = synthesise(corpus, megabytes)
+                seconds, tokens, peak = tokenize(corpus, out, args.workers)
+                rate = tokens / seconds
+                print(f"| {megabytes} MB | {files:,} | {tokens:,} | {seconds:.1f} | {rate:,.0f} | {peak:.0f} |")
+                shutil.rmtree(corpus)
+            rate = loader_tokens_per_second(root / f"tokens-{args.sizes_mb[-1]}", args.batches)
+            print()
+            print("| loader tokens/s | training step tokens/s | ratio |")
+            print("|---|---|---|")
+            print(f"| {rate:,.0f} | {args.step_tokens_per_s:,.0f} | {rate / args.step_tokens_per_s:,.0f}x |")
         if args.stream_sizes_mb:
-            streaming_tables(root, args.stream_sizes_mb, args.stream_batches, args.step_repeats)
+            streaming_tables(
+                root,
+                args.stream_sizes_mb,
+                args.stream_batches,
+                args.step_repeats,
+                args.stream_ranks,
+                args.memory_limit_mb,
+            )
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
