@@ -27,7 +27,7 @@ change the network's function.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -160,6 +160,24 @@ def gated_shared_expert(experts: MixtureOfExpertsConfig, require: Callable[[bool
     )
     assert isinstance(shared, GatedFeedForwardConfig)
     return shared.hidden_dim
+
+
+def gguf_expert_fields(key: Getter) -> dict[str, Any]:
+    """The routed experts' HF fields from llama.cpp's ``<architecture>.expert_*`` metadata (``key(name)``)."""
+    return {
+        "num_experts": key("expert_count"),
+        "num_experts_per_tok": key("expert_used_count"),
+        "moe_intermediate_size": key("expert_feed_forward_length"),
+    }
+
+
+def gguf_expert_metadata(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """The inverse of ``gguf_expert_fields``."""
+    return {
+        "expert_count": hf["num_experts"],
+        "expert_used_count": hf["num_experts_per_tok"],
+        "expert_feed_forward_length": hf["moe_intermediate_size"],
+    }
 
 
 def stack_experts(

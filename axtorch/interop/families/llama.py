@@ -7,7 +7,7 @@ from typing import Any
 
 from axtorch.interop.families.family import Getter, GGUFLayout
 from axtorch.interop.families.llama_layout import (
-    attention_biases,
+    attention_bias_field,
     llama_biases,
     llama_layout_family,
     mask_from_layer_types,
@@ -26,12 +26,8 @@ def _mask(get: Getter) -> MaskConfig:
 
 
 def _fields(config: CausalLMConfig, require: Callable[[bool, str], None]) -> dict[str, Any]:
-    qkv, output = attention_biases(config)
+    qkv = attention_bias_field(config, require)
     require(sliding_window(config) is None, "a sliding window")
-    require(
-        qkv == output,
-        "bias on the q/k/v projections but not the output one, or the reverse (attention_bias covers all four)",
-    )
     return {"attention_bias": qkv, "mlp_bias": mlp_bias(config)}
 
 

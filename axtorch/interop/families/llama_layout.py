@@ -399,6 +399,16 @@ def llama_layout_family(
     )
 
 
+def attention_bias_field(config: CausalLMConfig, require: Callable[[bool, str], None]) -> bool:
+    """Llama's ``attention_bias``, which puts biases on all four attention projections or none."""
+    qkv, output = attention_biases(config)
+    require(
+        qkv == output,
+        "bias on the q/k/v projections but not the output one, or the reverse (attention_bias covers all four)",
+    )
+    return qkv
+
+
 def attention_biases(config: CausalLMConfig) -> tuple[bool, bool]:
     """(q/k/v, output) projection biases."""
     attention = config.decoder.layer.attention

@@ -11,6 +11,8 @@ from axtorch.interop.families.experts import (
     aux_loss_coefficient,
     every_layer_sparse,
     gated_shared_expert,
+    gguf_expert_fields,
+    gguf_expert_metadata,
     moe_config,
     routed_experts,
 )
@@ -86,16 +88,12 @@ QWEN2_MOE = llama_layout_family(
     gguf=GGUFLayout(
         "qwen2moe",
         config_fields=lambda key: {
-            "num_experts": key("expert_count"),
-            "num_experts_per_tok": key("expert_used_count"),
-            "moe_intermediate_size": key("expert_feed_forward_length"),
+            **gguf_expert_fields(key),
             "shared_expert_intermediate_size": key("expert_shared_feed_forward_length"),
             "norm_topk_prob": False,
         },
         metadata=lambda hf: {
-            "expert_count": hf["num_experts"],
-            "expert_used_count": hf["num_experts_per_tok"],
-            "expert_feed_forward_length": hf["moe_intermediate_size"],
+            **gguf_expert_metadata(hf),
             "expert_shared_feed_forward_length": hf["shared_expert_intermediate_size"],
         },
         refuses=lambda hf: "renormalised top-k weights" if hf["norm_topk_prob"] else None,

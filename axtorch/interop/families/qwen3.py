@@ -7,7 +7,7 @@ from typing import Any
 
 from axtorch.interop.families.family import GGUFLayout
 from axtorch.interop.families.llama_layout import (
-    attention_biases,
+    attention_bias_field,
     llama_biases,
     llama_layout_family,
     mlp_bias,
@@ -19,11 +19,7 @@ from axtorch.models.causal_lm import CausalLMConfig
 
 
 def _fields(config: CausalLMConfig, require: Callable[[bool, str], None]) -> dict[str, Any]:
-    qkv, output = attention_biases(config)
-    require(
-        qkv == output,
-        "bias on the q/k/v projections but not the output one, or the reverse (attention_bias covers all four)",
-    )
+    qkv = attention_bias_field(config, require)
     require(not mlp_bias(config), "feed-forward biases")
     return {
         "attention_bias": qkv,

@@ -9,13 +9,15 @@ from axtorch.interop.families.experts import (
     ExpertFormat,
     aux_loss_coefficient,
     every_layer_sparse,
+    gguf_expert_fields,
+    gguf_expert_metadata,
     moe_config,
     no_shared_experts,
     routed_experts,
 )
 from axtorch.interop.families.family import Getter, GGUFLayout
 from axtorch.interop.families.llama_layout import (
-    attention_biases,
+    attention_bias_field,
     llama_biases,
     llama_layout_family,
     qwen_window_fields,
@@ -55,11 +57,7 @@ def _write(config: CausalLMConfig, require: Callable[[bool, str], None]) -> dict
 
 
 def _fields(config: CausalLMConfig, require: Callable[[bool, str], None]) -> dict[str, Any]:
-    qkv, output = attention_biases(config)
-    require(
-        qkv == output,
-        "bias on the q/k/v projections but not the output one, or the reverse (attention_bias covers all four)",
-    )
+    qkv = attention_bias_field(config, require)
     # Unlike Qwen3, every layer slides when use_sliding_window is set.
     return {
         "attention_bias": qkv,
@@ -78,17 +76,8 @@ QWEN3_MOE = llama_layout_family(
     # llama.cpp always renormalises Qwen3-MoE's top-k weights, as the released models do.
     gguf=GGUFLayout(
         "qwen3moe",
-        config_fields=lambda key: {
-            "num_experts": key("expert_count"),
-            "num_experts_per_tok": key("expert_used_count"),
-            "moe_intermediate_size": key("expert_feed_forward_length"),
-            "norm_topk_prob": True,
-        },
-        metadata=lambda hf: {
-            "expert_count": hf["num_experts"],
-            "expert_used_count": hf["num_experts_per_tok"],
-            "expert_feed_forward_length": hf["moe_intermediate_size"],
-        },
+        config_fields=lambda key: {**gguf_expert_fields(key), "norm_topk_prob": True},
+        metadata=gguf_expert_metadata,
         refuses=lambda hf: None if hf["norm_topk_prob"] else "top-k weights that are not renormalised",
     ),
 )
