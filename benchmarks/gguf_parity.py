@@ -37,6 +37,10 @@ ARCHITECTURES: dict[str, tuple[list[str], bool]] = {
     "llama (Mixtral, 8 experts)": (["model=mixtral_tiny"], False),
     "qwen2": (["model.decoder.layer.attention.qkv_projection.bias=true"], True),
     "qwen3": (["model=qwen3_tiny", "model.decoder.layer.attention.head_dim=128"], True),
+    "gemma": (
+        ["model.embedding.scale_by_sqrt_dim=true", "model.decoder.layer.feed_forward.activation=gelu_tanh"],
+        False,
+    ),
     "qwen3moe": (
         [
             "model=qwen3_moe_tiny",

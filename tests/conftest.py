@@ -17,6 +17,10 @@ def float64_hf_rmsnorm(monkeypatch):
         variance = hidden_states.pow(2).mean(-1, keepdim=True)
         return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
 
+    def gemma_forward(self, hidden_states):  # Gemma's norms multiply by 1 + weight
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        return (hidden_states * torch.rsqrt(variance + self.eps)) * (1.0 + self.weight)
+
     models = transformers.models
     for norm in (
         models.llama.modeling_llama.LlamaRMSNorm,
@@ -25,6 +29,7 @@ def float64_hf_rmsnorm(monkeypatch):
         models.qwen3.modeling_qwen3.Qwen3RMSNorm,
     ):
         monkeypatch.setattr(norm, "forward", forward)
+    monkeypatch.setattr(models.gemma.modeling_gemma.GemmaRMSNorm, "forward", gemma_forward)
 
 
 @pytest.fixture

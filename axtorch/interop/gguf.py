@@ -23,7 +23,8 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
 from axtorch.data.tokenizer import Tokenizer
 from axtorch.interop.families import Family, gguf_architectures, gguf_families, model_from_hf_tensors
-from axtorch.interop.families.family import getter
+from axtorch.interop.families.family import GGUFLayout, getter
+from axtorch.interop.families.llama_layout import offset_norm
 from axtorch.interop.sentencepiece_vocab import sentencepiece_bpe
 from axtorch.layers.position import Llama3RotaryEmbeddingConfig, RotaryEmbeddingConfig
 from axtorch.models.causal_lm import CausalLM, CausalLMConfig
@@ -164,8 +165,8 @@ def from_gguf(
     tokenizer = _tokenizer(reader)
     attention = config.decoder.layer.attention
     assert family.gguf is not None  # gguf_families lists only families with a layout
-    interleaved = family.gguf.interleaved_qk
-    tensors = _hf_tensors(reader, attention.num_heads, attention.resolved_kv_heads(), interleaved)
+    layout = family.gguf
+    tensors = _hf_tensors(reader, attention.num_heads, attention.resolved_kv_heads(), layout)
     return model_from_hf_tensors(family, config, tensors, dtype), config, tokenizer
 
 
@@ -324,9 +325,9 @@ def interleaved_from_halves(rows: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def _hf_tensors(
-    reader: GGUFReader, num_heads: int, num_kv_heads: int, interleaved: bool
+    reader: GGUFReader, num_heads: int, num_kv_heads: int, layout: GGUFLayout
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF-named float32 tensors in HF layout, dequantised one at a time."""
+    """HF-named float32 tensors in HF layout (and HF's norm weights), dequantised one at a time."""
     from gguf.quants import dequantize
 
     for tensor in reader.tensors:
@@ -339,11 +340,11 @@ def _hf_tensors(
         weight = torch.from_numpy(values).reshape(tuple(int(n) for n in reversed(tensor.shape)))
         if tensor.name.endswith(f"{SHARED_EXPERT_GATE}.weight"):
             weight = weight.reshape(1, -1)
-        if interleaved and ".q_proj." in name:
+        if layout.interleaved_qk and ".q_proj." in name:
             weight = _halves_from_interleaved(weight, num_heads)
-        elif interleaved and ".k_proj." in name:
+        elif layout.interleaved_qk and ".k_proj." in name:
             weight = _halves_from_interleaved(weight, num_kv_heads)
-        yield name, weight
+        yield name, offset_norm(name, weight, -layout.norm_offset)
 
 
 def _tokenizer(reader: GGUFReader) -> Tokenizer:

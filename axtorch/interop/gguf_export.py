@@ -91,7 +91,7 @@ def to_gguf(model: CausalLM, tokenizer: Tokenizer, path: str | os.PathLike[str],
     writer.add_eos_token_id(tokenizer.eos_id)
     writer.add_bos_token_id(tokenizer.eos_id)  # axtorch packs documents after EOS, never a BOS
     writer.add_add_bos_token(False)
-    for name, array in _gguf_tensors(model, hf, interleaved=layout.interleaved_qk):
+    for name, array in _gguf_tensors(model, hf, layout):
         _add_tensor(writer, name, array, dtype)
     if hf.get("rope_scaling") is not None:
         writer.add_tensor(ROPE_FACTORS, _rope_factors(model))
@@ -189,8 +189,9 @@ def _pre_tokenizer_name(pre: dict[str, Any] | None) -> str:
     )
 
 
-def _gguf_tensors(model: CausalLM, hf: dict[str, Any], interleaved: bool) -> Iterator[tuple[str, np.ndarray]]:
-    """GGUF-named float32 arrays in llama.cpp's layout."""
+def _gguf_tensors(model: CausalLM, hf: dict[str, Any], layout: GGUFLayout) -> Iterator[tuple[str, np.ndarray]]:
+    """GGUF-named float32 arrays in llama.cpp's layout (axtorch's norm weights are what llama.cpp stores)."""
+    interleaved = layout.interleaved_qk
     for name, tensor in axtorch_to_hf_state_dict(model.state_dict()).items():
         values = tensor.detach().to(device="cpu", dtype=torch.float32)
         stem, _, suffix = name.rpartition(".")

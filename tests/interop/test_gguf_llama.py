@@ -117,6 +117,8 @@ def _write_gguf(
             with torch.no_grad():  # the oracle sees what the file holds
                 param.copy_(torch.from_numpy(gguf.quants.dequantize(stored, Q8_0)))
             values = param.detach().numpy()
+        if architecture == "gemma" and name.endswith("norm.weight"):
+            values = values + 1  # llama.cpp stores the 1 + weight that Gemma's norms multiply by
         heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}.get(name.split(".")[-2])
         if heads and architecture == "llama":  # llama.cpp runs the other families with rotate-half RoPE
             values = _llama_cpp_rows(values, heads)
@@ -199,6 +201,23 @@ def test_qwen_files_give_the_logits_of_hf_qwen(family, architecture, tmp_path):
         expected = hf_model(input_ids=ids).logits
         actual = model(CausalLMInput(input_ids=ids)).logits
     torch.testing.assert_close(actual, expected, rtol=0, atol=1e-5)
+
+
+def test_gemma_files_give_the_logits_of_hf_gemma_and_export_back(tmp_path):
+    """Gemma's scaled embeddings, GELU-tanh MLP and 1 + weight norms, as llama.cpp stores them."""
+    from axtorch.interop import to_gguf
+
+    hf_model = _hf_model(tie=True, family="Gemma")
+    path = _write_gguf(tmp_path / "model.gguf", hf_model, architecture="gemma")
+    model, _, tokenizer = from_gguf(path)
+    ids = torch.randint(0, len(TOKENS), (2, 17), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = hf_model(input_ids=ids).logits
+        torch.testing.assert_close(model(CausalLMInput(input_ids=ids)).logits, expected, rtol=0, atol=1e-5)
+        to_gguf(model, tokenizer, tmp_path / "exported.gguf", "f32")
+        assert gguf.GGUFReader(tmp_path / "exported.gguf").fields["general.architecture"].contents() == "gemma"
+        back = from_gguf(tmp_path / "exported.gguf")[0]
+        torch.testing.assert_close(back(CausalLMInput(input_ids=ids)).logits, expected, rtol=0, atol=1e-5)
 
 
 def test_tokenizer_keeps_control_tokens_whole_and_decodes_exactly(tmp_path):

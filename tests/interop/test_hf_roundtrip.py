@@ -28,6 +28,7 @@ FAMILIES = {
     "mistral": (transformers.MistralConfig, transformers.models.mistral.modeling_mistral.MistralRMSNorm),
     "qwen2": (transformers.Qwen2Config, transformers.models.qwen2.modeling_qwen2.Qwen2RMSNorm),
     "qwen3": (transformers.Qwen3Config, transformers.models.qwen3.modeling_qwen3.Qwen3RMSNorm),
+    "gemma": (transformers.GemmaConfig, transformers.models.gemma.modeling_gemma.GemmaRMSNorm),
 }
 SHAPE = dict(
     vocab_size=97,
@@ -87,6 +88,9 @@ CASES = {
         "Qwen2ForCausalLM",
     ),
     "qwen3-tied": ("qwen3", True, dict(head_dim=16), "Qwen3ForCausalLM"),
+    # GELU-tanh, sqrt(dim)-scaled embeddings, norms by 1 + weight.
+    "gemma-tied": ("gemma", True, dict(head_dim=16), "GemmaForCausalLM"),
+    "gemma-biases": ("gemma", False, dict(head_dim=32, attention_bias=True), "GemmaForCausalLM"),
     "qwen3-window-biases": (
         "qwen3",
         False,
@@ -214,7 +218,7 @@ def test_from_hf_maps_each_feature_to_its_config(case):
 @pytest.mark.parametrize(
     ("family", "fields", "message"),
     [
-        ("gemma", {}, "model_type='gemma'"),
+        ("gemma2", {}, "model_type='gemma2'"),
         (
             "llama",
             {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},

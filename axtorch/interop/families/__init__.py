@@ -13,6 +13,7 @@ import torch
 
 from axtorch.interop.assembly import model_from_state_dict
 from axtorch.interop.families.family import CannotExpress, Family, NamedTensor, getter
+from axtorch.interop.families.gemma import GEMMA
 from axtorch.interop.families.gpt2 import GPT2
 from axtorch.interop.families.llama import LLAMA
 from axtorch.interop.families.mistral import MISTRAL
@@ -24,7 +25,7 @@ from axtorch.interop.families.qwen3_moe import QWEN3_MOE
 from axtorch.models.causal_lm import CausalLM, CausalLMConfig
 
 #: Export writes the first family that can express a model, so the simplest come first.
-FAMILIES: tuple[Family, ...] = (GPT2, LLAMA, MISTRAL, QWEN2, QWEN3, MIXTRAL, QWEN2_MOE, QWEN3_MOE)
+FAMILIES: tuple[Family, ...] = (GPT2, LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA, MIXTRAL, QWEN2_MOE, QWEN3_MOE)
 #: A ``config.json`` without a ``model_type`` is read as this family's.
 DEFAULT_MODEL_TYPE = LLAMA.model_type
 

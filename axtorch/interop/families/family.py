@@ -33,6 +33,9 @@ class GGUFLayout:
     architecture: str
     #: llama.cpp's converter reorders the Q/K rows of ``llama`` files for its interleaved RoPE.
     interleaved_qk: bool = False
+    #: What llama.cpp's converter adds to the family's HF norm weights (Gemma's 1: it stores the
+    #: ``1 + weight`` its norms multiply by).
+    norm_offset: float = 0.0
     #: The family's HF config fields from the GGUF's ``<architecture>.*`` metadata (beyond the
     #: shared Llama layout's): ``key(name, default)`` reads one; ``{}`` when there are none.
     config_fields: Callable[[Getter], dict[str, Any]] = lambda key: {}

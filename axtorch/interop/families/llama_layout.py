@@ -22,6 +22,7 @@ from axtorch.interop.families.family import Family, Getter, GGUFLayout, NamedTen
 from axtorch.layers.attention import AttentionConfig
 from axtorch.layers.attention_kernel import SdpaKernelConfig
 from axtorch.layers.attention_mask import CausalMaskConfig, MaskConfig, SlidingWindowMaskConfig
+from axtorch.layers.embedding import EmbeddingConfig
 from axtorch.layers.feed_forward import Activation, FeedForwardConfig, GatedFeedForwardConfig
 from axtorch.layers.linear import LinearConfig
 from axtorch.layers.norm import RMSNormConfig
@@ -246,6 +247,10 @@ def llama_layout_family(
     fields: Callable[[CausalLMConfig, Callable[[bool, str], None]], dict[str, Any]],
     qk_norm: bool = False,
     default_head_dim: Optional[int] = None,
+    default_activation: str = "silu",
+    default_tie: bool = False,
+    scaled_embedding: bool = False,
+    norm_offset: float = 0.0,
     experts: Optional[ExpertFormat] = None,
     gguf: Optional[GGUFLayout] = None,
 ) -> Family:
@@ -254,15 +259,19 @@ def llama_layout_family(
     ``mask`` and ``biases`` read what the family's HF config says about them; ``fields(config,
     require)`` checks what only this family requires and returns its own ``config.json`` fields;
     ``qk_norm``: the family normalises each head's queries and keys (and every model it writes
-    must); ``default_head_dim``: the head size when the config gives none (else dim / heads);
-    ``experts``: every layer's MLP is a mixture of experts in this format.
+    must); ``default_head_dim``, ``default_activation``, ``default_tie``: the head size (else
+    dim / heads), ``hidden_act`` and ``tie_word_embeddings`` when the config gives none;
+    ``scaled_embedding``: token vectors are scaled by sqrt(dim); ``norm_offset``: the family's
+    RMSNorms multiply by ``offset + weight`` (Gemma's ``1 + weight``), so the offset is added to
+    its norm weights on import and taken off on export; ``experts``: every layer's MLP is a
+    mixture of experts in this format.
     """
     require = requirement(architecture)
 
     def config_from_hf(get: Getter) -> CausalLMConfig:
         if get("quantization_config") is not None:
             raise ValueError("HF config quantization_config is set: quantized checkpoints are not supported")
-        hidden_act = get("hidden_act", "silu")
+        hidden_act = get("hidden_act", None) or get("hidden_activation", None) or default_activation
         if hidden_act not in ACTIVATIONS:
             raise ValueError(f"HF config hidden_act={hidden_act!r} is not supported; supported: {sorted(ACTIVATIONS)}")
         activation = ACTIVATIONS[hidden_act]
@@ -278,7 +287,8 @@ def llama_layout_family(
             vocab_size=get("vocab_size"),
             dim=get("hidden_size"),
             max_seq_len=get("max_position_embeddings", 2048),
-            tie_embeddings=bool(get("tie_word_embeddings", False)),
+            tie_embeddings=bool(get("tie_word_embeddings", default_tie)),
+            embedding=EmbeddingConfig(scale_by_sqrt_dim=scaled_embedding),
             decoder=DecoderConfig(
                 num_layers=get("num_hidden_layers"),
                 layer=TransformerLayerConfig(
@@ -344,8 +354,10 @@ def llama_layout_family(
         require(config.tie_embeddings or not config.lm_head.bias, "a bias on the output head")
         require(config.position_embedding is None, "absolute position embeddings (it has only RoPE)")
         require(
-            config.embedding.multiplier == 1.0 and not config.embedding.scale_by_sqrt_dim,
-            "scaled token embeddings (multiplier or scale_by_sqrt_dim)",
+            config.embedding.multiplier == 1.0 and config.embedding.scale_by_sqrt_dim == scaled_embedding,
+            f"token embeddings scaled by multiplier={config.embedding.multiplier}, "
+            f"scale_by_sqrt_dim={config.embedding.scale_by_sqrt_dim} (it scales by "
+            f"{'sqrt(dim)' if scaled_embedding else 'nothing'})",
         )
         require(config.embedding_dropout == 0.0, f"embedding_dropout={config.embedding_dropout} (it has none)")
         require(
@@ -382,10 +394,11 @@ def llama_layout_family(
     def tensors_from_hf(config: CausalLMConfig, tensors: Iterable[NamedTensor]) -> Iterator[NamedTensor]:
         if experts:
             tensors = stack_experts(tensors, config.decoder.layer.feed_forward, experts)
-        return _renamed_from_hf(tensors, config.tie_embeddings)
+        renamed = _renamed_from_hf(tensors, config.tie_embeddings)
+        return ((name, offset_norm(name, tensor, norm_offset)) for name, tensor in renamed)
 
     def tensors_to_hf(config: CausalLMConfig, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        renamed = axtorch_to_hf_state_dict(state)
+        renamed = axtorch_to_hf_state_dict({name: offset_norm(name, t, -norm_offset) for name, t in state.items()})
         return dict(unstack_experts(renamed.items(), experts)) if experts else renamed
 
     return Family(
@@ -397,6 +410,11 @@ def llama_layout_family(
         tensors_to_hf=tensors_to_hf,
         gguf=gguf,
     )
+
+
+def offset_norm(name: str, tensor: torch.Tensor, offset: float) -> torch.Tensor:
+    """``tensor + offset`` for an axtorch norm weight (``*_norm.weight``), any other tensor as it is."""
+    return tensor + offset if offset and name.endswith("norm.weight") else tensor
 
 
 def attention_bias_field(config: CausalLMConfig, require: Callable[[bool, str], None]) -> bool:

@@ -1,0 +1,50 @@
+"""Gemma (the first generation): the Llama layout with GELU-tanh gated MLPs, token vectors scaled
+by sqrt(dim), norms that multiply by ``1 + weight``, a head size of 256 and a tied head.
+
+Gemma 2 and 3 alternate sliding-window and global layers, which one axtorch decoder (one mask
+for every layer) does not express, so they are not registered.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from axtorch.interop.families.family import Getter, GGUFLayout
+from axtorch.interop.families.llama_layout import (
+    attention_bias_field,
+    llama_biases,
+    llama_layout_family,
+    mask_from_layer_types,
+    mlp_bias,
+    sliding_window,
+)
+from axtorch.layers.attention_mask import MaskConfig
+from axtorch.models.causal_lm import CausalLMConfig
+
+
+def _mask(get: Getter) -> MaskConfig:
+    if get("use_bidirectional_attention", False):
+        raise ValueError("HF config use_bidirectional_attention=True is not supported: axtorch decoders are causal")
+    return mask_from_layer_types(None, get("layer_types"))
+
+
+def _fields(config: CausalLMConfig, require: Callable[[bool, str], None]) -> dict[str, Any]:
+    qkv = attention_bias_field(config, require)
+    require(not mlp_bias(config), "feed-forward biases")
+    require(sliding_window(config) is None, "a sliding window")
+    return {"attention_bias": qkv}
+
+
+GEMMA = llama_layout_family(
+    "gemma",
+    "GemmaForCausalLM",
+    mask=_mask,
+    biases=llama_biases,
+    fields=_fields,
+    default_head_dim=256,
+    default_activation="gelu_pytorch_tanh",
+    default_tie=True,
+    scaled_embedding=True,
+    norm_offset=1.0,
+    gguf=GGUFLayout("gemma", norm_offset=1.0),
+)
