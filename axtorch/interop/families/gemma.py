@@ -7,7 +7,8 @@ for every layer) does not express, so they are not registered.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from axtorch.interop.families.family import Getter, GGUFLayout
 from axtorch.interop.families.llama_layout import (
