@@ -14,6 +14,7 @@ from __future__ import annotations
 import sys
 
 import hydra
+import torch.distributed as dist
 from omegaconf import DictConfig
 
 from axtorch.compose.experiment import (
@@ -25,9 +26,10 @@ from axtorch.compose.experiment import (
 )
 from axtorch.compose.registry import register_configs
 from axtorch.config.errors import ConfigError
+from axtorch.parallel.shutdown import exit_process
 from axtorch.train.checkpoint_manifest import CheckpointError
 from axtorch.train.numerics import NonFiniteError
-from axtorch.train.trainer import Trainer
+from axtorch.train.trainer import Trainer, TrainResult
 
 #: Hydra's own flags that take a value as the next argument.
 _FLAGS_WITH_VALUE = (
@@ -43,24 +45,31 @@ _FLAGS_WITH_VALUE = (
 )
 
 
-def _fail(error: Exception, status: int = 2) -> None:
+def _fail(error: Exception, status: int = 2, ran_collectives: bool = False) -> None:
     print(f"axtorch-train: {error}", file=sys.stderr)
-    raise SystemExit(status)
+    exit_process(status, ran_collectives)
 
 
 def _train(cfg: DictConfig) -> None:
+    ran_collectives = False  # whether this process joined a process group (see exit_process)
     try:
         trainer = Trainer(to_experiment_config(cfg))
+        ran_collectives = dist.is_available() and dist.is_initialized()
         try:
             result = trainer.fit()
         finally:
             trainer.backend.close()
     except ConfigError as error:  # also raised by fit(), e.g. resuming checkpoints of another model
-        _fail(error)
+        _fail(error, ran_collectives=ran_collectives)
     except (CheckpointError, NonFiniteError) as error:  # nothing to resume from, a failed save, NaNs
-        _fail(error, status=1)
-    if not trainer.backend.is_main_process:
-        return
+        _fail(error, status=1, ran_collectives=ran_collectives)
+    if trainer.backend.is_main_process:
+        _report(result)
+    if ran_collectives:
+        exit_process(0, ran_collectives)
+
+
+def _report(result: TrainResult) -> None:
     if result.preempted_by:
         print(
             f"preempted by {result.preempted_by} at step {result.step}: saved {result.checkpoint}; "

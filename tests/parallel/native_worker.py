@@ -10,6 +10,7 @@ import json
 import sys
 
 from axtorch.compose.experiment import load_experiment_config
+from axtorch.parallel.shutdown import exit_process
 from axtorch.parallel.tensor_shards import local_region
 from axtorch.train.checkpoint import optimizer_tensors
 from axtorch.train.trainer import Trainer
@@ -51,6 +52,7 @@ def main() -> None:
     with open(f"{out_prefix}.rank{trainer.backend.rank}.json", "w") as handle:
         json.dump(report, handle)
     trainer.backend.close()
+    exit_process(0, ran_collectives=True)
 
 
 if __name__ == "__main__":

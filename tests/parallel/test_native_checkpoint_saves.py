@@ -4,7 +4,6 @@ every rank without a hang, and asynchronous saves coordinate beside the training
 from __future__ import annotations
 
 import errno
-import os
 import traceback
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from torch.distributed.fsdp import fully_shard
 from axtorch.parallel.mesh import MeshConfig
 from axtorch.parallel.native import NativeBackend
 from axtorch.parallel.rules import ShardingConfig
+from axtorch.parallel.shutdown import exit_process
 from axtorch.train import checkpoint as checkpoint_module
 from axtorch.train.checkpoint import Checkpointer, checkpoint_problems, list_checkpoints, read_model_tensors
 from axtorch.train.checkpoint_manifest import CheckpointError
@@ -78,10 +78,7 @@ def _worker(rank: int, root: str, scenario: str, results: str) -> None:
     except Exception:
         outcome = traceback.format_exc()
     (Path(results) / f"rank{rank}.txt").write_text(outcome)
-    # The outcome is recorded. Skip the interpreter's teardown: after a failed collective step,
-    # gloo's threads in a spawned child now and then abort there ("terminate called without an
-    # active exception"), which is not what this test is about.
-    os._exit(0)
+    exit_process(0, ran_collectives=True)  # the outcome is recorded; gloo's threads would race teardown
 
 
 def _run(tmp_path: Path, scenario: str) -> list[str]:

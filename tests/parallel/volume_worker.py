@@ -22,6 +22,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from axtorch.compose.experiment import load_experiment_config
+from axtorch.parallel.shutdown import exit_process
 from axtorch.train.trainer import Trainer
 
 #: Each kind of collective, by the words torch's c10d and functional op names use for it.
@@ -107,6 +108,7 @@ def main() -> None:
         with open(out, "w") as handle:
             json.dump(every_rank, handle)
     trainer.backend.close()
+    exit_process(0, ran_collectives=True)
 
 
 if __name__ == "__main__":
