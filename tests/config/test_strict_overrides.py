@@ -92,3 +92,11 @@ def test_an_unparsable_override_names_itself_and_the_quoting_that_fixes_it():
     assert info.value.key == "data.source.paths"
     assert "cannot parse 'data.source.paths=[~/corpus/*.txt]'" in str(info.value)
     assert '"~/corpus/**/*.txt"' in info.value.allowed
+
+
+def test_an_experiment_s_corpus_can_be_swapped_for_another_source():
+    """``experiment=debug`` picks a small corpus as a data option, so ``data=jsonl`` replaces it
+    instead of meeting a ``max_files`` the JSONL source does not have."""
+    config = load_experiment_config(["experiment=debug", "data=jsonl", "data.source.paths=[x.jsonl]"])
+    assert config.data.source.paths == ["x.jsonl"] and config.data.seq_len == 64
+    assert load_experiment_config(["experiment=debug"]).data.source.max_files == 80
