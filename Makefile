@@ -33,8 +33,8 @@ test-newest: $(VENV)/.axtorch-test $(OLDEST_VENV)/.axtorch-xla
 # (their workers already run on 2.9), the documented commands (they exercise the docs), the
 # single-process kill, goodput and signal journeys (process handling; the torchrun preemption
 # test stays), config composition, mesh rules and the planner (Hydra and arithmetic), the data
-# pipeline (numpy and tokenizers, with its streamed training runs), import layering and feature locality (source text), the
-# launcher script, the command-line journeys whose pieces the unit tests cover on 2.9 (generate,
+# pipeline (numpy and tokenizers, with its streamed training runs), import layering and feature
+# locality (source text), the launcher script, the command-line journeys whose pieces the unit tests cover on 2.9 (generate,
 # export, the SmolLM2 fine-tune), the GGUF file formats (numpy and gguf; the models they load are
 # the HF-parity-tested ones) and the GPU script's CPU smoke run.
 ONE_DEVICE_JOURNEYS := \
