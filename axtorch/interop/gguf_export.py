@@ -57,8 +57,7 @@ def to_gguf(model: CausalLM, tokenizer: Tokenizer, path: str | os.PathLike[str],
 
     if dtype not in GGUF_DTYPES:
         raise ValueError(f"GGUF dtype {dtype!r} is not supported; supported: {', '.join(GGUF_DTYPES)}")
-    family = family_for(model.config)
-    hf = family.config_to_hf(model.config)
+    family, hf = family_for(model.config)
     layout = _layout(family.gguf, hf)
     vocab = _tokenizer_fields(tokenizer, model.config.vocab_size)
     writer = gguf.GGUFWriter(os.fspath(path), layout.architecture)

@@ -109,8 +109,7 @@ def to_hf(
     files plus an index. An earlier export in ``directory``
     is replaced. Raises ``ValueError`` (before writing anything) if no family can express the model.
     """
-    family = family_for(model.config)
-    hf_config = family.config_to_hf(model.config)
+    family, hf_config = family_for(model.config)
     dtype = dtype or next(model.parameters()).dtype
     hf_config["torch_dtype"] = str(dtype).removeprefix("torch.")
     state = family.tensors_to_hf(model.config, model.state_dict())

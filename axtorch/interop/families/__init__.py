@@ -52,17 +52,17 @@ def family_of(model_type: str) -> Family:
     raise ValueError(f"HF config model_type={model_type!r} is not supported; supported: {supported}")
 
 
-def family_for(config: CausalLMConfig) -> Family:
-    """The first family (the simplest) that can express ``config``.
+def family_for(config: CausalLMConfig) -> tuple[Family, dict[str, Any]]:
+    """The first family (the simplest) that can express ``config``, with its ``config.json`` dict.
 
     ``CannotExpress`` lists, for each family, the first feature it lacks.
     """
     refusals = {}
     for family in FAMILIES:
-        reason = family.can_express(config)
-        if reason is None:
-            return family
-        refusals[family.architecture] = reason.split(": ", 1)[-1]
+        try:
+            return family, family.config_to_hf(config)
+        except CannotExpress as error:
+            refusals[family.architecture] = str(error).split(": ", 1)[-1]
     details = "; ".join(f"{architecture}: {reason}" for architecture, reason in refusals.items())
     raise CannotExpress(f"no HF family can express this model ({details})")
 

@@ -69,14 +69,6 @@ class Family:
     #: None for a family llama.cpp does not run.
     gguf: Optional[GGUFLayout] = None
 
-    def can_express(self, config: CausalLMConfig) -> Optional[str]:
-        """None if ``config_to_hf`` writes ``config``, else the feature the family lacks."""
-        try:
-            self.config_to_hf(config)
-        except CannotExpress as error:
-            return str(error)
-        return None
-
 
 def getter(hf: Mapping[str, Any] | Any) -> Getter:
     """``get(key, default)`` over a ``config.json`` dict or a transformers config object."""
