@@ -41,7 +41,8 @@ VAL_TOKENS_FILE = "val_tokens.npy"
 META_FILE = "meta.json"
 # Bump when the layout or meaning of cached arrays changes, so old entries are not reused.
 _CACHE_FORMAT = 2
-_ENCODE_BATCH_DOCUMENTS = 64
+#: Documents tokenized in one ``encode_batch`` call: amortises the call, bounds the read-ahead.
+ENCODE_BATCH_DOCUMENTS = 64
 
 
 def validate_data_config(cfg: DataConfig) -> None:
@@ -87,7 +88,7 @@ def tokenize_documents(source: DocumentSource, tokenizer: Tokenizer) -> tuple[np
     chunks: list[np.ndarray] = []
     lengths: list[int] = []
     with tqdm(desc="tokenizing", unit=" docs") as progress:
-        for documents in _batched(source.iter_documents(), _ENCODE_BATCH_DOCUMENTS):
+        for documents in _batched(source.iter_documents(), ENCODE_BATCH_DOCUMENTS):
             encoded = tokenizer.encode_batch(documents)
             batch_lengths = [len(ids) + 1 for ids in encoded]
             flat = chain.from_iterable(chain(ids, eos) for ids in encoded)

@@ -38,11 +38,10 @@ from axtorch.config.errors import ConfigError
 from axtorch.data.batches import Batch, iter_validation_batches, to_batch
 from axtorch.data.config import DataConfig
 from axtorch.data.mixture import InterleavedSource, mixture_sources, row_sources
+from axtorch.data.packing import ENCODE_BATCH_DOCUMENTS
 from axtorch.data.sources import PartitionedSource, stable_hash
 from axtorch.data.tokenizer import TOKENIZER_FILE, Tokenizer, load_or_train_tokenizer, tokenizer_fingerprint
 
-#: Documents tokenized in one ``encode_batch`` call: amortises the call, bounds the read-ahead.
-_ENCODE_BATCH_DOCUMENTS = 64
 _STATE_FORMAT = 1
 
 
@@ -104,7 +103,7 @@ class PackedStream:
         """Tokenize the next few documents into ``_pending``; False when a held-out stream has ended."""
         if self._documents is None:
             self._documents = self._read()
-        documents = list(islice(self._documents, _ENCODE_BATCH_DOCUMENTS))
+        documents = list(islice(self._documents, ENCODE_BATCH_DOCUMENTS))
         eos = self.tokenizer.eos_id
         for (_, epoch, after), ids in zip(documents, self.tokenizer.encode_batch([text for text, _, _ in documents])):
             ids.append(eos)
