@@ -21,8 +21,9 @@ from axtorch.compose.experiment import (
     CONFIG_MODULE,
     PRIMARY_CONFIG,
     compose_experiment_config,
+    describe_auto_sharding,
+    resolve_choices,
     to_experiment_config,
-    with_mesh_rule,
 )
 from axtorch.compose.registry import register_configs
 from axtorch.config.errors import ConfigError
@@ -105,12 +106,14 @@ def main() -> None:
             # Strict keys and clear errors before Hydra runs; then the mesh rule's overrides join the
             # command line, so that the config Hydra composes is the one checked here.
             composed = compose_experiment_config(overrides, config_dirs, apply_mesh_rules=False)
-            ruled = with_mesh_rule(overrides, composed)
-            if ruled != overrides:  # a rule applies: check its config too, then hand Hydra its overrides
-                composed = compose_experiment_config(ruled, config_dirs, apply_mesh_rules=False)
+            chosen, composed = resolve_choices(overrides, composed, config_dirs)
+            if chosen != overrides:  # a rule or sharding=auto chose: hand Hydra the overrides checked here
                 flags = [arg for arg in sys.argv[1:] if arg not in overrides]
-                sys.argv = [sys.argv[0], *flags, *ruled]
+                sys.argv = [sys.argv[0], *flags, *chosen]
+            if composed.mesh_rules.selected:
                 print(f"mesh rule {composed.mesh_rules.selected!r} for hardware {composed.mesh_rules.hardware}")
+            if composed.sharding.auto:
+                print(f"sharding=auto: {describe_auto_sharding(composed)}")
         hydra.main(version_base=None, config_path=f"pkg://{CONFIG_MODULE}", config_name=PRIMARY_CONFIG)(_train)()
     except ConfigError as error:
         _fail(error)

@@ -27,6 +27,7 @@ from axtorch.config.errors import ConfigError
 from axtorch.config.serialize import to_object
 from axtorch.parallel.hardware import detect_hardware_id
 from axtorch.parallel.mesh_rules import select_rule
+from axtorch.parallel.rules import auto_sharding_preset
 from axtorch.train.experiment import ExperimentConfig
 
 #: The installed package that holds ``conf/`` (setuptools maps the repository's ``conf/`` to it).
@@ -160,14 +161,50 @@ def compose_experiment_config(
 
     ``config_dirs`` are users' own config directories (``axtorch-train --config-dir``), searched
     after axtorch's: their experiments and presets are chosen like the built-in ones. With
-    ``apply_mesh_rules``, the matching mesh rule's overrides are applied (``with_mesh_rule``).
+    ``apply_mesh_rules``, the matching mesh rule's overrides and then ``sharding=auto``'s choice are
+    applied (``resolve_choices``).
     """
-    overrides = [*overrides, *search_path_override(config_dirs)]
-    composed = _compose_checked(overrides)
+    composed = _compose_checked([*overrides, *search_path_override(config_dirs)])
     if not apply_mesh_rules:
         return composed
-    ruled = with_mesh_rule(overrides, composed)
-    return composed if ruled == overrides else _compose_checked(ruled)
+    return resolve_choices(overrides, composed, config_dirs)[1]
+
+
+def resolve_choices(
+    overrides: Sequence[str], composed: DictConfig, config_dirs: Sequence[str | Path] = ()
+) -> tuple[list[str], DictConfig]:
+    """The overrides and config after the choices composition makes for the user: the mesh rule's
+    overrides (``with_mesh_rule``), then the preset ``sharding=auto`` picks (``with_auto_sharding``).
+
+    ``composed`` is the config of ``overrides``; each choice that changes the overrides composes again.
+    """
+    current = list(overrides)
+    for choose in (with_mesh_rule, with_auto_sharding):
+        chosen = choose(current, composed)
+        if chosen != current:
+            current, composed = chosen, _compose_checked([*chosen, *search_path_override(config_dirs)])
+    return current, composed
+
+
+def with_auto_sharding(overrides: Sequence[str], composed: DictConfig) -> list[str]:
+    """``overrides`` with ``sharding=<preset>`` for the mesh, when the sharding is ``auto`` (the default).
+
+    ``auto`` composes as ``replicated`` (plus ``sharding.auto=true``), so a mesh that needs no other
+    preset composes once; any other choice replaces the ``auto`` and keeps the record.
+    """
+    if not composed.sharding.auto or any(_key(o) == "sharding" and o.partition("=")[2] != "auto" for o in overrides):
+        return list(overrides)
+    preset = auto_sharding_preset({axis: int(size) for axis, size in composed.mesh.items() if axis != "dcn"})
+    if preset == "replicated":
+        return list(overrides)
+    return [*(o for o in overrides if _key(o) != "sharding"), f"sharding={preset}", "sharding.auto=true"]
+
+
+def describe_auto_sharding(composed: DictConfig) -> str:
+    """What ``sharding=auto`` chose and why, for the start-up line: ``fsdp_tp (mesh fsdp=4 model=2)``."""
+    split = {axis: size for axis, size in composed.mesh.items() if axis != "dcn" and size != 1}
+    preset = auto_sharding_preset(split)
+    return f"{preset} (mesh {' '.join(f'{a}={s}' for a, s in split.items()) or 'of one device'})"
 
 
 def with_mesh_rule(overrides: Sequence[str], composed: DictConfig) -> list[str]:

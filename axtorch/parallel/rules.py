@@ -58,6 +58,31 @@ class ShardingConfig:
     activations: list[ActivationRule] = dataclasses.field(default_factory=list)
     #: A parameter that no rule covers is an error (otherwise it is replicated).
     require_full_coverage: bool = True
+    #: True when ``sharding=auto`` chose these rules from the mesh (``auto_sharding_preset``); a
+    #: record in config.yaml, set at composition.
+    auto: bool = False
+
+
+def auto_sharding_preset(mesh_sizes: Mapping[str, int]) -> str:
+    """The ``conf/sharding/`` preset that ``sharding=auto`` picks for a mesh (sizes as configured, -1 allowed).
+
+    A split axis asks for the preset that uses it: ``expert`` -> ``fsdp_ep``, ``model`` ->
+    ``fsdp_tp``, ``fsdp`` -> ``fsdp``; a mesh that splits only the batch, sequences or stages
+    (``data``, ``seq``, ``pipe``) keeps every parameter whole (``replicated``). An axis of -1
+    counts as split: it takes whatever devices the others leave.
+    """
+    split = {axis for axis, size in mesh_sizes.items() if size != 1}
+    if {"expert", "model"} <= split:
+        raise ConfigError(
+            "sharding",
+            "auto",
+            "an explicit preset of your own (see docs/parallelism.md, 'Sharding rules')",
+            reason="no built-in preset splits both mesh.expert and mesh.model",
+        )
+    for axis, preset in (("expert", "fsdp_ep"), ("model", "fsdp_tp"), ("fsdp", "fsdp")):
+        if axis in split:
+            return preset
+    return "replicated"
 
 
 def resolve_parameter_specs(

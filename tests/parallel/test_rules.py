@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from axtorch.compose.experiment import load_experiment_config
+from axtorch.compose.experiment import compose_experiment_config, describe_auto_sharding, load_experiment_config
 from axtorch.config.errors import ConfigError
 from axtorch.parallel.mesh import MeshConfig
 from axtorch.parallel.rules import (
@@ -209,3 +209,34 @@ def test_dcn_slices_must_divide_their_axis():
     bad = MeshConfig(data=4, fsdp=2, dcn=DcnMeshConfig(data=3))
     with pytest.raises(ConfigError, match=r"mesh\.dcn\.data"):
         bad.resolve_dcn(bad.resolve(8))
+
+
+@pytest.mark.parametrize(
+    ("mesh", "preset", "line"),
+    [
+        ([], "replicated", "replicated (mesh of one device)"),
+        (["mesh.data=2"], "replicated", "replicated (mesh data=2)"),
+        (["mesh.fsdp=-1"], "fsdp", "fsdp (mesh fsdp=-1)"),
+        (["mesh.data=2", "mesh.fsdp=4"], "fsdp", "fsdp (mesh data=2 fsdp=4)"),
+        (["mesh.fsdp=2", "mesh.model=2"], "fsdp_tp", "fsdp_tp (mesh fsdp=2 model=2)"),
+        (["model=mixtral_tiny", "mesh.expert=2"], "fsdp_ep", "fsdp_ep (mesh expert=2)"),
+    ],
+)
+def test_auto_sharding_follows_the_mesh_and_says_so(mesh, preset, line):
+    composed = compose_experiment_config(mesh)
+    assert composed.sharding.auto
+    assert composed.sharding == compose_experiment_config([*mesh, f"sharding={preset}", "sharding.auto=true"]).sharding
+    assert describe_auto_sharding(composed) == line
+
+
+def test_an_explicit_preset_wins_over_auto():
+    composed = compose_experiment_config(["mesh.fsdp=4", "sharding=replicated"])
+    assert not composed.sharding.auto
+    assert all(set(rule.spec) == {None} for rule in composed.sharding.parameters)
+
+
+def test_auto_refuses_a_mesh_that_no_preset_serves():
+    with pytest.raises(ConfigError) as error:
+        load_experiment_config(["model=mixtral_tiny", "mesh.expert=2", "mesh.model=2"])
+    assert (error.value.key, error.value.value) == ("sharding", "auto")
+    assert "mesh.expert and mesh.model" in str(error.value)
