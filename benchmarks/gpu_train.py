@@ -27,6 +27,7 @@ import transformers
 from axtorch.compose.experiment import load_experiment_config
 from axtorch.interop.families.llama import LLAMA
 from axtorch.interop.families.llama_layout import axtorch_to_hf_state_dict
+from axtorch.models import CausalLMInput
 from axtorch.train.flops import (
     active_non_embedding_parameters,
     measure_matmul_peak_flops,
@@ -49,15 +50,26 @@ def build(model_name: str, device: torch.device) -> tuple[torch.nn.Module, torch
     ours.init_weights()
     hf_config = transformers.LlamaConfig(**LLAMA.config_to_hf(config))
     hf_config._attn_implementation = "sdpa"
-    with torch.device("meta"):
+    # Built on the device, not on meta: HF computes its RoPE ``inv_freq`` (a non-persistent buffer,
+    # absent from any state dict) at construction, and ``to_empty`` would leave it uninitialised.
+    with torch.device(device):
         theirs = transformers.LlamaForCausalLM(hf_config)
-    theirs.to_empty(device=device)
     loaded = theirs.load_state_dict(axtorch_to_hf_state_dict(ours.state_dict()), strict=False)
     tied = {"lm_head.weight"} if config.tie_embeddings else set()
     if set(loaded.missing_keys) != tied or loaded.unexpected_keys:
         raise RuntimeError(f"HF model does not match axtorch's: {loaded}")
     theirs.tie_weights()
     return ours, theirs
+
+
+def logits_difference(ours: torch.nn.Module, theirs: torch.nn.Module, vocab: int, device: torch.device) -> float:
+    """max |logits difference| / max |logits| of the two models on one random batch, in float32:
+    the peers must compute the same function before their speeds can be compared."""
+    tokens = torch.randint(0, vocab, (2, 32), generator=torch.Generator().manual_seed(1)).to(device)
+    with torch.no_grad():
+        ours_logits = ours(CausalLMInput(input_ids=tokens)).logits.float()
+        theirs_logits = theirs(input_ids=tokens).logits.float()
+    return ((ours_logits - theirs_logits).abs().max() / ours_logits.abs().max()).item()
 
 
 def steps(ours: torch.nn.Module, theirs: torch.nn.Module) -> dict[str, Step]:
@@ -100,6 +112,9 @@ def main() -> None:
         raise SystemExit("no CUDA device here: this benchmark needs a GPU (--device cpu only checks that it runs)")
     autocast = device.type == "cuda"
     ours, theirs = build(args.model, device)
+    difference = logits_difference(ours, theirs, ours.config.vocab_size, device)
+    if difference > 1e-4:
+        raise SystemExit(f"the two models compute different logits (relative difference {difference:.2e})")
     runs = steps(ours, theirs)
     models = {"axtorch": ours, "hf_transformers": theirs}
     fused = device.type == "cuda"
@@ -145,6 +160,7 @@ def main() -> None:
         f"{'eager' if args.no_compile else 'compiled'}, AdamW; torch {torch.__version__}, "
         f"transformers {transformers.__version__}; MFU against the {peak_source}"
     )
+    print(f"same function: max |logits difference| / max |logits| = {difference:.1e}")
     print("| implementation | tokens/s | MFU | step (s) |")
     print("|---|---|---|---|")
     tokens_per_run = args.steps * args.batch * args.seq_len

@@ -22,7 +22,9 @@ def test_the_gpu_benchmark_script_runs_on_the_cpu_and_prints_its_table():
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
     assert lines[0].startswith("llama_debug: seq 16, batch 2, fp32, eager")
-    assert [line.split(" | ")[0] for line in lines[3:5]] == ["| axtorch", "| hf_transformers"]
+    same, difference = lines[1].split(" = ")
+    assert same == "same function: max |logits difference| / max |logits|" and float(difference) < 1e-5
+    assert [line.split(" | ")[0] for line in lines[4:6]] == ["| axtorch", "| hf_transformers"]
     assert lines[-1].startswith("ratio axtorch / hf_transformers: ")
 
 
