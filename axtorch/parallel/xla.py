@@ -1,6 +1,7 @@
 """The ``xla`` backend: torch_xla SPMD (GSPMD) over the same mesh and sharding rules.
 
-One process per host drives all of its devices; parameters are annotated with
+One process per host drives all of its devices (which host it is comes from ``xla_hosts``, where
+a simulation on one machine can set it); parameters are annotated with
 ``xs.mark_sharding`` from the resolved parameter specs, activations at the block boundaries named
 by the activation rules (through forward hooks, so layers stay unaware), and the compiler inserts
 the collectives. The same code path serves TPUs (``PJRT_DEVICE=TPU``), Trainium through
@@ -32,6 +33,7 @@ from axtorch.parallel.mesh import MeshConfig
 from axtorch.parallel.rules import PartitionSpec, ShardingConfig, resolve_activation_specs, resolve_parameter_specs
 from axtorch.parallel.side_channel import Coordinator, GlooSideChannel
 from axtorch.parallel.tensor_shards import Piece
+from axtorch.parallel.xla_hosts import xla_hosts
 
 if TYPE_CHECKING:
     from axtorch.parallel.pipeline import Pipeline
@@ -73,16 +75,24 @@ class XlaBackend:
             self.mesh = xs.HybridMesh(ici_mesh_shape=ici, dcn_mesh_shape=tuple(dcn.values()), axis_names=axis_names)
         else:
             self.mesh = xs.Mesh(np.arange(num_devices), tuple(self.sizes.values()), axis_names)
-        self.rank = xr.process_index()
-        self.world_size = xr.process_count()
+        self.hosts = xla_hosts(lambda: (xr.process_index(), xr.process_count()))
+        self.rank = self.hosts.index
+        self.world_size = self.hosts.count
         self.num_devices = num_devices
         self.devices_per_process = num_devices // self.world_size
         self.device_name = xla_device_name()
-        if self.world_size > 1 and not dist.is_initialized():  # pragma: no cover - multi-host only
-            # Host-side coordination (barriers, checkpoint piece lists) over gloo; torch_xla's
-            # ``xla://`` rendezvous finds the hosts of a TPU pod (elsewhere set MASTER_ADDR).
+        rows = self.sizes["data"] * self.sizes["fsdp"]
+        if rows % self.world_size:
+            raise ConfigError(
+                "mesh",
+                f"data={self.sizes['data']} x fsdp={self.sizes['fsdp']}",
+                f"a data x fsdp product that is a multiple of the {self.world_size} hosts",
+                reason="each host feeds its own rows of the batch, the rows its devices hold",
+            )
+        if self.world_size > 1 and not dist.is_initialized():
+            # Host-side coordination (barriers, checkpoint piece lists, preemption) over gloo.
             importlib.import_module("torch_xla.distributed.xla_backend")  # registers xla://
-            dist.init_process_group("gloo", init_method="xla://")
+            dist.init_process_group("gloo", init_method=self.hosts.init_method)
         # Each host feeds its own rows of the global batch; within a host, sharding splits them.
         self.data_parallel_rank = self.rank
         self.data_parallel_size = self.world_size
@@ -112,10 +122,14 @@ class XlaBackend:
         data = self._send_sharded(value, _xla_spec(self.parameter_specs[name]))
         model.get_submodule(module_name).register_parameter(param_name, nn.Parameter(data))
 
-    def _send_sharded(self, value: torch.Tensor, spec: tuple) -> torch.Tensor:
-        """``value`` on the devices split by ``spec``, each device receiving only its block when it can."""
-        if sum(axes is not None for axes in spec) <= 1:
-            (data,) = xm.send_cpu_data_to_device([value.contiguous()], self.device, xs.ShardingSpec(self.mesh, spec))
+    def _send_sharded(self, value: torch.Tensor, spec: tuple, minibatch: bool = False) -> torch.Tensor:
+        """``value`` on the devices split by ``spec``, each device receiving only its block when it can.
+
+        ``minibatch``: ``value`` is this host's block of rows, and the tensor is every host's together.
+        """
+        if minibatch or sum(axes is not None for axes in spec) <= 1:
+            sharding = xs.ShardingSpec(self.mesh, spec, minibatch=minibatch)
+            (data,) = xm.send_cpu_data_to_device([value.contiguous()], self.device, sharding)
             return data
         # torch_xla 2.9's sharded transfer fails ("too many indices") for a spec that splits two
         # dimensions: send the whole value, then reshard it on the devices.
@@ -171,11 +185,20 @@ class XlaBackend:
     def to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Transfer each tensor already split as MpDeviceLoader does: rows over the data-parallel
         axes, and each sequence over ``seq`` (context parallelism, which GSPMD then carries through
-        attention, gathering keys and values where it needs them)."""
+        attention, gathering keys and values where it needs them).
+
+        ``batch`` holds this host's rows. On several hosts each sends them to its own devices, and
+        the runtime takes the global batch to be the hosts' rows in host order (``minibatch``). A
+        simulation's runtime holds every device, so the hosts assemble that same global batch
+        from each other's rows over gloo and each sends it whole.
+        """
         data_axes = tuple(axis for axis in ("data", "fsdp") if self.sizes[axis] > 1) or None
         seq_axis = "seq" if self.sizes["seq"] > 1 else None
+        minibatch = self.world_size > 1 and not self.hosts.simulated
+        if self.hosts.simulated:
+            batch = {key: torch.cat(self.all_gather_object(tensor)) for key, tensor in batch.items()}
         return {
-            key: self._send_sharded(tensor, (data_axes, seq_axis) + (None,) * (tensor.dim() - 2))
+            key: self._send_sharded(tensor, (data_axes, seq_axis) + (None,) * (tensor.dim() - 2), minibatch)
             for key, tensor in batch.items()
         }
 
@@ -191,30 +214,35 @@ class XlaBackend:
         torch_xla.sync()
 
     def barrier(self) -> None:
-        if self.world_size > 1:  # pragma: no cover - multi-host only
+        if self.world_size > 1:
             dist.barrier()
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         if self.world_size == 1:
             return [obj]
-        gathered: list[Any] = [None] * self.world_size  # pragma: no cover - multi-host only
+        gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, obj)
         return gathered
 
     def side_channel(self) -> Coordinator:
-        return GlooSideChannel()  # pragma: no cover - multi-host only
+        return GlooSideChannel()
 
     def owned_pieces(self, tensor: torch.Tensor) -> list[Piece]:
-        """One piece per distinct block held by this host's devices: no host gathers a whole tensor."""
+        """One piece per distinct block held by this host's devices: no host gathers a whole tensor,
+        and the hosts together write each block once (its first replica's host writes it)."""
         # The step's program runs asynchronously after sync(); a shard read while it is in flight is an
         # error, not a wait (a full-tensor .cpu() would wait). Waiting is free once the step has finished.
         xm.wait_device_ops()
         wrapped = xs.wrap_if_sharded(tensor)
-        if not isinstance(wrapped, xs.XLAShardedTensor):
+        if not isinstance(wrapped, xs.XLAShardedTensor):  # unannotated (a step count): whole on every host
+            if self.rank != 0:
+                return []
             return [Piece(tensor.detach().cpu().contiguous(), tuple(tensor.shape), (0,) * tensor.dim())]
+        # On a pod a host sees only its own devices' shards; a simulated host sees all of them.
+        own_devices = self.hosts.device_block(self.num_devices) if self.hosts.simulated else None
         pieces = []
         for shard in wrapped.local_shards:
-            if shard.replica_id != 0:
+            if shard.replica_id != 0 or (own_devices is not None and _device_id(shard.shard_device) not in own_devices):
                 continue
             whole = shard.indices is Ellipsis  # a replicated annotation: every device holds it all
             offsets = (0,) * tensor.dim() if whole else tuple(index.start or 0 for index in shard.indices)
@@ -222,8 +250,13 @@ class XlaBackend:
         return pieces
 
     def close(self) -> None:
-        if self.world_size > 1 and dist.is_initialized():  # pragma: no cover - multi-host only
+        if self.world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _device_id(shard_device: str) -> int:
+    """The global ordinal in a shard's device name (``CPU:5``, ``TPU:3``)."""
+    return int(shard_device.rpartition(":")[2])
 
 
 def decode_device() -> tuple[torch.device, Callable[[], None]]:

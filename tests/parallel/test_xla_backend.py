@@ -1,12 +1,6 @@
-"""The xla backend on CPU virtual devices (torch_xla SPMD), each run in its own process.
+"""The xla backend on CPU virtual devices (torch_xla SPMD), each run in its own process (``xla_runs``)."""
 
-torch_xla needs torch 2.9.0, so these tests run their workers with the interpreter of a separate
-environment: ``$AXTORCH_XLA_PYTHON`` or ``.venv-xla/bin/python`` (``make test`` creates it).
-"""
-
-import json
 import math
-import os
 import shutil
 import signal
 import subprocess
@@ -17,28 +11,20 @@ from pathlib import Path
 import pytest
 import torch
 from debug_runs import STEPS, debug_overrides, train_losses, train_on_one_device
+from xla_runs import ROOT, XLA_PYTHON, needs_xla, run_worker, xla_env
 
 from axtorch.compose.experiment import load_experiment_config
 from axtorch.train.checkpoint import checkpoint_problems, list_checkpoints, read_index, read_model_tensors
 from axtorch.train.metrics import read_metrics
 from axtorch.train.trainer import Trainer
 
-ROOT = Path(__file__).resolve().parents[2]
-XLA_PYTHON = Path(os.environ.get("AXTORCH_XLA_PYTHON", ROOT / ".venv-xla" / "bin" / "python"))
-WORKER = Path(__file__).with_name("xla_worker.py")
 NATIVE_WORKER = Path(__file__).with_name("native_worker.py")
 
-pytestmark = pytest.mark.skipif(
-    not XLA_PYTHON.exists(), reason=f"no torch_xla environment at {XLA_PYTHON} (make test creates .venv-xla)"
-)
+pytestmark = needs_xla
 
 
 def _xla(devices: int, out: Path, until: int, overrides: list[str]) -> dict:
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices), "TF_CPP_MIN_LOG_LEVEL": "2"}
-    command = [str(XLA_PYTHON), str(WORKER), str(out), str(until), "backend=xla", *overrides]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return json.loads(out.read_text())
+    return run_worker(devices, out, until, overrides)[0]
 
 
 @pytest.fixture(scope="module")
@@ -213,7 +199,7 @@ def test_expert_parallel_moe_matches_one_device_with_experts_split_over_the_expe
 @pytest.mark.slow
 def test_a_sigterm_under_xla_finishes_the_step_saves_and_exits_0(tmp_path):
     """One host, 4 devices (fsdp=4): the signal ends the run at a step boundary with a valid checkpoint."""
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    env = xla_env(4)
     run_dir = tmp_path / "run"
     overrides = debug_overrides(run_dir, tmp_path / "cache", "mesh.fsdp=4", "sharding=fsdp", "trainer.max_steps=500")
     command = [str(XLA_PYTHON), "-m", "axtorch.train", "backend=xla", *overrides]

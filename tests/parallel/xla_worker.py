@@ -1,6 +1,9 @@
 """Run in its own process under the xla venv by the XLA tests: train, then report shard shapes.
 
 PJRT_DEVICE=CPU CPU_NUM_DEVICES=N python tests/parallel/xla_worker.py OUT_JSON UNTIL_STEP OVERRIDE...
+
+Under torchrun with ``AXTORCH_XLA_SIMULATED_HOSTS=1`` each process acts as one host and writes
+``OUT_JSON`` with ``.host<i>`` before its suffix.
 """
 
 import json
@@ -11,6 +14,7 @@ import torch_xla.core.xla_model as xm
 import torch_xla.debug.metrics as metrics
 
 from axtorch.compose.experiment import load_experiment_config
+from axtorch.parallel.shutdown import exit_process
 from axtorch.parallel.xla import local_shard_shapes
 from axtorch.train.trainer import Trainer
 
@@ -24,9 +28,12 @@ def main() -> None:
     out, until_step, *overrides = sys.argv[1:]
     trainer = Trainer(load_experiment_config(overrides))
     programs: list[dict[str, int]] = []  # per training step: XLA programs compiled and run
+    fed_rows: list[list[list[int]]] = []  # the first step's input rows, as this host's loader gave them
     train_step = trainer.train_step
 
     def counted_step(batch):
+        if not fed_rows:
+            fed_rows.append(batch["input_ids"].tolist())
         before = _count("UncachedCompile"), _count("ExecuteReplicated")
         out = train_step(batch)
         programs.append(
@@ -37,21 +44,29 @@ def main() -> None:
     trainer.train_step = counted_step
     result = trainer.fit(until_step=int(until_step))
     config = trainer.config
-    rows = torch.zeros(config.trainer.batch_size, config.data.seq_len, dtype=torch.long)
+    backend = trainer.backend
+    rows = torch.zeros(config.trainer.batch_size // backend.data_parallel_size, config.data.seq_len, dtype=torch.long)
     report = {
         "step": result.step,
+        "host": [backend.rank, backend.world_size],
+        "devices_per_process": backend.devices_per_process,
+        "fed_rows": fed_rows[0] if fed_rows else None,
         "programs": programs,
         "parameters": {},
         "optimizer": {},
-        "batch_shards": local_shard_shapes(trainer.backend.to_device({"input_ids": rows})["input_ids"]),
+        "batch_shards": local_shard_shapes(backend.to_device({"input_ids": rows})["input_ids"]),
     }
     for group in trainer.optimizer.param_groups:
         for name, param in zip(group["names"], group["params"]):
             report["parameters"][name] = {"shape": list(param.shape), "shards": local_shard_shapes(param)}
             state = trainer.optimizer.state[param]
             report["optimizer"][name] = {key: local_shard_shapes(state[key]) for key in ("exp_avg", "exp_avg_sq")}
+    if backend.world_size > 1:
+        out = out.removesuffix(".json") + f".host{backend.rank}.json"
     with open(out, "w") as handle:
         json.dump(report, handle)
+    backend.close()
+    exit_process(0, ran_collectives=backend.world_size > 1)
 
 
 if __name__ == "__main__":

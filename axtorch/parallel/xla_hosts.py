@@ -1,0 +1,61 @@
+"""Which host of an XLA job this process is: the one place the xla backend learns it from.
+
+On a TPU pod (or a Trainium cluster) each host runs one process that drives its own devices, and
+the PJRT runtime says which host it is (``xr.process_index()`` of ``xr.process_count()``).
+torch_xla's CPU client cannot join processes into one device set, so the tests simulate N hosts:
+N processes under torchrun, each holding the whole N x k-device CPU mesh and acting as host
+``RANK`` of ``WORLD_SIZE`` for the block of k devices a pod would give it. ``AXTORCH_XLA_SIMULATED_HOSTS=1``
+asks for that. Everything host-specific in the backend (which rows it feeds, which checkpoint
+pieces it writes, how the hosts find each other) reads the answer from here.
+
+This module does not import torch_xla: the runtime's answer is passed in.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from axtorch.config.errors import ConfigError
+
+SIMULATED_HOSTS_ENV = "AXTORCH_XLA_SIMULATED_HOSTS"
+#: What torchrun sets and a simulation needs (``env://`` reads the last two).
+_TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class XlaHosts:
+    index: int
+    count: int
+    #: A simulation: this process's runtime holds every host's devices (see the module's docstring).
+    simulated: bool = False
+
+    @property
+    def init_method(self) -> str:
+        """How the hosts' gloo group finds its members: torchrun's ``env://`` here, torch_xla's ``xla://`` on a pod."""
+        return "env://" if self.simulated else "xla://"
+
+    def device_block(self, num_devices: int) -> range:
+        """The global device ids this host drives: a contiguous block of the device order, as on a pod."""
+        per_host = num_devices // self.count
+        return range(self.index * per_host, (self.index + 1) * per_host)
+
+
+def xla_hosts(runtime: Callable[[], tuple[int, int]]) -> XlaHosts:
+    """This process's host: ``runtime()`` gives (index, count), unless ``AXTORCH_XLA_SIMULATED_HOSTS=1``."""
+    value = os.environ.get(SIMULATED_HOSTS_ENV, "0")
+    if value not in ("0", "1"):
+        raise ConfigError(SIMULATED_HOSTS_ENV, value, "0 (the runtime's hosts) or 1 (torchrun's ranks act as hosts)")
+    if value == "0":
+        index, count = runtime()
+        return XlaHosts(index, count)
+    missing = [name for name in _TORCHRUN_ENV if name not in os.environ]
+    if missing:
+        raise ConfigError(
+            SIMULATED_HOSTS_ENV,
+            value,
+            "a process started by torchrun",
+            reason=f"simulated hosts take their index and count from torchrun, and {', '.join(missing)} is not set",
+        )
+    return XlaHosts(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), simulated=True)

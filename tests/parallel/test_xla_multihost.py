@@ -1,0 +1,194 @@
+"""The xla backend on several hosts, simulated: torchrun's processes each act as one host of a pod.
+
+torch_xla's CPU client cannot join processes into one device set, so each process holds the
+whole 4-device mesh and, with ``AXTORCH_XLA_SIMULATED_HOSTS=1``, acts as host RANK of 2 for
+devices [2 x RANK, 2 x RANK + 2) (``axtorch/parallel/xla_hosts.py``; what this cannot catch is in
+docs/parallelism.md). The hosts coordinate over gloo, feed their own rows, write their own
+devices' checkpoint pieces and agree on a preemption.
+"""
+
+import math
+import shutil
+import signal
+import subprocess
+import time
+
+import psutil
+import pytest
+import torch
+from debug_runs import STEPS, debug_overrides, train_losses, train_on_one_device
+from xla_runs import ROOT, needs_xla, run_worker, torchrun, xla_env
+
+from axtorch.compose.experiment import load_experiment_config
+from axtorch.config.errors import ConfigError
+from axtorch.data.loader import build_data
+from axtorch.parallel.xla_hosts import SIMULATED_HOSTS_ENV, XlaHosts, xla_hosts
+from axtorch.train.checkpoint import (
+    MODEL,
+    OPTIMIZER,
+    checkpoint_problems,
+    list_checkpoints,
+    read_index,
+    read_model_tensors,
+)
+from axtorch.train.trainer import Trainer
+
+HOSTS, DEVICES = 2, 4  # 2 devices per host
+_FSDP4 = ("mesh.fsdp=4", "sharding=fsdp")
+_HOST_FILES = {
+    prefix: [f"{prefix}-{host:05d}-of-{HOSTS:05d}.safetensors" for host in range(HOSTS)]
+    for prefix in (MODEL, OPTIMIZER)
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One device to step 8; 2 hosts to step 5 (saving asynchronously, over the side channel);
+    their checkpoint resumed to step 8 on one xla host and on the single backend."""
+    root = tmp_path_factory.mktemp("xla_hosts")
+    cache = root / "cache"
+    train_on_one_device(root / "single", cache)
+    hosts = run_worker(
+        DEVICES,
+        root / "two_hosts.json",
+        STEPS,
+        debug_overrides(root / "two_hosts", cache, *_FSDP4, "trainer.async_checkpoint=true"),
+        hosts=HOSTS,
+    )
+    for target in ("one_host", "single_resumed"):
+        shutil.copytree(root / "two_hosts" / "checkpoints", root / target / "checkpoints")
+    (one_host,) = run_worker(
+        DEVICES, root / "one_host.json", STEPS + 3, debug_overrides(root / "one_host", cache, *_FSDP4)
+    )
+    Trainer(load_experiment_config(debug_overrides(root / "single_resumed", cache))).fit()
+    Trainer(load_experiment_config(debug_overrides(root / "single", cache))).fit()
+    return root, hosts, one_host
+
+
+@needs_xla
+@pytest.mark.slow
+def test_two_hosts_train_as_one_device(runs):
+    root, hosts, _ = runs
+    assert [report["host"] for report in hosts] == [[host, HOSTS] for host in range(HOSTS)]
+    assert all(report["step"] == STEPS and report["devices_per_process"] == DEVICES // HOSTS for report in hosts)
+    two_hosts = train_losses(root / "two_hosts")  # host 0 alone writes metrics.jsonl
+    assert len(two_hosts) == STEPS
+    torch.testing.assert_close(
+        torch.tensor(two_hosts), torch.tensor(train_losses(root / "single")[:STEPS]), rtol=1e-5, atol=1e-5
+    )
+
+
+@needs_xla
+@pytest.mark.slow
+def test_each_host_feeds_the_rows_of_its_own_devices(runs):
+    """Host i's devices hold rows [8i, 8i + 8) of the 16-row batch over fsdp=4: its loader gave exactly those."""
+    root, hosts, _ = runs
+    config = load_experiment_config(debug_overrides(root / "single", root / "cache"))
+    batch_size = config.trainer.batch_size
+    first = next(build_data(config.data).train_batches(batch_size))["input_ids"]
+    per_host = batch_size // HOSTS
+    for host, report in enumerate(hosts):
+        assert torch.equal(torch.tensor(report["fed_rows"]), first[host * per_host : (host + 1) * per_host]), host
+        # This host's rows, sent to the devices: the global batch, each device holding a quarter.
+        assert report["batch_shards"] == [[batch_size // DEVICES, config.data.seq_len]] * DEVICES
+
+
+@needs_xla
+@pytest.mark.slow
+def test_each_host_writes_its_own_devices_pieces_and_together_every_piece_once(runs):
+    root, _, _ = runs
+    checkpoint = root / "two_hosts" / "checkpoints" / f"step_{STEPS:08d}"
+    assert checkpoint_problems(checkpoint) == []
+    for prefix, files in _HOST_FILES.items():
+        index = read_index(checkpoint, prefix)
+        for name, entry in index.items():
+            pieces = entry["pieces"]
+            offsets = [tuple(piece["offsets"]) for piece in pieces]
+            assert len(set(offsets)) == len(offsets), (name, offsets)  # no block twice
+            assert sum(math.prod(piece["shape"]) for piece in pieces) == math.prod(entry["shape"]), name
+        # fsdp=4 splits a matrix's rows over devices 0-3: host 0 holds the first two blocks, host 1 the last two.
+        matrix = index["decoder.layers.0.attention.q_proj.weight" + ("/exp_avg" if prefix == OPTIMIZER else "")]
+        quarter = matrix["shape"][0] // DEVICES
+        by_file = {file: sorted(p["offsets"][0] for p in matrix["pieces"] if p["file"] == file) for file in files}
+        assert by_file == {files[0]: [0, quarter], files[1]: [2 * quarter, 3 * quarter]}
+    # Whole tensors (a replicated norm, the optimizer's step count) come from host 0 alone.
+    assert [p["file"] for p in read_index(checkpoint, MODEL)["decoder.final_norm.weight"]["pieces"]] == [
+        _HOST_FILES[MODEL][0]
+    ]
+    step_count = read_index(checkpoint, OPTIMIZER)["decoder.final_norm.weight/step"]["pieces"]
+    assert [p["file"] for p in step_count] == [_HOST_FILES[OPTIMIZER][0]]
+    saved, reference = (
+        read_model_tensors(checkpoint),
+        read_model_tensors(root / "single" / "checkpoints" / checkpoint.name),
+    )
+    for key, value in reference.items():
+        torch.testing.assert_close(saved[key], value, rtol=1e-4, atol=1e-5, msg=key)
+
+
+@needs_xla
+@pytest.mark.slow
+def test_the_two_hosts_checkpoint_resumes_on_one_xla_host_and_on_one_device(runs):
+    root, _, one_host = runs
+    reference = train_losses(root / "single")[STEPS:]
+    assert len(reference) == 3 and one_host["step"] == STEPS + 3
+    for resumed in ("one_host", "single_resumed"):
+        torch.testing.assert_close(
+            torch.tensor(train_losses(root / resumed)), torch.tensor(reference), rtol=1e-5, atol=1e-5, msg=resumed
+        )
+
+
+@needs_xla
+@pytest.mark.slow
+def test_a_sigterm_to_one_host_stops_both_at_the_same_step_with_one_checkpoint(tmp_path):
+    """Only host 1 is signalled; both hosts agree on the step, save together and exit 0."""
+    run_dir = tmp_path / "run"
+    overrides = debug_overrides(run_dir, tmp_path / "cache", *_FSDP4, "trainer.max_steps=500")
+    command = [*torchrun(HOSTS), "-m", "axtorch.train", "backend=xla", *overrides]
+    launcher = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=xla_env(DEVICES, HOSTS), cwd=ROOT
+    )
+    deadline = time.monotonic() + 600
+    while launcher.poll() is None and time.monotonic() < deadline:
+        if (run_dir / "metrics.jsonl").exists() and len(train_losses(run_dir)) >= 3:  # compiled, a few steps done
+            break
+        time.sleep(0.2)
+    (host1,) = [p for p in psutil.Process(launcher.pid).children() if p.environ().get("RANK") == "1"]
+    host1.send_signal(signal.SIGTERM)
+    stdout, stderr = launcher.communicate(timeout=300)
+    assert launcher.returncode == 0, stdout[-2000:] + stderr[-3000:]
+    said = next(line for line in stdout.splitlines() if line.startswith("preempted by SIGTERM at step "))
+    step = int(said.removeprefix("preempted by SIGTERM at step ").split(":")[0])
+    assert 3 <= step < 500
+    checkpoint = list_checkpoints(run_dir / "checkpoints")[-1]
+    assert checkpoint.name == f"step_{step:08d}" and checkpoint_problems(checkpoint) == []
+    files = {p["file"] for entry in read_index(checkpoint).values() for p in entry["pieces"]}
+    assert files == set(_HOST_FILES[MODEL])
+
+
+def test_hosts_come_from_the_runtime_unless_a_simulation_asks_for_torchrun_ranks(monkeypatch):
+    monkeypatch.delenv(SIMULATED_HOSTS_ENV, raising=False)
+    assert xla_hosts(lambda: (3, 4)) == XlaHosts(3, 4) and XlaHosts(3, 4).init_method == "xla://"
+    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "localhost", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv(SIMULATED_HOSTS_ENV, "1")
+    hosts = xla_hosts(lambda: (0, 1))  # the CPU runtime's answer, overridden
+    assert hosts == XlaHosts(1, 2, simulated=True) and hosts.init_method == "env://"
+    assert hosts.device_block(8) == range(4, 8)
+    monkeypatch.setenv(SIMULATED_HOSTS_ENV, "yes")
+    with pytest.raises(ConfigError, match=r"AXTORCH_XLA_SIMULATED_HOSTS='yes'.*allowed: 0 .* or 1"):
+        xla_hosts(lambda: (0, 1))
+    monkeypatch.setenv(SIMULATED_HOSTS_ENV, "1")
+    monkeypatch.delenv("MASTER_PORT")
+    with pytest.raises(ConfigError, match="MASTER_PORT is not set; allowed: a process started by torchrun"):
+        xla_hosts(lambda: (0, 1))
+
+
+@needs_xla
+@pytest.mark.slow
+def test_a_mesh_whose_rows_do_not_split_over_the_hosts_is_refused(tmp_path):
+    """2 hosts of 1 device each, model=2: every row is on both devices, so no host has rows of its own."""
+    overrides = debug_overrides(tmp_path / "run", tmp_path / "cache", "mesh.model=2", "sharding=fsdp_tp")
+    command = [*torchrun(HOSTS), "-m", "axtorch.train", "backend=xla", *overrides]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=xla_env(HOSTS, HOSTS), cwd=ROOT)
+    assert result.returncode != 0
+    assert "invalid config mesh='data=1 x fsdp=1': each host feeds its own rows" in result.stderr, result.stderr[-3000:]

@@ -1,0 +1,44 @@
+"""XLA runs on CPU virtual devices, each in its own process(es) under the xla environment.
+
+torch_xla needs torch 2.9.0, so the workers run with the interpreter of a separate environment:
+``$AXTORCH_XLA_PYTHON`` or ``.venv-xla/bin/python`` (``make test`` creates it).
+"""
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+XLA_PYTHON = Path(os.environ.get("AXTORCH_XLA_PYTHON", ROOT / ".venv-xla" / "bin" / "python"))
+WORKER = Path(__file__).with_name("xla_worker.py")
+
+needs_xla = pytest.mark.skipif(
+    not XLA_PYTHON.exists(), reason=f"no torch_xla environment at {XLA_PYTHON} (make test creates .venv-xla)"
+)
+
+
+def xla_env(devices: int, hosts: int = 1) -> dict[str, str]:
+    """``devices`` CPU devices per process; ``hosts`` > 1: torchrun's processes act as that many hosts."""
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices), "TF_CPP_MIN_LOG_LEVEL": "2"}
+    if hosts > 1:
+        env["AXTORCH_XLA_SIMULATED_HOSTS"] = "1"
+    return env
+
+
+def torchrun(hosts: int) -> list[str]:
+    """The xla environment's torchrun on this machine, one process per simulated host."""
+    return [str(XLA_PYTHON), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(hosts)]
+
+
+def run_worker(devices: int, out: Path, until: int, overrides: list[str], hosts: int = 1) -> list[dict]:
+    """Train with ``xla_worker.py`` to step ``until``; every host's report, in host order."""
+    launcher = [str(XLA_PYTHON)] if hosts == 1 else torchrun(hosts)
+    command = [*launcher, str(WORKER), str(out), str(until), "backend=xla", *overrides]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900, env=xla_env(devices, hosts), cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    if hosts == 1:
+        return [json.loads(out.read_text())]
+    return [json.loads(out.with_name(f"{out.stem}.host{host}.json").read_text()) for host in range(hosts)]
