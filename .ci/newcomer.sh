@@ -21,4 +21,15 @@ axtorch-generate checkpoint=runs/debug prompt="def main(" max_new_tokens=16
 axtorch-plan model=llama3_8b mesh.fsdp=8 sharding=fsdp
 python -m axtorch.train experiment=debug trainer.max_steps=2 run_dir=runs/module data.cache_dir="$work/cache" trainer.progress_bar=false
 set +x
+
+# The XLA user's install, as the README gives it (torch 2.9.0 and torch_xla from the xla extra,
+# float8 and hf beside it): pip must resolve the torchao built for torch 2.9, or transformers
+# fails to import; then an XLA run on CPU virtual devices.
+"$python" -m venv "$work/venv-xla"
+"$work/venv-xla/bin/pip" install --quiet "axtorch[xla,float8,hf] @ file://$wheel"
+set -x
+"$work/venv-xla/bin/python" -c "import torchao, transformers; print('torchao', torchao.__version__, 'transformers', transformers.__version__)"
+PJRT_DEVICE=CPU CPU_NUM_DEVICES=2 "$work/venv-xla/bin/python" -m axtorch.train backend=xla mesh.fsdp=-1 experiment=debug \
+  trainer.max_steps=2 run_dir=runs/xla data.cache_dir="$work/cache" trainer.progress_bar=false
+set +x
 echo "newcomer journey: ok"
