@@ -1,0 +1,209 @@
+"""A one-node Slurm cluster (Debian's slurm-wlm: munged, slurmctld, slurmd) for the launcher tests.
+
+CI runs as root on a fresh machine, so the set-up installs the packages itself (apt-get, about
+30 s; nothing when they are installed) and starts the daemons with a configuration of their own
+in a temporary directory, on free ports: the machine's /etc/slurm is not touched. Jobs are
+tracked by proctrack/linuxproc (process parentage): a container has no cgroup for Slurm to manage.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+PACKAGES = ("munge", "slurmctld", "slurmd", "slurm-client")
+PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch")
+#: The daemons live in /usr/sbin, which a CI user's PATH may lack.
+PATH = f"{os.environ.get('PATH', '')}:/usr/sbin"
+#: Job states after which a job record changes no more (unless something requeues it).
+FINISHED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL")
+
+
+def missing_programs() -> list[str]:
+    return [name for name in PROGRAMS if shutil.which(name, path=PATH) is None]
+
+
+def install() -> None:
+    """Install Slurm and munge with apt-get unless they are there (needs root)."""
+    if not missing_programs():
+        return
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    subprocess.run(["apt-get", "update", "-qq"], check=True, env=env, capture_output=True, timeout=600)
+    subprocess.run(
+        ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *PACKAGES],
+        check=True,
+        env=env,
+        capture_output=True,
+        timeout=900,
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _wait(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited {timeout:.0f} s for {what}")
+        time.sleep(0.5)
+
+
+class SlurmCluster:
+    """slurmctld and slurmd on this machine, as one node with all its CPUs in one partition."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.conf = root / "slurm.conf"
+        self.env = {**os.environ, "PATH": PATH, "SLURM_CONF": str(self.conf)}
+        self._munged_pid: int | None = None
+
+    def start(self) -> None:
+        self._start_munge()
+        node = socket.gethostname().split(".")[0]
+        (self.root / "state").mkdir(parents=True, exist_ok=True)
+        (self.root / "spool").mkdir(exist_ok=True)
+        self.conf.write_text(
+            "\n".join(
+                [
+                    "ClusterName=axtorch-test",
+                    f"SlurmctldHost={node}(127.0.0.1)",
+                    "SlurmUser=root",
+                    "SlurmdUser=root",
+                    f"SlurmctldPort={free_port()}",
+                    f"SlurmdPort={free_port()}",
+                    "AuthType=auth/munge",
+                    f"StateSaveLocation={self.root / 'state'}",
+                    f"SlurmdSpoolDir={self.root / 'spool'}",
+                    f"SlurmctldPidFile={self.root / 'slurmctld.pid'}",
+                    f"SlurmdPidFile={self.root / 'slurmd.pid'}",
+                    f"SlurmctldLogFile={self.root / 'slurmctld.log'}",
+                    f"SlurmdLogFile={self.root / 'slurmd.log'}",
+                    "ProctrackType=proctrack/linuxproc",  # no cgroup to manage in a container
+                    "TaskPlugin=task/none",
+                    "JobAcctGatherType=jobacct_gather/none",
+                    "SelectType=select/cons_tres",
+                    "SelectTypeParameters=CR_CPU",
+                    "SchedulerType=sched/builtin",  # start a job as soon as it fits, no backfill cycle
+                    "ReturnToService=2",
+                    "JobRequeue=1",
+                    "KillWait=60",  # SIGTERM to SIGKILL when a job is requeued: time for the save
+                    "MinJobAge=3600",  # keep finished jobs' records for scontrol show job
+                    "MpiDefault=none",
+                    f"NodeName={node} NodeAddr=127.0.0.1 CPUs={os.cpu_count()} State=UNKNOWN",
+                    f"PartitionName=test Nodes={node} Default=YES MaxTime=INFINITE State=UP",
+                    "",
+                ]
+            )
+        )
+        subprocess.run(["slurmctld", "-i"], check=True, env=self.env, timeout=60)
+        subprocess.run(["slurmd"], check=True, env=self.env, timeout=60)
+        try:
+            _wait(lambda: self._slurm("sinfo", "--noheader", "--format=%T").strip() == "idle", 60, "an idle node")
+        except TimeoutError as error:
+            raise RuntimeError(f"{error}\n{self.logs()}") from error
+
+    def _start_munge(self) -> None:
+        """Use a running munged, else start one as the munge user (it refuses other keys' owners)."""
+        if self._munge_works():
+            return
+        run_dir = Path("/run/munge")
+        run_dir.mkdir(exist_ok=True)
+        shutil.chown(run_dir, "munge", "munge")
+        subprocess.run(["runuser", "-u", "munge", "--", "munged"], check=True, env=self.env, timeout=60)
+        _wait(self._munge_works, 30, "munged")
+        self._munged_pid = int((run_dir / "munged.pid").read_text())
+
+    def _munge_works(self) -> bool:
+        if not Path("/run/munge/munge.socket.2").exists():
+            return False
+        credential = subprocess.run(["munge", "-n"], capture_output=True, env=self.env, timeout=30)
+        decoded = subprocess.run(["unmunge"], input=credential.stdout, capture_output=True, env=self.env, timeout=30)
+        return credential.returncode == 0 and decoded.returncode == 0
+
+    def stop(self) -> None:
+        """End the daemons this cluster started, by their pid files."""
+        for pid_file in (self.root / "slurmd.pid", self.root / "slurmctld.pid"):
+            if pid_file.exists():
+                _terminate(int(pid_file.read_text()))
+        if self._munged_pid is not None:
+            _terminate(self._munged_pid)
+
+    def _slurm(self, *command: str) -> str:
+        return subprocess.run(command, check=True, capture_output=True, text=True, env=self.env, timeout=60).stdout
+
+    def scontrol(self, *arguments: str) -> str:
+        return self._slurm("scontrol", *arguments)
+
+    def scancel(self, *arguments: str) -> str:
+        return self._slurm("scancel", *arguments)
+
+    def submit(self, sbatch_options: list[str], script: str, overrides: list[str], env: dict[str, str]) -> int:
+        """``sbatch <options> <script> <overrides>`` from the repository root; the job's id."""
+        result = subprocess.run(
+            ["sbatch", "--parsable", *sbatch_options, script, *overrides],
+            check=True,
+            capture_output=True,
+            text=True,
+            env={**self.env, **env},
+            cwd=Path(__file__).parents[2],
+            timeout=60,
+        )
+        return int(result.stdout.strip().split(";")[0])
+
+    def job(self, job_id: int) -> dict[str, str]:
+        """The job's record (``scontrol show job``) as key=value pairs: JobState, Restarts, Comment..."""
+        fields = self.scontrol("--oneliner", "show", "job", str(job_id)).split()
+        return dict(field.split("=", 1) for field in fields if "=" in field)
+
+    def wait_for(
+        self, job_id: int, condition: Callable[[dict[str, str]], bool], what: str, timeout: float = 600
+    ) -> None:
+        try:
+            _wait(lambda: condition(self.job(job_id)), timeout, f"job {job_id}: {what}")
+        except TimeoutError as error:
+            raise TimeoutError(f"{error}; last seen {self.job(job_id)}\n{self.logs()}") from error
+
+    def wait_until_requeued(self, job_id: int, restarts: int) -> None:
+        """Wait for the job's ``restarts``-th requeue, then let it start: Slurm holds a requeued job for
+        about two minutes (its begin time) before it may run again."""
+        self.wait_for(
+            job_id,
+            lambda job: job["JobState"] == "PENDING" and int(job["Restarts"]) >= restarts,
+            f"pending again after requeue {restarts}",
+        )
+        self.scontrol("update", f"JobId={job_id}", "StartTime=now")
+
+    def wait_until_finished(self, job_id: int) -> dict[str, str]:
+        self.wait_for(job_id, lambda job: job["JobState"] in FINISHED, "finished")
+        return self.job(job_id)
+
+    def logs(self) -> str:
+        tails = []
+        for name in ("slurmctld.log", "slurmd.log"):
+            path = self.root / name
+            lines = path.read_text(errors="replace").splitlines()[-20:] if path.exists() else ["(none)"]
+            tails.append(f"--- {name}\n" + "\n".join(lines))
+        return "\n".join(tails)
+
+
+def _terminate(pid: int) -> None:
+    try:
+        os.kill(pid, 15)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
