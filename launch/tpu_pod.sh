@@ -5,8 +5,10 @@
 #       run_dir=/mnt/shared/runs/llama3_8b
 #
 # Runs the xla backend (torch_xla SPMD: one process per host driving all of the host's chips,
-# PJRT_DEVICE=TPU), which the tests exercise on CPU virtual devices. Untested on a TPU pod; on more
-# than one host, saving a checkpoint is not implemented yet (docs/parallelism.md, "Not yet").
+# PJRT_DEVICE=TPU), which the tests exercise on CPU virtual devices. Untested on a TPU pod: the
+# several-host path (each host feeding its own rows and writing its own devices' checkpoint pieces,
+# a preemption agreed by all hosts) has run only simulated on one machine (docs/parallelism.md,
+# "Several hosts (TPU pods)", which lists what to check on a first pod run).
 # The native backend (torchrun with NCCL or gloo) does not drive TPUs, so there is no torchrun
 # variant here.
 #

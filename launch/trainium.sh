@@ -20,8 +20,9 @@
 #
 # VARIANT=xla: torch-neuronx, i.e. torch_xla with PJRT_DEVICE=NEURON, through axtorch's xla
 #   backend (`backend=xla`): one process per host that sees all NEURON_CORES cores and shards
-#   with XLA SPMD. The xla backend is tested on CPU virtual devices only; this variant runs one
-#   host only (multi-host xla checkpoints are not implemented yet).
+#   with XLA SPMD. The xla backend is tested on CPU virtual devices only; this variant starts one
+#   host only (the backend's several-host path has run only simulated: docs/parallelism.md,
+#   "Several hosts (TPU pods)").
 #
 # Environment:
 #   VARIANT          native (default) or xla
