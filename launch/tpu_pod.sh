@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # TPU VM pod: start one training process on every host of the pod over gcloud ssh.
 #
-#   TPU_NAME=my-v5p-128 ZONE=us-east5-a launch/tpu_pod.sh mesh.fsdp=-1 model=llama3_8b \
+#   TPU_NAME=my-v5p-128 ZONE=us-east5-a launch/tpu_pod.sh mesh.fsdp=-1 sharding=fsdp model=llama3_8b \
 #       run_dir=/mnt/shared/runs/llama3_8b
 #
 # Runs the xla backend (torch_xla SPMD: one process per host driving all of the host's chips,

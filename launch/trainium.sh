@@ -6,7 +6,7 @@
 # point and expect to adjust it.
 #
 #   launch/trainium.sh mesh.fsdp=-1 sharding=fsdp model=llama3_8b             # VARIANT=native
-#   VARIANT=xla launch/trainium.sh mesh.fsdp=-1 model=llama3_8b                # VARIANT=xla
+#   VARIANT=xla launch/trainium.sh mesh.fsdp=-1 sharding=fsdp model=llama3_8b  # VARIANT=xla
 #
 # Every argument is a Hydra override passed unchanged to `python -m axtorch.train`.
 #
@@ -31,6 +31,8 @@
 #   NNODES, MASTER_ADDR, MASTER_PORT   native variant on several instances: NNODES > 1 and
 #                    MASTER_ADDR of one instance, run on every instance (c10d rendezvous, as in
 #                    launch/torchrun_multi_node.sh); needs EFA, and run_dir on shared storage
+#   MAX_RESTARTS     native variant: torchrun's in-place restarts of a failed worker group
+#                    (default 3, as in launch/torchrun_env.sh); each resumes from the newest checkpoint
 #   NEURON_COMPILE_CACHE_URL   where Neuron caches compiled graphs (read by Neuron itself)
 #   TORCHRUN, PYTHON the torchrun / python of the Neuron virtual environment
 #                    (default: torchrun / python3 on PATH)
@@ -64,7 +66,7 @@ case "$VARIANT" in
     else
       rendezvous=(--standalone --nnodes 1)
     fi
-    exec "$TORCHRUN" "${rendezvous[@]}" --nproc-per-node "$NEURON_CORES" \
+    exec "$TORCHRUN" "${rendezvous[@]}" --nproc-per-node "$NEURON_CORES" --max-restarts "${MAX_RESTARTS:-3}" \
       -m axtorch.train backend=native trainer.device=neuron "$@"
     ;;
   xla)
