@@ -17,7 +17,7 @@ import psutil
 import pytest
 import torch
 from debug_runs import STEPS, debug_overrides, train_losses, train_on_one_device
-from xla_runs import ROOT, needs_xla, run_worker, torchrun, xla_env
+from xla_runs import ROOT, XLA_PYTHON, needs_xla, run_worker, torchrun, xla_env
 
 from axtorch.compose.experiment import load_experiment_config
 from axtorch.config.errors import ConfigError
@@ -184,11 +184,13 @@ def test_hosts_come_from_the_runtime_unless_a_simulation_asks_for_torchrun_ranks
 
 
 @needs_xla
-@pytest.mark.slow
-def test_a_mesh_whose_rows_do_not_split_over_the_hosts_is_refused(tmp_path):
-    """2 hosts of 1 device each, model=2: every row is on both devices, so no host has rows of its own."""
+def test_a_mesh_whose_rows_do_not_split_over_the_hosts_is_refused_before_the_hosts_meet(tmp_path):
+    """Host 0 of 2, 1 device each, model=2: every row is on both devices, so no host has rows of its own.
+    The refusal comes before the gloo rendezvous, so host 0 alone (torchrun's variables set by hand) says it."""
     overrides = debug_overrides(tmp_path / "run", tmp_path / "cache", "mesh.model=2", "sharding=fsdp_tp")
-    command = [*torchrun(HOSTS), "-m", "axtorch.train", "backend=xla", *overrides]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=xla_env(HOSTS, HOSTS), cwd=ROOT)
-    assert result.returncode != 0
+    torchrun_said = {"RANK": "0", "WORLD_SIZE": str(HOSTS), "MASTER_ADDR": "localhost", "MASTER_PORT": "1"}
+    env = {**xla_env(HOSTS, HOSTS), **torchrun_said}
+    command = [str(XLA_PYTHON), "-m", "axtorch.train", "backend=xla", *overrides]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert result.returncode == 2, result.stderr[-3000:]
     assert "invalid config mesh='data=1 x fsdp=1': each host feeds its own rows" in result.stderr, result.stderr[-3000:]
