@@ -5,8 +5,9 @@ import time
 
 import pytest
 
-from axtorch.cli.plan import load_plan_inputs, main, plan, split_plan_options
+from axtorch.cli.plan import main, split_plan_options
 from axtorch.config.errors import ConfigError
+from axtorch.plan import load_plan_inputs, plan
 from axtorch.train.flops import transformer_flops_per_token
 
 LLAMA3_70B_ON_256 = ["model=llama3_70b", "mesh.fsdp=32", "mesh.model=8", "sharding=fsdp_tp"]
@@ -27,10 +28,11 @@ def test_70b_on_256_devices_splits_every_matrix_256_ways(llama3_70b):
     dim, layers = config.model.dim, config.model.decoder.num_layers
     replicated_norms = (2 * layers + 1) * dim
     expected = 4 * ((result.total_parameters - replicated_norms) // 256 + replicated_norms)
-    assert result.parameter_bytes == expected
-    assert result.parameter_bytes == pytest.approx(4 * result.total_parameters / 256, rel=0.01)
-    assert result.gradient_bytes == result.parameter_bytes
-    assert result.optimizer_bytes == 2 * result.parameter_bytes
+    memory = result.memory
+    assert memory.parameter_bytes == expected
+    assert memory.parameter_bytes == pytest.approx(4 * result.total_parameters / 256, rel=0.01)
+    assert memory.gradient_bytes == memory.parameter_bytes
+    assert memory.optimizer_bytes == 2 * memory.parameter_bytes
 
 
 def test_70b_rows_collapse_the_layers_and_show_the_shards(llama3_70b):
@@ -55,20 +57,34 @@ def test_70b_flops_and_activations(llama3_70b):
     assert result.flops_per_token == transformer_flops_per_token(
         non_embedding, model.decoder.num_layers, model.dim, 8192, model.vocab_size, tied=False
     )
-    # Korthikanti et al. with t=8 and fused attention (no stored scores): s*b*h*(10 + 24/8) bytes per layer.
-    per_layer = 8192 * 8192 * (10 + 3)
-    assert result.activation_bytes == round(80 * per_layer)
+    # Korthikanti et al. with t=8 and fused attention (no stored scores): s*b*h*(5 + 12/8) values
+    # per layer, 4 bytes each under the default trainer.precision=fp32.
+    per_layer = 4 * 8192 * 8192 * (5 + 1.5)
+    assert result.memory.activation_bytes == round(80 * per_layer)
     assert result.remat == "none"
     remat_config, remat_mesh = load_plan_inputs([*LLAMA3_70B_ON_256, "model/remat=full"])
     remat = plan(remat_config, remat_mesh, batch_size=1, seq_len=8192)
     assert remat.remat == "full"
-    assert remat.activation_bytes == round(80 * 2 * 8192 * 8192 + per_layer)
-    assert remat.parameter_bytes == result.parameter_bytes
+    assert remat.memory.activation_bytes == round(80 * 4 * 8192 * 8192 + per_layer)
+    assert remat.memory.parameter_bytes == result.memory.parameter_bytes
     # Selective keeps each layer's input plus the named activations: the attention context is
     # 8192/8 features per token per device and the SwiGLU hidden 28672/8.
     selective_config, _ = load_plan_inputs([*LLAMA3_70B_ON_256, "model/remat=selective"])
     selective = plan(selective_config, remat_mesh, batch_size=1, seq_len=8192)
-    assert selective.activation_bytes == round(80 * 2 * 8192 * (8192 + 1024 + 3584) + per_layer)
+    assert selective.memory.activation_bytes == round(80 * 4 * 8192 * (8192 + 1024 + 3584) + per_layer)
+
+
+def test_activations_follow_the_compute_precision(llama3_70b, capsys):
+    """bf16 autocast holds activations in 2 bytes, fp32 in 4; parameters and AdamW state stay fp32."""
+    _, fp32, _ = llama3_70b
+    config, mesh_sizes = load_plan_inputs([*LLAMA3_70B_ON_256, "trainer.precision=bf16"])
+    bf16 = plan(config, mesh_sizes, batch_size=1, seq_len=8192)
+    assert bf16.memory.activation_bytes == round(80 * 2 * 8192 * 8192 * (5 + 1.5))
+    assert 2 * bf16.memory.activation_bytes == fp32.memory.activation_bytes
+    assert bf16.memory.parameter_bytes == fp32.memory.parameter_bytes
+    assert main([*LLAMA3_70B_ON_256, "trainer.precision=bf16", "seq_len=8192"]) == 0
+    out = capsys.readouterr().out
+    assert "activations (bf16, batch 1 x seq 8192, remat=none)" in out and "precision: bf16 matmuls" in out
 
 
 def test_mesh_that_does_not_divide_a_dimension_is_a_config_error():
@@ -118,7 +134,7 @@ def test_mixtral_expert_parallel_plan_holds_one_expert_per_device_and_counts_act
     expert_elements = 32 * 3 * 8 * 14336 * 4096
     norms = (2 * 32 + 1) * 4096
     per_device = expert_elements // 256 + (result.total_parameters - expert_elements - norms) // 32 + norms
-    assert result.parameter_bytes == 4 * per_device
+    assert result.memory.parameter_bytes == 4 * per_device
     # FLOPs count the 2 of 8 experts each token uses: Mixtral's published 12.9B active parameters.
     assert result.active_parameters == pytest.approx(12.9e9, rel=0.01)
     non_embedding = result.active_parameters - model.vocab_size * model.dim
@@ -137,9 +153,9 @@ def test_a_pipeline_plan_holds_one_stage_per_process_and_reports_its_bubble(caps
     # plus the embedding table (or the head) whole on its stage's 64 devices.
     layer = (whole.total_parameters - 2 * 128256 * 8192 - 8192) / 80
     first_stage = 20 * layer + 128256 * 8192
-    assert piped.parameter_bytes == pytest.approx(4 * first_stage / 64, rel=0.01)
+    assert piped.memory.parameter_bytes == pytest.approx(4 * first_stage / 64, rel=0.01)
     # 1F1B: the first process holds 4 micro-batches of its 20 layers, as many as 80 layers of one.
-    assert piped.activation_bytes == whole.activation_bytes
+    assert piped.memory.activation_bytes == whole.memory.activation_bytes
     assert piped.bubble == pytest.approx(3 / (16 + 3))
     assert main([*overrides, "pipeline.schedule=gpipe", "pipeline.microbatches=8"]) == 0
     out = capsys.readouterr().out

@@ -1,16 +1,21 @@
-"""The planner: it searches meshes for a cluster, keeps those that fit, and ranks them."""
+"""The planner: it searches meshes for a cluster, keeps those that fit, ranks them, and says so as a mesh rule."""
+
+import re
 
 import pytest
 
-from axtorch.cli.plan import PlanOptions, load_plan_inputs, main, plan, search_report
-from axtorch.cli.plan_search import GIB, Planner, cluster_for
+from axtorch.cli.plan import PlanOptions, main, search_report
 from axtorch.config.errors import ConfigError
+from axtorch.parallel.chips import GIB
+from axtorch.plan import Planner, cluster_for, load_plan_inputs, plan
+from axtorch.plan.placement import remat_name
 
 CASES = {
     "llama3_8b on 8 H100": (["model=llama3_8b"], "gpu-H100-8x1"),
     "llama3_70b on 256 TPU v5p chips": (["model=llama3_70b"], "tpu-v5p-512"),
-    "llama3_405b on 2048 H100": (["model=llama3_405b"], "gpu-H100-8x256"),
+    "llama3_405b on 2048 H100 in bf16": (["model=llama3_405b", "trainer.precision=bf16"], "gpu-H100-8x256"),
 }
+T = 1e12
 
 
 def _planner(overrides, hardware, **kwargs):
@@ -33,9 +38,27 @@ def test_the_chosen_mesh_fits_the_memory_axtorch_plan_computes_for_it(case):
     config.pipeline.microbatches = best.microbatches
     rows = cluster.devices // (best.mesh["data"] * best.mesh["fsdp"] * best.mesh["expert"])
     planned = plan(config, sizes, batch_size=rows // best.microbatches, seq_len=8192)
-    assert planned.total_bytes == pytest.approx(best.memory_bytes, rel=0.02)
-    assert planned.total_bytes <= 0.9 * cluster.memory_bytes
+    assert planned.memory.total_bytes == pytest.approx(best.memory_bytes, rel=0.02)
+    assert planned.memory.total_bytes <= 0.9 * cluster.memory_bytes
     assert 0 < best.mfu < 1
+
+
+@pytest.mark.parametrize(("precision", "value_bytes", "peak"), [("fp32", 4, 66.9 * T), ("bf16", 2, 989.4 * T)])
+def test_memory_and_step_time_follow_the_precision(precision, value_bytes, peak):
+    """Counted by hand for llama3_8b, fsdp=8 on one H100 host, one 8192-token sequence per device."""
+    planner, _ = _planner(["model=llama3_8b", f"trainer.precision={precision}"], "gpu-H100-8x1")
+    candidate = planner.score({"pipe": 1, "data": 1, "fsdp": 8, "seq": 1, "expert": 1, "model": 1}, "fsdp", "none")
+    assert candidate is not None
+    # 16 bytes of fp32 state per parameter, split 8 ways (the 65 norms of 4096 whole); activations
+    # 32 layers x s*h*(5 + 12) values (Korthikanti et al., t=1) in the compute precision.
+    parameters, norms = 8_030_261_248, 65 * 4096
+    state = 16 * ((parameters - norms) / 8 + norms)
+    activations = 32 * value_bytes * 8192 * 4096 * 17
+    assert candidate.memory_bytes == pytest.approx(state + activations, rel=1e-6)
+    # Compute runs at 70% of the precision's peak: 8 sequences of 8192 tokens over 8 devices.
+    flops = planner.step_time.flops_per_token * 8 * 8192
+    assert planner.step_time.peak_flops == pytest.approx(peak)
+    assert candidate.parts["compute"] == pytest.approx(flops / (8 * peak) / 0.7)
 
 
 def test_less_memory_per_device_forces_more_splitting():
@@ -55,14 +78,70 @@ def test_tensor_parallel_across_hosts_pays_the_network():
     assert across.parts["tensor parallel"] > 5 * within.parts["tensor parallel"]
 
 
-def test_the_command_prints_the_ranking_and_a_mesh_rule(capsys):
-    assert main(["model=llama3_8b", "hardware=gpu-H100-8x1", "seq_len=8192", "global_batch=16", "top=3"]) == 0
-    out = capsys.readouterr().out
-    assert "gpu-H100-8x1: 8 devices, 80 GiB each" in out
+@pytest.mark.parametrize(
+    ("hardware", "devices", "gib", "bf16_tflops", "fast_domain"),
+    [
+        ("trn2-64x4", 256, 24, 667 / 4, 64),  # 4 trn2.48xlarge: 16 chips of 4 logical NeuronCores (LNC=2)
+        ("trn2-lnc1-128x1", 128, 12, 667 / 8, 128),  # LNC=1: each physical NeuronCore a device
+        ("trn1-32x2", 64, 16, 190 / 2, 32),  # 2 trn1.32xlarge: 16 chips of 2 NeuronCores
+        ("tpu-v5p-512", 256, 95, 459, 256),  # 512 TensorCores, a megacore chip each device
+    ],
+)
+def test_a_cluster_counts_the_devices_its_processes_drive(hardware, devices, gib, bf16_tflops, fast_domain):
+    import torch
+
+    cluster = cluster_for(hardware)
+    assert cluster.devices == devices
+    assert cluster.memory_bytes == pytest.approx(gib * GIB)
+    assert cluster.device.peak_flops(torch.bfloat16) == pytest.approx(bf16_tflops * T)
+    assert (cluster.device.fast_domain or cluster.devices) == fast_domain
+
+
+def test_an_lnc_the_chip_lacks_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"lnc=4.*AWS Trainium2: one of \[2, 1\]"):
+        cluster_for("trn2-lnc4-32x1")
+    with pytest.raises(ConfigError, match=r"lnc=2.*AWS Trainium: one of \[1\]"):
+        cluster_for("trn1-lnc2-16x1")
+
+
+@pytest.fixture(scope="module")
+def h100_search():
+    """One search, printed as ``axtorch-plan`` prints it."""
+    options = PlanOptions(hardware="gpu-H100-8x1", seq_len=8192, global_batch=16, top=3)
+    return search_report(["model=llama3_8b"], options)
+
+
+def test_the_report_ranks_and_states_the_precision_and_peak(h100_search):
+    out = h100_search
+    assert out.startswith(
+        "gpu-H100-8x1: 8 devices (NVIDIA H100 SXM), 80 GiB each; trainer.precision=fp32: 66.9 TFLOP/s peak per device"
+    )
     assert out.count("| fsdp") >= 1 and "| 3 |" in out and "| 4 |" not in out
-    assert "  - pattern: 'gpu-H100-8x1'\n    overrides: [backend=native, mesh.fsdp=8" in out
     report = search_report(["model=llama3_8b"], PlanOptions(devices=16, device_memory=40.0, seq_len=4096))
-    assert report.startswith("gpu-H100-8x2: 16 devices, 40 GiB each")
+    assert report.startswith("gpu-H100-8x2: 16 devices (NVIDIA H100 SXM), 40 GiB each")
+
+
+def test_the_printed_mesh_rule_composes_from_a_config_dir(h100_search, tmp_path, capsys):
+    """The rule, pasted into a user's config dir as docs/configuration.md says, selects the mesh it ranked first."""
+    rule = h100_search[h100_search.index("rules:") :]
+    (tmp_path / "mesh_rules").mkdir()
+    (tmp_path / "mesh_rules" / "planned.yaml").write_text(rule + "\n")
+    best = re.search(r"^\| 1 \| ([^|]+) \| (\w+) \| (\w+) \|", h100_search, flags=re.MULTILINE)
+    assert best is not None
+    mesh_text, sharding, remat = best.groups()
+    expected_mesh = {"pipe": 1, "data": 1, "fsdp": 1, "seq": 1, "expert": 1, "model": 1}
+    expected_mesh |= {axis: int(size) for axis, size in re.findall(r"(\w+)=(\d+)", mesh_text)}
+    ruled = ["model=llama3_8b", "mesh_rules=planned", "mesh_rules.hardware=gpu-H100-8x1"]
+    config, sizes = load_plan_inputs(ruled, config_dirs=[tmp_path])
+    assert config.mesh_rules.selected == "gpu-H100-8x1"
+    assert sizes == expected_mesh
+    assert (config.backend.value, config.trainer.precision.value) == ("native", "fp32")
+    assert remat_name(config.model.decoder.remat) == remat
+    assert config.sharding == load_plan_inputs(["model=llama3_8b", f"sharding={sharding}"])[0].sharding
+    # The command takes the config dir as axtorch-train does.
+    assert main(["--config-dir", str(tmp_path), *ruled]) == 0
+    mesh_line = " ".join(f"{axis}={size}" for axis, size in expected_mesh.items())
+    assert f"mesh: {mesh_line} (8 devices)" in capsys.readouterr().out
 
 
 def test_an_unknown_cluster_is_a_config_error_naming_it(capsys):

@@ -26,9 +26,10 @@ ALLOWED = {
     "interop": {"config", "layers", "models", "data"},
     "train": {"config", "layers", "models", "data", "parallel", "interop"},
     "compose": {"config", "layers", "models", "data", "parallel", "interop", "train", "infer"},
-    "cli": {"config", "layers", "models", "data", "parallel", "interop", "train", "infer", "compose"},
+    "plan": {"config", "layers", "models", "data", "parallel", "interop", "train", "compose"},
+    "cli": {"config", "layers", "models", "data", "parallel", "interop", "train", "infer", "compose", "plan"},
 }
-ENTRY_POINT_SHIMS = {"generate.py", "plan.py", "plot.py"}
+ENTRY_POINT_SHIMS = {"generate.py", "plot.py"}
 
 
 def _package_of(module: str) -> str | None:

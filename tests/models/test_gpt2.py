@@ -5,13 +5,14 @@ import math
 import pytest
 from meta_presets import build_on_meta
 
-from axtorch.cli.plan import load_plan_inputs, main, plan
+from axtorch.cli.plan import main
 from axtorch.compose.experiment import load_experiment_config
 from axtorch.config.errors import ConfigError
 from axtorch.interop.families import config_from_hf
 from axtorch.interop.pretrained import check_same_architecture
 from axtorch.parallel.mesh import MeshConfig
 from axtorch.parallel.rules import resolve_parameter_specs
+from axtorch.plan import load_plan_inputs, plan
 from axtorch.train.flops import transformer_flops_per_token
 from axtorch.train.trainer import Trainer
 
@@ -88,7 +89,7 @@ def test_plan_command_sizes_gpt2_and_counts_no_flops_for_the_position_table(caps
     assert result.flops_per_token == transformer_flops_per_token(
         result.total_parameters - tables, 12, 768, 1024, model.vocab_size, tied=True
     )
-    assert result.parameter_bytes == pytest.approx(4 * result.total_parameters / 4, rel=0.01)
+    assert result.memory.parameter_bytes == pytest.approx(4 * result.total_parameters / 4, rel=0.01)
 
 
 def test_gpt2_tiny_learns_on_the_cpu(tmp_path, data_cache):

@@ -13,9 +13,8 @@ import pytest
 from debug_runs import debug_overrides
 from test_native_moe import MOE
 
-from axtorch.cli.plan import load_plan_inputs
-from axtorch.cli.plan_search import Planner, cluster_for
 from axtorch.parallel.pipeline_config import layer_ranges
+from axtorch.plan import Planner, cluster_for, load_plan_inputs
 
 WORKER = Path(__file__).with_name("volume_worker.py")
 PROCESSES = 2

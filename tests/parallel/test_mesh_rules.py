@@ -9,6 +9,7 @@ import yaml
 
 from axtorch.compose.experiment import load_experiment_config
 from axtorch.config.errors import ConfigError
+from axtorch.parallel import hardware as hardware_module
 from axtorch.parallel.hardware import detect_hardware_id, device_count
 from axtorch.train.config import Precision
 
@@ -31,10 +32,39 @@ def test_this_machine_is_identified_by_its_cores_and_hosts(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("hardware", "devices"), [("gpu-H100-8x32", 256), ("tpu-v5e-256", 256), ("tpu-v5p-512", 256), ("cpu-2x1", 2)]
+    ("hardware", "devices"),
+    [
+        ("gpu-H100-8x32", 256),
+        ("tpu-v5e-256", 256),
+        ("tpu-v5p-512", 256),
+        ("trn2-64x4", 256),
+        ("trn2-lnc1-128x4", 512),
+        ("trn1-32x2", 64),
+        ("cpu-2x1", 2),
+    ],
 )
 def test_a_hardware_id_counts_its_devices(hardware, devices):
     assert device_count(hardware) == devices
+
+
+@pytest.mark.parametrize(
+    ("instance", "lnc", "hardware"),
+    [
+        ("trn2.48xlarge", None, "trn2-64x2"),  # 16 chips, 4 logical NeuronCores each at the default LNC=2
+        ("trn2.48xlarge", "1", "trn2-lnc1-128x2"),
+        ("trn1.32xlarge", None, "trn1-32x2"),  # 16 chips of 2 NeuronCores
+    ],
+)
+def test_a_trainium_host_is_identified_by_its_neuroncores(monkeypatch, instance, lnc, hardware):
+    for variable in ("TPU_ACCELERATOR_TYPE", "SLURM_NNODES", "SLURM_JOB_NUM_NODES", "NEURON_LOGICAL_NC_CONFIG"):
+        monkeypatch.delenv(variable, raising=False)
+    if lnc is not None:
+        monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", lnc)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(hardware_module.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(hardware_module, "ec2_instance_type", lambda: instance)
+    assert detect_hardware_id() == hardware
 
 
 @pytest.mark.parametrize(
@@ -45,7 +75,8 @@ def test_a_hardware_id_counts_its_devices(hardware, devices):
         ("gpu-H100-8x32", "gpu-H(100|200)-8x(3[2-9]|[4-9][0-9]|[0-9]{3,})", "native", {"data": -1, "fsdp": 8}, "fsdp"),
         ("gpu-H200-8x2", "gpu-H(100|200)-.*", "native", {"data": 1, "fsdp": -1}, "fsdp"),
         ("gpu-A100-4x1", "gpu-.*", "native", {"fsdp": -1}, "fsdp"),
-        ("trn2-16x4", "trn2-.*", "xla", {"fsdp": -1}, "fsdp"),
+        ("trn2-64x4", "trn2-.*", "xla", {"fsdp": -1}, "fsdp"),
+        ("trn1-32x2", "trn1-.*", "xla", {"fsdp": -1}, "fsdp"),
         ("cpu-2x1", "cpu-.*", "single", {"data": 1, "fsdp": 1}, "replicated"),
     ],
 )
@@ -54,14 +85,18 @@ def test_each_cluster_gets_the_first_rule_that_matches_its_id(hardware, selected
     assert (config.mesh_rules.hardware, config.mesh_rules.selected) == (hardware, selected)
     assert config.backend.value == backend
     assert {axis: getattr(config.mesh, axis) for axis in mesh} == mesh
-    assert config.sharding == load_experiment_config(["experiment=debug", f"sharding={sharding}"]).sharding
+    preset = load_experiment_config(["experiment=debug", f"sharding={sharding}"]).sharding
+    assert (config.sharding.parameters, config.sharding.activations) == (preset.parameters, preset.activations)
     assert config.trainer.precision == (Precision.fp32 if backend == "single" else Precision.bf16)
 
 
 def test_the_command_line_wins_over_the_rule():
     config = _config("gpu-H100-8x4", "trainer.precision=fp32", "mesh.fsdp=4", "sharding=replicated")
     assert config.trainer.precision == Precision.fp32 and config.mesh.fsdp == 4
-    assert config.sharding == load_experiment_config(["experiment=debug"]).sharding
+    assert (
+        config.sharding.parameters
+        == load_experiment_config(["experiment=debug", "sharding=replicated"]).sharding.parameters
+    )
     assert config.backend.value == "native"  # what the command line left to the rule
 
 

@@ -1,4 +1,5 @@
-"""MFU's denominator: datasheet peaks by chip name, a measured CPU peak, no MFU (never a crash) for an unknown chip."""
+"""MFU's denominator: catalogue peaks per device by chip name and precision, a measured CPU peak, no MFU
+(never a crash) for an unknown chip."""
 
 from __future__ import annotations
 
@@ -9,11 +10,13 @@ import pytest
 import torch
 
 from axtorch.compose.experiment import load_experiment_config
+from axtorch.config.errors import ConfigError
+from axtorch.parallel.chips import chip_named
 from axtorch.parallel.single import SingleDeviceBackend
 from axtorch.train import peak_flops as peak_flops_module
 from axtorch.train import trainer as trainer_module
-from axtorch.train.flops import mfu
-from axtorch.train.peak_flops import datasheet_peak_flops, find_chip
+from axtorch.train.flops import model_flops_per_token
+from axtorch.train.peak_flops import datasheet_peak_flops, resolve_peak_flops
 from axtorch.train.trainer import Trainer
 
 T = 1e12
@@ -34,14 +37,29 @@ T = 1e12
         ("TPU v5", "TPU v5p", 459 * T, 459 * T),
         ("TPU v5p", "TPU v5p", 459 * T, 459 * T),
         ("TPU v6 lite", "TPU v6e", 918 * T, 918 * T),
-        ("trn1.32xlarge", "AWS Trainium", 190 * T, 47.5 * T),
-        ("trn2.48xlarge", "AWS Trainium2", 667 * T, 181 * T),
+        # Per NeuronCore, the device each process (native) or XLA device drives: a Trainium chip
+        # has 2; a Trainium2 chip 8 physical, 4 logical at the default LNC=2.
+        ("trn1.32xlarge", "AWS Trainium", 190 / 2 * T, 47.5 / 2 * T),
+        ("trn2.48xlarge", "AWS Trainium2", 667 / 4 * T, 181 / 4 * T),
+        ("trn2u.48xlarge", "AWS Trainium2", 667 / 4 * T, 181 / 4 * T),
     ],
 )
-def test_runtime_names_find_their_datasheet_peaks(runtime_name, chip, bf16, fp32):
-    assert find_chip(runtime_name).chip == chip
+def test_runtime_names_find_their_datasheet_peaks(runtime_name, chip, bf16, fp32, monkeypatch):
+    monkeypatch.delenv("NEURON_LOGICAL_NC_CONFIG", raising=False)
+    assert chip_named(runtime_name).name == chip
     assert datasheet_peak_flops(runtime_name, torch.bfloat16) == pytest.approx(bf16)
     assert datasheet_peak_flops(runtime_name, torch.float32) == pytest.approx(fp32)
+
+
+def test_trainium2_counts_the_logical_neuroncores_the_runtime_is_set_to(monkeypatch):
+    """64 processes on a trn2.48xlarge at LNC=2 share its 16 chips' peak; 128 at LNC=1 too."""
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "2")
+    assert resolve_peak_flops(None, "trn2.48xlarge", torch.bfloat16, 64, 1) == pytest.approx(16 * 667 * T)
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "1")
+    assert resolve_peak_flops(None, "trn2.48xlarge", torch.bfloat16, 128, 1) == pytest.approx(16 * 667 * T)
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "2")
+    with pytest.raises(ConfigError, match=r"NEURON_LOGICAL_NC_CONFIG=2.*AWS Trainium: one of \[1\]"):
+        datasheet_peak_flops("trn1.32xlarge", torch.bfloat16)
 
 
 @pytest.mark.parametrize("runtime_name", ["NVIDIA GeForce RTX 4090", "Tesla V100-SXM2-16GB", "cpu", "neuron"])
@@ -90,13 +108,13 @@ def test_an_unknown_chip_warns_once_and_trains_without_mfu(tmp_path, data_cache)
     assert len(about_peak) == 1 and "Imaginary NPU 9000" in about_peak[0] and "trainer.peak_flops" in about_peak[0]
 
 
-def test_a_known_chip_uses_its_datasheet_peak(tmp_path, data_cache):
-    _, train, _ = _fit(tmp_path, data_cache, NamedCpuBackend("NVIDIA H100 80GB HBM3"))
-    trainer_flops = None
+@pytest.mark.parametrize(("precision", "peak"), [("fp32", 66.9 * T), ("bf16", 989.4 * T)])
+def test_a_known_chip_uses_its_datasheet_peak_for_the_precision(tmp_path, data_cache, precision, peak):
+    _, train, _ = _fit(tmp_path, data_cache, NamedCpuBackend("NVIDIA H100 80GB HBM3"), f"trainer.precision={precision}")
+    config = load_experiment_config(["experiment=debug"])
+    flops_per_token = model_flops_per_token(config.model, config.data.seq_len)
     for record in train:
-        if trainer_flops is None:  # recover flops/token from one record, then check every record agrees
-            trainer_flops = record["train/mfu"] * 66.9 * T / record["train/tokens_per_s"]
-        assert record["train/mfu"] == pytest.approx(mfu(record["train/tokens_per_s"], trainer_flops, 66.9 * T))
+        assert record["train/mfu"] == pytest.approx(record["train/tokens_per_s"] * flops_per_token / peak)
 
 
 def test_a_configured_peak_wins_over_the_table(tmp_path, data_cache):

@@ -1,0 +1,39 @@
+"""The planner's inputs: the experiment config composed as ``axtorch-train`` composes it, and its mesh."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Optional
+
+from axtorch.compose.experiment import compose_experiment_config, to_experiment_config
+from axtorch.config.errors import ConfigError
+from axtorch.config.serialize import to_object
+from axtorch.parallel.hardware import device_count
+from axtorch.parallel.mesh import MESH_AXES, MeshConfig
+from axtorch.train.experiment import ExperimentConfig
+
+
+def load_plan_inputs(
+    overrides: Sequence[str], devices: Optional[int] = None, config_dirs: Sequence[str | Path] = ()
+) -> tuple[ExperimentConfig, dict[str, int]]:
+    """Compose and validate the config as ``axtorch-train`` would, and resolve its mesh.
+
+    The train-time checks assume the single backend's one-device mesh, so the mesh is set aside
+    while they run and resolved here against ``devices`` (default: the mesh rule's hardware id's,
+    else the product of the axes). ``config_dirs`` are users' own config directories.
+    """
+    cfg = compose_experiment_config(overrides, config_dirs)
+    mesh = to_object(cfg.mesh, MeshConfig)
+    cfg.mesh = MeshConfig()
+    config = to_experiment_config(cfg)
+    config.mesh = mesh
+    if devices is None and config.mesh_rules.hardware is not None:
+        devices = device_count(config.mesh_rules.hardware)  # a mesh rule's target: its devices
+    if devices is None:
+        inferred = [axis for axis in MESH_AXES if getattr(mesh, axis) == -1]
+        if inferred:
+            raise ConfigError("devices", None, "the device count", reason=f"mesh.{inferred[0]}=-1 is inferred from it")
+        devices = math.prod(getattr(mesh, axis) for axis in MESH_AXES)
+    return config, mesh.resolve(devices, "mesh")

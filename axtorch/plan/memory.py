@@ -1,0 +1,164 @@
+"""What one device holds while it trains: parameter, gradient and AdamW state, and activations.
+
+One model for ``axtorch-plan``'s report and for the mesh search. Parameters and gradients are
+fp32 and AdamW keeps two fp32 moments, each split as its parameter is (``trainer.precision=bf16``
+autocasts matmuls only). Activations are held in the compute precision: 4 bytes a value under
+fp32, 2 under bf16 autocast (its matmul outputs; norms and residual sums stay fp32, which the
+estimate leaves out).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from axtorch.models.causal_lm import CausalLMConfig
+from axtorch.parallel.pipeline_config import PipelineConfig, layer_ranges, stage_parameter_names, stages_of_process
+from axtorch.parallel.rules import PartitionSpec, shard_shape
+from axtorch.train.config import Precision
+
+FP32_BYTES = 4
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """Bytes on the busiest device: the most parameters any process holds, the first stage's activations."""
+
+    parameter_bytes: int
+    gradient_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.parameter_bytes + self.gradient_bytes + self.optimizer_bytes + self.activation_bytes
+
+
+def shard_elements(
+    shapes: Mapping[str, tuple[int, ...]], specs: Mapping[str, PartitionSpec], mesh_sizes: Mapping[str, int]
+) -> dict[str, int]:
+    """Elements of each parameter one device holds, split by its spec."""
+    # Every layer repeats the same few (shape, spec) pairs: size each pair once.
+    sizes: dict[tuple[tuple[int, ...], PartitionSpec], int] = {}
+    for name, shape in shapes.items():
+        key = (shape, specs[name])
+        if key not in sizes:
+            sizes[key] = math.prod(shard_shape(shape, specs[name], mesh_sizes))
+    return {name: sizes[(shape, specs[name])] for name, shape in shapes.items()}
+
+
+def stage_layers(num_layers: int, pipe: int, pipeline: PipelineConfig) -> list[range]:
+    """Each pipeline stage's layers (one stage of all of them without ``mesh.pipe``)."""
+    return (
+        layer_ranges(num_layers, pipeline.num_stages(pipe), pipeline.split_points) if pipe > 1 else [range(num_layers)]
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def process_parameter_names(
+    names: tuple[str, ...], stages: tuple[range, ...], pipe: int, stages_per_process: int
+) -> tuple[tuple[str, ...], ...]:
+    """The parameters each process of a ``pipe`` group holds: its stages' (all of them without stages).
+
+    Cached: the search asks for the same split of the same model for every mesh.
+    """
+    if pipe == 1:
+        return (names,)
+    owned = [stages_of_process(rank, pipe, stages_per_process) for rank in range(pipe)]
+    return tuple(tuple(stage_parameter_names(names, list(stages), process)) for process in owned)
+
+
+def parameter_elements(
+    shapes: Mapping[str, tuple[int, ...]],
+    specs: Mapping[str, PartitionSpec],
+    mesh_sizes: Mapping[str, int],
+    num_layers: int,
+    pipeline: PipelineConfig,
+) -> int:
+    """Parameter elements on the busiest device: the most that any process's stages hold, split by ``specs``."""
+    pipe = mesh_sizes.get("pipe", 1)
+    stages = tuple(stage_layers(num_layers, pipe, pipeline))
+    shards = shard_elements(shapes, specs, mesh_sizes)
+    held = process_parameter_names(tuple(shapes), stages, pipe, pipeline.stages_per_process)
+    return max(sum(shards[name] for name in names) for names in held)
+
+
+def device_memory(
+    model: CausalLMConfig,
+    elements: int,
+    mesh_sizes: Mapping[str, int],
+    precision: Precision,
+    batch: int,
+    seq_len: int,
+    pipeline: PipelineConfig,
+    microbatches: int = 1,
+) -> DeviceMemory:
+    """What the busiest device holds: ``elements`` (``parameter_elements``) in fp32 state, and activations.
+
+    ``batch`` is sequences per device in one micro-batch. Under ``mesh.pipe`` the first process
+    holds the most micro-batches in flight (``pipeline.microbatches_in_flight``) of its layers'
+    activations.
+    """
+    pipe = mesh_sizes.get("pipe", 1)
+    layers = model.decoder.num_layers
+    # Context parallelism gives each device a slice of every sequence.
+    seq = seq_len // mesh_sizes.get("seq", 1)
+    activations: float = activation_bytes(model, batch, seq, mesh_sizes.get("model", 1), precision)
+    if pipe > 1:
+        stages = stage_layers(layers, pipe, pipeline)
+        first_layers = sum(len(stages[stage]) for stage in stages_of_process(0, pipe, pipeline.stages_per_process))
+        activations *= first_layers / layers * pipeline.microbatches_in_flight(pipe, microbatches)
+    return DeviceMemory(
+        parameter_bytes=FP32_BYTES * elements,
+        gradient_bytes=FP32_BYTES * elements,
+        optimizer_bytes=2 * FP32_BYTES * elements,
+        activation_bytes=round(activations),
+    )
+
+
+def activation_bytes(model: CausalLMConfig, batch: int, seq: int, tensor_parallel: int, precision: Precision) -> int:
+    """Activations the decoder keeps for the backward pass on one device, in ``precision``'s bytes.
+
+    Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models"),
+    tensor parallelism ``t`` without sequence parallelism (the presets keep the layer boundary
+    replicated over ``model``): per layer ``s*b*h*(5 + 12/t)`` values (the paper's
+    ``s*b*h*(10 + 24/t)`` bytes, counted at 2 bytes a value) for sequence ``s``, per-device batch
+    ``b`` and width ``h``. The paper's ``5*a*s/(h*t)`` term (the stored ``s x s`` attention scores,
+    softmax and dropout mask per head) is left out: attention here is
+    ``scaled_dot_product_attention``, whose fused kernels (flash / memory-efficient, chosen for
+    the causal mask on accelerators) keep O(s) state, not O(s^2). Under ``model/remat=full`` only
+    each layer's input (``s*b*h`` values) is kept, plus one layer's full set while it is
+    recomputed; ``selective`` adds the named activations it keeps (``_named_widths``).
+
+    An estimate: the constants are for a GPT layer (4h MLP, dropout); embedding, logits and loss
+    buffers, and the keys and values that context parallelism gathers, are not counted.
+    """
+    value_bytes = precision.dtype.itemsize
+    s, b, h, t = seq, batch, model.dim, tensor_parallel
+    per_layer = value_bytes * s * b * h * (5 + 12 / t)
+    layers = model.decoder.num_layers
+    remat = model.decoder.remat
+    if remat is None:
+        return round(layers * per_layer)
+    saved: Iterable[str] = getattr(remat, "save", ())
+    kept_width = h + sum(_named_widths(model, t)[name] for name in saved)
+    return round(layers * value_bytes * s * b * kept_width + per_layer)
+
+
+def _named_widths(model: CausalLMConfig, tensor_parallel: int) -> dict[str, float]:
+    """Features per token of each activation a selective policy can keep, on one device."""
+    attention = model.decoder.layer.attention
+    head_dim = attention.resolved_head_dim(model.dim)
+    query = attention.num_heads * head_dim / tensor_parallel
+    key_value = attention.resolved_kv_heads() * head_dim / tensor_parallel
+    return {
+        "attention_query": query,
+        "attention_key": key_value,
+        "attention_value": key_value,
+        "attention_context": query,
+        "attention_output": model.dim,
+        "feed_forward_hidden": model.decoder.layer.feed_forward.hidden_dim / tensor_parallel,
+        "feed_forward_output": model.dim,
+    }
