@@ -13,7 +13,7 @@ import torch
 from axtorch.config.errors import ConfigError
 from axtorch.layers.remat import RematConfig
 from axtorch.parallel.factory import BackendKind
-from axtorch.parallel.rules import PartitionSpec, resolve_parameter_specs, shard_shape
+from axtorch.parallel.rules import PartitionSpec, auto_sharding_preset, resolve_parameter_specs, shard_shape
 from axtorch.plan.memory import DeviceMemory, device_memory, parameter_elements, stage_layers
 from axtorch.train.config import Precision
 from axtorch.train.experiment import ExperimentConfig
@@ -50,6 +50,8 @@ class Plan:
     compute_precision: Precision
     #: The precision policy, as the run would apply it.
     precision: str
+    #: The preset ``sharding=auto`` (the default) chose for the mesh; None where one was named.
+    auto_sharding: Optional[str] = None
     #: Under ``mesh.pipe``: each stage's layers, and the share of a step the pipeline idles.
     stage_layers: Optional[list[range]] = None
     bubble: Optional[float] = None
@@ -111,6 +113,7 @@ def plan(
         flops_per_token=model_flops_per_token(model, seq_len, network),
         compute_precision=precision,
         precision=describe_precision(config),
+        auto_sharding=auto_sharding_preset(mesh_sizes) if config.sharding.auto else None,
         stage_layers=stages,
         bubble=bubble,
     )

@@ -46,6 +46,11 @@ def format_plan(result: Plan) -> str:
             *(f"  {label.ljust(label_width)}  {num_bytes / GIB:9.2f} GiB" for label, num_bytes in lines),
             f"training FLOPs per token (seq {result.seq_len}): {result.flops_per_token:.3e}",
             f"precision: {result.precision}",
+            *(
+                [f"sharding: {result.auto_sharding}, as sharding=auto chose it for this mesh"]
+                if result.auto_sharding
+                else []
+            ),
             *_pipeline_lines(result),
         ]
     )

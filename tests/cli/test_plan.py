@@ -179,3 +179,15 @@ def test_a_pipeline_plan_holds_one_stage_per_process_and_reports_its_bubble(caps
 def test_the_plan_states_the_precision_policy(capsys, overrides, expected):
     assert main(["experiment=debug", *overrides]) == 0
     assert expected in capsys.readouterr().out
+
+
+def test_the_launchers_mesh_plans_with_the_sharding_auto_chooses(capsys):
+    """The TPU and Trainium launch examples' ``mesh.fsdp=-1`` without ``sharding=``: the report says
+    which preset ``sharding=auto`` chose, and each device holds a 64th of the state, not all of it."""
+    assert main(["model=llama3_8b", "backend=xla", "mesh.fsdp=-1", "devices=64"]) == 0
+    out = capsys.readouterr().out
+    assert "sharding: fsdp, as sharding=auto chose it for this mesh" in out
+    config, mesh_sizes = load_plan_inputs(["model=llama3_8b", "mesh.fsdp=-1"], devices=64)
+    result = plan(config, mesh_sizes)
+    assert result.auto_sharding == "fsdp"
+    assert result.memory.parameter_bytes == pytest.approx(4 * result.total_parameters / 64, rel=0.01)
