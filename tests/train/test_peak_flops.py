@@ -51,6 +51,11 @@ def test_runtime_names_find_their_datasheet_peaks(runtime_name, chip, bf16, fp32
     assert datasheet_peak_flops(runtime_name, torch.float32) == pytest.approx(fp32)
 
 
+def test_fp8_peaks_where_the_chip_has_them_and_bf16_where_not():
+    assert datasheet_peak_flops("NVIDIA H100 80GB HBM3", torch.float8_e4m3fn) == pytest.approx(1978.9 * T)
+    assert datasheet_peak_flops("NVIDIA A100-SXM4-80GB", torch.float8_e4m3fn) == pytest.approx(312 * T)
+
+
 def test_trainium2_counts_the_logical_neuroncores_the_runtime_is_set_to(monkeypatch):
     """64 processes on a trn2.48xlarge at LNC=2 share its 16 chips' peak; 128 at LNC=1 too."""
     monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "2")
