@@ -125,6 +125,7 @@ def resolve_parameter_specs(
             mesh_sizes,
             f"{key}.parameters[{index}].spec",
             list(config.parameters[index].spec),
+            chosen_by_auto=config.auto,
         )
         specs[name] = rule_specs[index]
         applied.add(index)
@@ -229,7 +230,13 @@ def _parse_spec(entries: Sequence[Optional[str]], mesh_sizes: Mapping[str, int],
 
 
 def _check_fits(
-    name: str, shape: tuple[int, ...], spec: PartitionSpec, mesh_sizes: Mapping[str, int], key: str, entries: list
+    name: str,
+    shape: tuple[int, ...],
+    spec: PartitionSpec,
+    mesh_sizes: Mapping[str, int],
+    key: str,
+    entries: list,
+    chosen_by_auto: bool = False,
 ) -> None:
     if len(spec) != len(shape):
         raise ConfigError(
@@ -250,7 +257,13 @@ def _check_fits(
                 key,
                 entries,
                 f"axes whose sizes multiply to a divisor of {size}",
-                reason=f"parameter {name} dim {dim} has size {size}, not divisible by {product}",
+                reason=f"parameter {name} dim {dim} has size {size}, not divisible by {product}"
+                + (
+                    f" (sharding=auto chose this preset for the mesh: name another, e.g. sharding=replicated,"
+                    f" or choose mesh sizes that divide {size})"
+                    if chosen_by_auto
+                    else ""
+                ),
             )
 
 

@@ -78,8 +78,14 @@ def test_the_released_vocabulary_under_fsdp_is_a_config_error_naming_it():
         plan(config, mesh_sizes)
 
 
+def test_sharding_auto_names_itself_when_its_preset_cannot_split_the_released_vocabulary():
+    config, mesh_sizes = load_plan_inputs(["model=gpt2_124m", "mesh.fsdp=4"])
+    with pytest.raises(ConfigError, match="not divisible by fsdp=4 \\(sharding=auto chose this preset"):
+        plan(config, mesh_sizes)
+
+
 def test_plan_command_sizes_gpt2_and_counts_no_flops_for_the_position_table(capsys):
-    assert main(["model=gpt2_124m", "mesh.fsdp=4"]) == 0
+    assert main(["model=gpt2_124m", "mesh.fsdp=4", "sharding=replicated"]) == 0
     assert "total parameters: 124,439,808" in capsys.readouterr().out
 
     config, mesh_sizes = load_plan_inputs(["model=gpt2_124m", "mesh.fsdp=4", "sharding=fsdp", "model.vocab_size=50304"])
