@@ -20,6 +20,10 @@
 #   NODE_RANK      this node's index 0..NNODES-1. Only the static rendezvous uses it (torchrun
 #                  ignores it under c10d, where nodes take ranks in the order they join);
 #                  with static, the node with NODE_RANK=0 must be MASTER_ADDR.
+#   RDZV_JOIN_TIMEOUT  seconds a rendezvous waits for all NNODES nodes (default 600): at start,
+#                  and again after a failure, when torchrun restarts its workers (MAX_RESTARTS)
+#                  and waits for every node to rejoin. This is what ends the surviving nodes
+#                  when one is lost for good (see "A lost node" below).
 #   OMP_NUM_THREADS  CPU threads per process (default: this machine's cores / NPROC, at least 1)
 #   TORCHRUN       the torchrun to use (default: torchrun on PATH, else the repository's .venv)
 #
@@ -39,6 +43,7 @@ MASTER_PORT=${MASTER_PORT:-29500}
 NNODES=${NNODES:-1}
 RDZV_ID=${RDZV_ID:-axtorch}
 RDZV_BACKEND=${RDZV_BACKEND:-c10d}
+RDZV_JOIN_TIMEOUT=${RDZV_JOIN_TIMEOUT:-600}
 
 NPROC_FALLBACK=1
 source launch/torchrun_env.sh
@@ -57,4 +62,5 @@ exec "$TORCHRUN" \
   --rdzv-id "$RDZV_ID" \
   --rdzv-backend "$RDZV_BACKEND" \
   --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" \
+  --rdzv-conf "join_timeout=$RDZV_JOIN_TIMEOUT,timeout=$RDZV_JOIN_TIMEOUT" \
   -m axtorch.train "$@"

@@ -1,0 +1,170 @@
+"""launch/torchrun_multi_node.sh started on this machine as several "nodes", as its header documents
+(rendezvous on 127.0.0.1, CPU gloo processes): FSDP and HSDP across two nodes train as one device
+does, a checkpoint written by both nodes resumes on other node counts, and a lost node ends the
+survivor through the documented rendezvous timeout, after which a rerun resumes exactly."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from debug_runs import STEPS, debug_overrides, train_losses
+from torchrun_nodes import Node, kill_node, start_nodes
+
+from axtorch.compose.experiment import load_experiment_config
+from axtorch.train.checkpoint import read_model_tensors
+from axtorch.train.metrics import read_metrics
+from axtorch.train.trainer import Trainer
+
+pytestmark = pytest.mark.slow
+
+FSDP4 = ("backend=native", "mesh.fsdp=4", "sharding=fsdp")
+FSDP2 = ("backend=native", "mesh.fsdp=2", "sharding=fsdp")
+HSDP = ("backend=native", "mesh.data=2", "mesh.fsdp=2", "sharding=fsdp")  # one replica per node
+#: The RDZV_JOIN_TIMEOUT the lost-node run sets (the launcher's default is 600 s).
+JOIN_TIMEOUT_S = 10
+RUN_TIMEOUT_S = 300
+LAST_STEP = STEPS + 3
+
+
+@dataclass
+class LostNode:
+    """The lost-node run: how its survivor ended, and its run directory after the rerun."""
+
+    survivor_status: int
+    survivor_seconds: float
+    survivor_log: str
+    killed_after_step: int
+    run_dir: Path
+
+
+def _start(nnodes: int, nproc: int, run_dir: Path, cache: Path, *extra: str, **options) -> list[Node]:
+    """Start one job of the debug experiment over ``nnodes`` launchers; ``options`` go to start_nodes."""
+    overrides = debug_overrides(run_dir, cache, "trainer.plot=false", *extra)
+    logs = run_dir.with_name(f"{run_dir.name}.logs")
+    return start_nodes(nnodes, nproc, overrides, logs / str(len(list(logs.glob("*")))), **options)
+
+
+def _finish(*jobs: list[Node]) -> None:
+    for node in (node for job in jobs for node in job):
+        assert node.wait(RUN_TIMEOUT_S) == 0, node.tail()
+
+
+def _resume_from_step(source: Path, target: Path) -> Path:
+    """A run directory holding only ``source``'s checkpoint of step STEPS."""
+    name = f"step_{STEPS:08d}"
+    shutil.copytree(source / "checkpoints" / name, target / "checkpoints" / name)
+    return target
+
+
+def _losses_by_step(run_dir: Path) -> dict[int, float]:
+    """Each step's training loss so far (the last attempt's where a step ran twice)."""
+    path = run_dir / "metrics.jsonl"
+    return {m["step"]: m["train/loss"] for m in read_metrics(path) if "train/loss" in m} if path.exists() else {}
+
+
+def _lose_node_1(nodes: list[Node], run_dir: Path) -> LostNode:
+    """Kill node 1 whole once step 3 is logged (a checkpoint of step 2 behind it); time node 0's end."""
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while max(_losses_by_step(run_dir), default=0) < 3:
+        assert nodes[1].process.poll() is None and time.monotonic() < deadline, nodes[0].tail()
+        time.sleep(0.01)
+    killed_after_step = max(_losses_by_step(run_dir))
+    kill_node(nodes[1])
+    killed_at = time.monotonic()
+    status = nodes[0].wait(RUN_TIMEOUT_S)
+    return LostNode(status, time.monotonic() - killed_at, nodes[0].tail(20000), killed_after_step, run_dir)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One device's uninterrupted run; two 2-node runs, their checkpoints resumed on other node counts;
+    a 2-node run that loses a node, then is run again. Independent jobs run side by side."""
+    root = tmp_path_factory.mktemp("multi_node")
+    cache = root / "cache"
+    started: list[Node] = []
+
+    def start(*args, **options) -> list[Node]:
+        nodes = _start(*args, **options)
+        started.extend(nodes)
+        return nodes
+
+    lost_node = (root / "lost_node", cache, *FSDP4, "trainer.checkpoint_every=2")
+    try:
+        losing = start(2, 2, *lost_node, env={"RDZV_JOIN_TIMEOUT": str(JOIN_TIMEOUT_S)})  # node 0 hosts the store
+        fsdp4 = start(2, 2, root / "fsdp4", cache, *FSDP4, store_first=False)
+        hsdp = start(2, 2, root / "hsdp_static", cache, *HSDP, rdzv_backend="static", store_first=False)
+        with ThreadPoolExecutor(1) as watcher:
+            lost_future = watcher.submit(_lose_node_1, losing, root / "lost_node")
+            # Meanwhile (the launchers take seconds to start), and filling the data cache first.
+            Trainer(load_experiment_config(debug_overrides(root / "single", cache))).fit()  # LAST_STEP steps
+            lost = lost_future.result()
+        _finish(fsdp4, hsdp)
+        _finish(
+            # Both nodes' checkpoint of step STEPS, resumed on one node and on four.
+            start(1, 2, _resume_from_step(root / "fsdp4", root / "fsdp4_on_1x2"), cache, *FSDP2, store_first=False),
+            start(
+                4, 1, _resume_from_step(root / "hsdp_static", root / "hsdp_on_4x1"), cache, *FSDP4, store_first=False
+            ),
+            start(2, 2, *lost_node, store_first=False),  # both nodes again, with the launcher's default timeout
+        )
+    finally:
+        for node in started:
+            if node.process.poll() is None:  # a failed set-up leaves no job running
+                kill_node(node)
+    return root, lost
+
+
+@pytest.mark.parametrize("run", ["fsdp4", "hsdp_static"])
+def test_two_nodes_train_as_one_device(runs, run):
+    root, _ = runs
+    single, nodes = train_losses(root / "single"), train_losses(root / run)
+    assert len(single) == len(nodes) == LAST_STEP
+    torch.testing.assert_close(torch.tensor(nodes), torch.tensor(single), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("run", ["fsdp4", "hsdp_static"])
+def test_both_nodes_write_one_checkpoint_equal_to_one_device(runs, run):
+    root, _ = runs
+    name = f"step_{STEPS:08d}"
+    checkpoint = root / run / "checkpoints" / name
+    assert len(list(checkpoint.glob("model-*-of-*.safetensors"))) == 4  # one per process, two per node
+    expected, got = read_model_tensors(root / "single" / "checkpoints" / name), read_model_tensors(checkpoint)
+    assert got.keys() == expected.keys()
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], rtol=1e-4, atol=1e-5, msg=f"{run}: {key}")
+
+
+@pytest.mark.parametrize("run", ["fsdp4_on_1x2", "hsdp_on_4x1"])
+def test_a_two_node_checkpoint_resumes_on_another_node_count(runs, run):
+    root, _ = runs
+    assert sorted(_losses_by_step(root / run)) == list(range(STEPS + 1, LAST_STEP + 1))
+    reference = train_losses(root / "single")[STEPS:]
+    torch.testing.assert_close(torch.tensor(train_losses(root / run)), torch.tensor(reference), rtol=1e-5, atol=1e-5)
+
+
+def test_a_lost_node_ends_the_survivor_after_the_rendezvous_join_timeout(runs):
+    """Node 1 killed whole: node 0's gloo collectives fail at once, torchrun restarts its workers and
+    waits RDZV_JOIN_TIMEOUT for node 1 to rejoin, then gives up."""
+    _, lost = runs
+    assert lost.survivor_status != 0
+    assert "RendezvousTimeoutError" in lost.survivor_log, lost.survivor_log[-3000:]
+    # At least the join timeout, and not much more on a loaded machine (the default would be 600 s).
+    assert JOIN_TIMEOUT_S <= lost.survivor_seconds < JOIN_TIMEOUT_S + 120
+
+
+def test_both_nodes_rerun_after_a_lost_node_resume_exactly(runs):
+    root, lost = runs
+    assert lost.killed_after_step < LAST_STEP
+    assert train_losses(lost.run_dir) == train_losses(root / "fsdp4")  # bit for bit
+    name = f"step_{LAST_STEP:08d}"
+    expected = read_model_tensors(root / "fsdp4" / "checkpoints" / name)
+    got = read_model_tensors(lost.run_dir / "checkpoints" / name)
+    assert got.keys() == expected.keys()
+    for key in expected:
+        assert torch.equal(got[key], expected[key]), key

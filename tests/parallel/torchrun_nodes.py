@@ -1,0 +1,154 @@
+"""Several "nodes" on this machine: launch/torchrun_multi_node.sh started once per node, as its header
+documents, and a node lost whole. Shared by the tests that launch multi-node jobs."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+LAUNCHER = Path(__file__).resolve().parents[2] / "launch" / "torchrun_multi_node.sh"
+
+
+def free_port() -> int:
+    """A TCP port that nothing listens on now (the kernel's choice), for one job's rendezvous."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@dataclass
+class Node:
+    """One launcher started as one node, and the file its output goes to."""
+
+    process: subprocess.Popen
+    log: Path
+
+    def wait(self, timeout: float) -> int:
+        """The launcher's exit status; fails with the end of its log if it does not end in time."""
+        try:
+            return self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_node(self)
+            raise AssertionError(f"{self.log.name} still running after {timeout:g} s:\n{self.tail()}") from None
+
+    def tail(self, chars: int = 3000) -> str:
+        return self.log.read_text(errors="replace")[-chars:]
+
+
+def start_node(
+    node_rank: int,
+    nnodes: int,
+    nproc: int,
+    port: int,
+    overrides: list[str],
+    log: Path,
+    *,
+    rdzv_backend: str = "c10d",
+    env: Optional[dict[str, str]] = None,
+) -> Node:
+    """Start the multi-node launcher as node ``node_rank`` of ``nnodes``, each with ``nproc`` CPU processes.
+
+    The rendezvous is on ``127.0.0.1:port``. ``overrides`` go to ``axtorch.train`` unchanged; the
+    launcher's output goes to ``log``. ``env`` adds to or replaces the launcher's environment
+    (e.g. ``RDZV_JOIN_TIMEOUT``). The launcher leads a session of its own, so that
+    :func:`kill_node` can take the node down without touching the caller.
+    """
+    node_env = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "NNODES": str(nnodes),
+        "NPROC": str(nproc),
+        "NODE_RANK": str(node_rank),
+        "RDZV_BACKEND": rdzv_backend,
+        "RDZV_ID": f"test-{port}",
+        "TORCHRUN": str(Path(sys.executable).with_name("torchrun")),
+        **(env or {}),
+    }
+    with log.open("w") as output:
+        process = subprocess.Popen(
+            [str(LAUNCHER), *overrides], stdout=output, stderr=subprocess.STDOUT, env=node_env, start_new_session=True
+        )
+    return Node(process, log)
+
+
+def start_nodes(
+    nnodes: int,
+    nproc: int,
+    overrides: list[str],
+    log_dir: Path,
+    *,
+    rdzv_backend: str = "c10d",
+    env: Optional[dict[str, str]] = None,
+    store_first: bool = True,
+) -> list[Node]:
+    """Start one job's ``nnodes`` nodes on a fresh port, logging to ``log_dir/node<i>.log``.
+
+    With ``store_first``, node 0 starts first and the others once its rendezvous store listens, so
+    node 0 hosts the store, as MASTER_ADDR's node does on a cluster: under c10d the first launcher
+    to bind the port hosts it, and which node is lost then decides how the others end. Without it
+    all start at once (the static rendezvous's store is node 0's either way).
+    """
+    port = free_port()
+    log_dir.mkdir(parents=True, exist_ok=True)
+
+    def start(rank: int) -> Node:
+        return start_node(
+            rank, nnodes, nproc, port, overrides, log_dir / f"node{rank}.log", rdzv_backend=rdzv_backend, env=env
+        )
+
+    first = start(0)
+    deadline = time.monotonic() + 120
+    while store_first and not _listening(port):
+        if first.process.poll() is not None or time.monotonic() > deadline:
+            raise AssertionError(f"node 0 did not open its rendezvous store on port {port}:\n{first.tail()}")
+        time.sleep(0.05)
+    return [first, *(start(rank) for rank in range(1, nnodes))]
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live process below ``pid``, read from /proc (Linux)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue  # ended meanwhile
+            parent = int(stat.rsplit(")", 1)[1].split()[1])
+            children.setdefault(parent, []).append(int(entry.name))
+    found, pending = [], [pid]
+    while pending:
+        for child in children.get(pending.pop(), []):
+            found.append(child)
+            pending.append(child)
+    return found
+
+
+def kill_node(node: Node) -> None:
+    """SIGKILL a node's launcher and all its processes at once, as a machine lost whole would go.
+
+    Killing the launcher's process group is not enough: torchrun starts every worker in a session
+    of its own, so its workers would outlive it and go on training.
+    """
+    groups = set()
+    for pid in [node.process.pid, *_descendants(node.process.pid)]:
+        with contextlib.suppress(ProcessLookupError):  # ended meanwhile
+            groups.add(os.getpgid(pid))
+    for group in groups:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGKILL)
+    node.process.wait()
