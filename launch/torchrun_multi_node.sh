@@ -20,10 +20,10 @@
 #   NODE_RANK      this node's index 0..NNODES-1. Only the static rendezvous uses it (torchrun
 #                  ignores it under c10d, where nodes take ranks in the order they join);
 #                  with static, the node with NODE_RANK=0 must be MASTER_ADDR.
-#   RDZV_JOIN_TIMEOUT  seconds a rendezvous waits for all NNODES nodes (default 600): at start,
+#   RDZV_JOIN_TIMEOUT  seconds the rendezvous waits for all NNODES nodes (default 600): at start,
 #                  and again after a failure, when torchrun restarts its workers (MAX_RESTARTS)
-#                  and waits for every node to rejoin. This is what ends the surviving nodes
-#                  when one is lost for good (see "A lost node" below).
+#                  and waits for every node to rejoin. It is what ends the surviving nodes when
+#                  one is lost for good (see "A lost node" below).
 #   OMP_NUM_THREADS  CPU threads per process (default: this machine's cores / NPROC, at least 1)
 #   TORCHRUN       the torchrun to use (default: torchrun on PATH, else the repository's .venv)
 #
@@ -32,6 +32,20 @@
 # checkpoint to resume from, so run_dir must be on a filesystem all nodes share. Each process
 # also tokenizes the corpus into data.cache_dir unless that cache is already complete; put the
 # cache on shared storage too (or fill it once beforehand) to do that work once.
+#
+# A lost node. When a node's processes die (crash, OOM kill, the machine gone with its
+# connections reset), the others' collectives fail at once; each surviving torchrun restarts its
+# workers and waits RDZV_JOIN_TIMEOUT for the lost node to rejoin, then exits non-zero
+# (RendezvousTimeoutError). If MASTER_ADDR's node is the one lost, the others fail within
+# seconds instead (the rendezvous store went with it). A node that hangs, or vanishes without
+# resetting its connections, leaves the collectives waiting: the trainer's hang watchdog
+# (trainer.watchdog_seconds, default 1800 s) ends its workers, then the same rejoin wait follows.
+# Then start every node again: all processes resume from the newest checkpoint.
+# (Restarting only the lost node while the others wait did not rejoin here, torch 2.13: the
+# agents timed out reading the new round's keys from the store.) tests/parallel/test_multi_node.py
+# runs this script as 2 nodes on one machine, kills one, and checks the timeout and the rerun.
+#
+# Runs from the repository root, so a relative run_dir lands there.
 #
 # NCCL picks its network interface itself; set NCCL_SOCKET_IFNAME (and GLOO_SOCKET_IFNAME for
 # CPU runs) when the nodes have several and it picks the wrong one.

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,8 +27,9 @@ pytestmark = pytest.mark.slow
 FSDP4 = ("backend=native", "mesh.fsdp=4", "sharding=fsdp")
 FSDP2 = ("backend=native", "mesh.fsdp=2", "sharding=fsdp")
 HSDP = ("backend=native", "mesh.data=2", "mesh.fsdp=2", "sharding=fsdp")  # one replica per node
-#: The RDZV_JOIN_TIMEOUT the lost-node run sets (the launcher's default is 600 s).
-JOIN_TIMEOUT_S = 10
+#: The RDZV_JOIN_TIMEOUT the lost-node run sets (the launcher's default is 600 s). It bounds the
+#: first rendezvous too, so it leaves room for a loaded machine to start node 1.
+JOIN_TIMEOUT_S = 30
 RUN_TIMEOUT_S = 300
 LAST_STEP = STEPS + 3
 
@@ -68,23 +70,30 @@ def _losses_by_step(run_dir: Path) -> dict[int, float]:
     return {m["step"]: m["train/loss"] for m in read_metrics(path) if "train/loss" in m} if path.exists() else {}
 
 
-def _lose_node_1(nodes: list[Node], run_dir: Path) -> LostNode:
-    """Kill node 1 whole once step 3 is logged (a checkpoint of step 2 behind it); time node 0's end."""
+def _lose_a_node_then_rerun(run_dir: Path, cache: Path, start: Callable[..., list[Node]]) -> LostNode:
+    """2 nodes under FSDP: node 1 killed whole once step 3 is logged (a checkpoint of step 2 behind
+    it), node 0's end timed; then both nodes started again, with the launcher's default timeout."""
+    extra = (*FSDP4, "trainer.checkpoint_every=2")
+    nodes = start(
+        2, 2, run_dir, cache, *extra, env={"RDZV_JOIN_TIMEOUT": str(JOIN_TIMEOUT_S)}
+    )  # node 0 hosts the store
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while max(_losses_by_step(run_dir), default=0) < 3:
-        assert nodes[1].process.poll() is None and time.monotonic() < deadline, nodes[0].tail()
+        assert nodes[1].process.poll() is None and time.monotonic() < deadline, nodes[0].tail() + nodes[1].tail()
         time.sleep(0.01)
     killed_after_step = max(_losses_by_step(run_dir))
     kill_node(nodes[1])
     killed_at = time.monotonic()
     status = nodes[0].wait(RUN_TIMEOUT_S)
-    return LostNode(status, time.monotonic() - killed_at, nodes[0].tail(20000), killed_after_step, run_dir)
+    lost = LostNode(status, time.monotonic() - killed_at, nodes[0].tail(20000), killed_after_step, run_dir)
+    _finish(start(2, 2, run_dir, cache, *extra, store_first=False))
+    return lost
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """One device's uninterrupted run; two 2-node runs, their checkpoints resumed on other node counts;
-    a 2-node run that loses a node, then is run again. Independent jobs run side by side."""
+    beside them, a 2-node run that loses a node, then is run again."""
     root = tmp_path_factory.mktemp("multi_node")
     cache = root / "cache"
     started: list[Node] = []
@@ -94,25 +103,26 @@ def runs(tmp_path_factory):
         started.extend(nodes)
         return nodes
 
-    lost_node = (root / "lost_node", cache, *FSDP4, "trainer.checkpoint_every=2")
     try:
-        losing = start(2, 2, *lost_node, env={"RDZV_JOIN_TIMEOUT": str(JOIN_TIMEOUT_S)})  # node 0 hosts the store
-        fsdp4 = start(2, 2, root / "fsdp4", cache, *FSDP4, store_first=False)
-        hsdp = start(2, 2, root / "hsdp_static", cache, *HSDP, rdzv_backend="static", store_first=False)
-        with ThreadPoolExecutor(1) as watcher:
-            lost_future = watcher.submit(_lose_node_1, losing, root / "lost_node")
+        with ThreadPoolExecutor(1) as side:
+            lost_node = side.submit(_lose_a_node_then_rerun, root / "lost_node", cache, start)
+            fsdp4 = start(2, 2, root / "fsdp4", cache, *FSDP4, store_first=False)
+            hsdp = start(2, 2, root / "hsdp_static", cache, *HSDP, rdzv_backend="static", store_first=False)
             # Meanwhile (the launchers take seconds to start), and filling the data cache first.
             Trainer(load_experiment_config(debug_overrides(root / "single", cache))).fit()  # LAST_STEP steps
-            lost = lost_future.result()
-        _finish(fsdp4, hsdp)
-        _finish(
-            # Both nodes' checkpoint of step STEPS, resumed on one node and on four.
-            start(1, 2, _resume_from_step(root / "fsdp4", root / "fsdp4_on_1x2"), cache, *FSDP2, store_first=False),
-            start(
-                4, 1, _resume_from_step(root / "hsdp_static", root / "hsdp_on_4x1"), cache, *FSDP4, store_first=False
-            ),
-            start(2, 2, *lost_node, store_first=False),  # both nodes again, with the launcher's default timeout
-        )
+            _finish(fsdp4, hsdp)
+            _finish(  # both nodes' checkpoint of step STEPS, resumed on one node and on four
+                start(1, 2, _resume_from_step(root / "fsdp4", root / "fsdp4_on_1x2"), cache, *FSDP2, store_first=False),
+                start(
+                    4,
+                    1,
+                    _resume_from_step(root / "hsdp_static", root / "hsdp_on_4x1"),
+                    cache,
+                    *FSDP4,
+                    store_first=False,
+                ),
+            )
+            lost = lost_node.result()
     finally:
         for node in started:
             if node.process.poll() is None:  # a failed set-up leaves no job running
