@@ -90,8 +90,9 @@ def main() -> None:
         "int8": pack_linears(quantize_int8(from_gguf(args.gguf)[0], skip=args.int8_skip)),
     }
 
-    def runner(model):
-        return lambda prompts: generate_ids(model, [tokenizer.encode(p) for p in prompts], new, compile=args.compile)
+    def runner(model):  # pack=False: each model keeps the weights chosen above ("fp32" torch's linears)
+        encode = tokenizer.encode
+        return lambda prompts: generate_ids(model, [encode(p) for p in prompts], new, compile=args.compile, pack=False)
 
     text_ids = torch.tensor([tokenizer.encode(args.text.read_text())[: args.text_tokens]])
     perplexities = {name: perplexity(model, text_ids) for name, model in models.items()}

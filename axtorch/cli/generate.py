@@ -22,8 +22,8 @@ import torch
 from axtorch.cli.key_values import parse_key_values
 from axtorch.config.errors import ConfigError
 from axtorch.data.tokenizer import Tokenizer
-from axtorch.infer.cpu_weights import pack_linears, quantize_int8
-from axtorch.infer.generate import generate
+from axtorch.infer import generate
+from axtorch.infer.cpu_weights import quantize_int8
 from axtorch.infer.sampling import SamplingConfig
 from axtorch.models.causal_lm import CausalLM
 from axtorch.parallel.single import resolve_device
@@ -49,7 +49,8 @@ class GenerateConfig:
     #: "int8": int8 weights for the attention projections and the output head (CPU only).
     quantize: Optional[str] = None
     #: On the CPU, hold float32 linear weights in oneDNN's packed layout: the same math, about
-    #: twice the decode speed (``axtorch.infer.cpu_weights.pack_linears``). Ignored elsewhere.
+    #: twice the decode speed (``generate``'s ``pack``, ``axtorch.infer.cpu_weights.packed_linears``).
+    #: Ignored elsewhere.
     pack: bool = True
     #: Compile the decode step (torch.compile; CUDA graphs on a GPU): slow to start, faster per token.
     compile: bool = False
@@ -132,8 +133,6 @@ def main(argv: list[str] | None = None) -> int:
             prompts = [render_chat(template, prompt, tokenizer) for prompt in prompts]
         if config.quantize == "int8":
             model = quantize_int8(model)
-        if config.pack and device.type == "cpu":
-            model = pack_linears(model)
     except (ConfigError, CheckpointError, ValueError, OSError, ImportError) as error:
         print(f"axtorch-generate: {error}", file=sys.stderr)
         return 2
@@ -153,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         sync_every=1 if stream else 8,
         compile=config.compile,
         step_boundary=step_boundary,
+        pack=config.pack,
     )
     if stream:
         print()

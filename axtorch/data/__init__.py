@@ -16,7 +16,7 @@ from axtorch.data.sources import (
     TextFilesSourceConfig,
 )
 from axtorch.data.streaming import StreamingDataModule
-from axtorch.data.tokenizer import Tokenizer, TokenizerConfig, load_or_train_tokenizer
+from axtorch.data.tokenizer import Tokenizer, TokenizerConfig, load_or_train_tokenizer, train_byte_level_bpe
 
 __all__ = [
     "BatchIterator",
@@ -39,4 +39,5 @@ __all__ = [
     "TrainBatches",
     "build_data",
     "load_or_train_tokenizer",
+    "train_byte_level_bpe",
 ]

@@ -8,14 +8,16 @@ up to summation order). ``quantize_int8`` stores each chosen weight matrix as in
 per output channel, and quantizes activations per call (fbgemm's dynamic quantization): a
 quarter of the bytes, at a cost in accuracy. Mixture-of-experts weights, stored stacked rather
 than as linear layers, keep their format. Both are for inference only: the rewritten model has no
-gradients and no state dict of its linear weights.
+gradients and no state dict of its linear weights. ``packed_linears`` packs for the duration of a
+``with`` block and puts the model's own modules back afterwards: what ``generate`` does by default.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Optional
 
 import torch
@@ -71,18 +73,48 @@ def _on_the_cpu(model: CausalLM, what: str) -> None:
         raise ValueError(f"{what} runs on the CPU; move the model to the CPU first")
 
 
+#: What ``_replace_linears`` replaced: (parent module, attribute name, the module it held, or None).
+Replaced = list[tuple[nn.Module, str, Optional[nn.Module]]]
+
+
 def _replace_linears(
     model: CausalLM, make: Callable[[torch.Tensor, Optional[torch.Tensor]], nn.Module], skip: Sequence[str]
-) -> None:
+) -> Replaced:
     """Replace, in place, every ``Linear`` whose module name matches no pattern of ``skip`` (fnmatch),
     and the output head (tied: a copy of the embedding table), by ``make(weight, bias)``."""
+    replaced: Replaced = []
     for path, module in list(model.named_modules()):
         for name, child in list(module.named_children()):
             full_name = f"{path}.{name}" if path else name
             if isinstance(child, Linear) and not any(fnmatch.fnmatch(full_name, p) for p in skip):
+                replaced.append((module, name, child))
                 setattr(module, name, make(child.weight, child.bias))
     if model.lm_head is None:
+        replaced.append((model, "lm_head", None))
         model.lm_head = make(model.embedding.weight, None)  # type: ignore[assignment]
+    return replaced
+
+
+def can_pack(model: CausalLM) -> bool:
+    """Whether ``packed_linears`` applies: float32 weights on a CPU with oneDNN."""
+    parameter = next(model.parameters())
+    return parameter.device.type == "cpu" and parameter.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
+@contextlib.contextmanager
+def packed_linears(model: CausalLM) -> Iterator[CausalLM]:
+    """``pack_linears`` for the duration of a ``with`` block; the model's own modules are put back
+    afterwards, so the caller's model still trains and saves (its weights are re-packed next time)."""
+    _on_the_cpu(model, "oneDNN packing")
+    with torch.no_grad():
+        replaced = _replace_linears(model, PackedLinear, skip=())
+    try:
+        yield model
+    finally:
+        for parent, name, original in reversed(replaced):
+            if original is None:
+                delattr(parent, name)  # a tied head: back to the plain attribute ``None`` it was
+            setattr(parent, name, original)
 
 
 @torch.no_grad()

@@ -11,12 +11,14 @@ stream text.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Optional, Protocol, Union, cast
 
 import torch
 
+from axtorch.infer.cpu_weights import can_pack, packed_linears
 from axtorch.infer.sampling import SamplingConfig, apply_penalties, sample_next_token
 from axtorch.models.causal_lm import CausalLM, CausalLMInput
 
@@ -65,6 +67,7 @@ def decode_tokens(
     sync_every: int = 8,
     compile: bool = False,
     step_boundary: Optional[Callable[[], None]] = None,
+    pack: bool = True,
 ) -> Generator[TokenChunk, None, None]:
     """Decode every prompt at once; yield the new tokens every ``sync_every`` steps and at the end.
 
@@ -76,6 +79,10 @@ def decode_tokens(
     ``step_boundary`` is called after the prefill and after each decode step: on XLA it is
     ``torch_xla.sync``, which cuts the lazy graph there, so that every decode step is the same
     fixed-shape program, compiled once (``axtorch.parallel.xla.decode_device``).
+    ``pack`` decodes float32 weights on a CPU through oneDNN's packed layout (``cpu_weights.packed_linears``):
+    the same math up to summation order, about twice the speed; the model's own modules are put back
+    when decoding ends. ``pack=False`` keeps torch's linears; elsewhere, and with ``compile`` (inductor
+    cannot lower the packed weights), it changes nothing.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt must contain at least one token")
@@ -97,7 +104,10 @@ def decode_tokens(
         raise ValueError(f"{len(seeds)} seeds for {batch} prompts")
     was_training = model.training
     model.eval()
+    unpack = contextlib.ExitStack()
     try:
+        if pack and not compile and can_pack(model):
+            unpack.enter_context(packed_linears(model))
         # The prompts are written in one call, then one token per call: sliding-window layers keep rings.
         caches = model.allocate_kv_caches(batch, total, dtype=parameter.dtype, device=device, max_write=max(lengths))
         ids = torch.zeros(batch, max(lengths), dtype=torch.long)
@@ -143,6 +153,7 @@ def decode_tokens(
             if step_boundary is not None:
                 step_boundary()
     finally:
+        unpack.close()
         model.train(was_training)
 
 
@@ -156,6 +167,7 @@ def generate_ids(
     seeds: Optional[Sequence[int]] = None,
     compile: bool = False,
     step_boundary: Optional[Callable[[], None]] = None,
+    pack: bool = True,
 ) -> list[list[int]]:
     """Each prompt's new token ids, up to (not including) its first stop token; no tokenizer needed."""
     rows: list[list[int]] = [[] for _ in prompts]
@@ -169,6 +181,7 @@ def generate_ids(
         seeds=seeds,
         compile=compile,
         step_boundary=step_boundary,
+        pack=pack,
     )
     for chunk in chunks:
         for row, new in zip(rows, chunk.tokens):
@@ -203,13 +216,15 @@ def generate(
     sync_every: int = 8,
     compile: bool = False,
     step_boundary: Optional[Callable[[], None]] = None,
+    pack: bool = True,
 ) -> list[Generation]:
     """Continue every prompt (text or token ids) in one batch; each row stops on its own.
 
     A row ends at the tokenizer's end-of-sequence token or one of ``stop_token_ids`` (not
     included), at the first of the ``stop`` strings (the text is cut before it), or after
     ``max_new_tokens``. ``stream(row, text)`` receives each row's new text as it is decoded,
-    holding back what could still turn out to be the start of a stop string.
+    holding back what could still turn out to be the start of a stop string. ``pack`` (on by
+    default) is ``decode_tokens``'s: on a CPU, float32 weights decode through oneDNN's packed layout.
     """
     sampling = sampling or SamplingConfig()
     encoded = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
@@ -225,6 +240,7 @@ def generate(
         sync_every=sync_every,
         compile=compile,
         step_boundary=step_boundary,
+        pack=pack,
     )
     for chunk in chunks:
         for index, (row, new) in enumerate(zip(rows, chunk.tokens)):

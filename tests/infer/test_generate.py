@@ -9,9 +9,9 @@ import torch
 
 from axtorch.compose.experiment import load_experiment_config
 from axtorch.data.tokenizer import train_byte_level_bpe
-from axtorch.infer.cpu_weights import PackedLinear, pack_linears, quantize_int8
-from axtorch.infer.generate import generate, generate_ids
-from axtorch.infer.sampling import SamplingConfig, apply_penalties, sample_next_token
+from axtorch.infer import SamplingConfig, generate, generate_ids, pack_linears, quantize_int8
+from axtorch.infer.cpu_weights import PackedLinear
+from axtorch.infer.sampling import apply_penalties, sample_next_token
 from axtorch.interop.families import config_from_hf
 from axtorch.interop.families.llama_layout import hf_to_axtorch_state_dict
 from axtorch.layers.linear import Linear
@@ -187,12 +187,33 @@ def test_packed_fp32_weights_give_the_logits_and_the_greedy_tokens(kind):
     model = _model(MODELS[kind])
     tokens = torch.randint(0, 500, (2, 12), generator=torch.Generator().manual_seed(2))
     expected = model(CausalLMInput(input_ids=tokens)).logits
-    greedy = generate_ids(model, PROMPTS, 12)
+    greedy = generate_ids(model, PROMPTS, 12, pack=False)
     packed = pack_linears(_model(MODELS[kind]))
     assert not any(isinstance(m, Linear) for m in packed.modules())
     assert isinstance(packed.lm_head, PackedLinear)
     torch.testing.assert_close(packed(CausalLMInput(input_ids=tokens)).logits, expected, atol=1e-5, rtol=1e-5)
     assert generate_ids(packed, PROMPTS, 12) == greedy
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_library_generate_call_on_the_cpu_decodes_through_packed_weights_and_gives_back_the_model(
+    tokenizer, tied, monkeypatch
+):
+    model = _model([*MODELS["dense"], f"model.vocab_size={tokenizer.vocab_size}", f"model.tie_embeddings={tied}"])
+    state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    modules = dict(model.named_modules())
+    packed_calls = []
+    forward = PackedLinear.forward
+    monkeypatch.setattr(PackedLinear, "forward", lambda self, x: packed_calls.append(1) or forward(self, x))
+    prompts, sampling = ["def main", "the quick"], SamplingConfig(temperature=0.8)
+
+    unpacked = generate(model, tokenizer, prompts, max_new_tokens=12, sampling=sampling, pack=False)
+    assert not packed_calls
+    packed = generate(model, tokenizer, prompts, max_new_tokens=12, sampling=sampling)  # the default
+    assert len(packed_calls) >= 12 * (len(model.decoder.layers) * 7 + 1)  # q k v o, gate up down, head per step
+    assert packed == unpacked
+    assert dict(model.named_modules()) == modules and (model.lm_head is None) == tied  # its own modules back
+    torch.testing.assert_close(model.state_dict(), state, atol=0, rtol=0)
 
 
 def test_packing_after_int8_keeps_the_int8_layers_and_packs_the_rest():
