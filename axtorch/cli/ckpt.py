@@ -13,13 +13,14 @@ from pathlib import Path
 
 from axtorch.train.checkpoint import TRAINER_STATE_FILE, checkpoint_problems, list_checkpoints
 from axtorch.train.checkpoint_manifest import MANIFEST_FILE
+from axtorch.train.run_layout import CHECKPOINTS_DIR
 
 
 def _checkpoints(path: Path) -> list[Path]:
     """A checkpoint directory itself, or every checkpoint of a run directory."""
     if (path / MANIFEST_FILE).is_file() or path.name.startswith("step_"):
         return [path]
-    return list_checkpoints(path / "checkpoints")
+    return list_checkpoints(path / CHECKPOINTS_DIR)
 
 
 def _size_mib(path: Path) -> float:

@@ -7,9 +7,8 @@ import sys
 from pathlib import Path
 
 from axtorch.train.goodput import breakdown_table, read_attempts
-from axtorch.train.plot import DEFAULT_FILENAME, DEFAULT_METRICS, plot_goodput, plot_runs
-
-GOODPUT_NAME = "goodput.png"
+from axtorch.train.plot import DEFAULT_METRICS, plot_goodput, plot_runs
+from axtorch.train.run_layout import GOODPUT_PLOT_FILE, LOSS_PLOT_FILE
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,13 +20,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--out",
         type=Path,
-        help=f"image path (default: RUN_DIR/{DEFAULT_FILENAME} for one run, ./{DEFAULT_FILENAME} for several)",
+        help=f"image path (default: RUN_DIR/{LOSS_PLOT_FILE} for one run, ./{LOSS_PLOT_FILE} for several)",
     )
     parser.add_argument("--metrics", nargs="+", default=list(DEFAULT_METRICS), help="metric names, one subplot each")
     parser.add_argument("--title", help="figure title")
     parser.add_argument("--log-y", action="store_true", help="logarithmic y axes")
     parser.add_argument(
-        "--goodput", action="store_true", help=f"the wall-time breakdown of one run instead (default: {GOODPUT_NAME})"
+        "--goodput",
+        action="store_true",
+        help=f"the wall-time breakdown of one run instead (default: {GOODPUT_PLOT_FILE})",
     )
     args = parser.parse_args(argv)
 
@@ -35,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.goodput and len(args.run_dirs) != 1:
         parser.error("--goodput draws one run directory")
     if out is None:
-        name = GOODPUT_NAME if args.goodput else DEFAULT_FILENAME
+        name = GOODPUT_PLOT_FILE if args.goodput else LOSS_PLOT_FILE
         out = args.run_dirs[0] / name if len(args.run_dirs) == 1 else Path(name)
     try:
         if args.goodput:

@@ -30,6 +30,7 @@ from axtorch.config.errors import ConfigError
 from axtorch.parallel.shutdown import exit_process
 from axtorch.train.checkpoint_manifest import CheckpointError
 from axtorch.train.numerics import NonFiniteError
+from axtorch.train.run_layout import SUMMARY
 from axtorch.train.trainer import Trainer, TrainResult
 
 #: Hydra's own flags that take a value as the next argument.
@@ -80,7 +81,7 @@ def _report(result: TrainResult) -> None:
     start = f"{result.initial_eval_loss:.4f} -> " if result.initial_eval_loss is not None else ""
     final = f"{result.final_eval_loss:.4f}" if result.final_eval_loss is not None else "n/a (no held-out data)"
     print(f"done: step {result.step}, held-out loss {start}{final}")
-    print(f"run directory: {result.run_dir} (config.yaml, metrics.jsonl, tensorboard/, checkpoints/, loss.png)")
+    print(f"run directory: {result.run_dir} ({SUMMARY})")
 
 
 def split_arguments(argv: list[str]) -> tuple[list[str], list[str]]:

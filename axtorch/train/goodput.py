@@ -17,7 +17,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-GOODPUT_FILE = "goodput.jsonl"
+from axtorch.train.run_layout import GOODPUT_FILE
+
 CATEGORIES = ("startup", "compile", "productive", "redone", "eval", "checkpoint", "lost")
 
 

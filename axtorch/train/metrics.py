@@ -12,11 +12,10 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
 
+from axtorch.train.run_layout import METRICS_FILE, TENSORBOARD_DIR
+
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
-
-METRICS_FILENAME = "metrics.jsonl"
-TENSORBOARD_DIRNAME = "tensorboard"
 
 
 class MetricsLogger:
@@ -38,7 +37,7 @@ class MetricsLogger:
     def __init__(self, run_dir: Path, enable_tensorboard: bool = True):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.path = self.run_dir / METRICS_FILENAME
+        self.path = self.run_dir / METRICS_FILE
         self._resumed = self.path.exists() and self.path.stat().st_size > 0
         if self._resumed:
             _drop_torn_last_line(self.path)
@@ -74,9 +73,9 @@ class MetricsLogger:
             # Imported here so that readers of the file (axtorch-plot) do not pay for importing torch.
             from torch.utils.tensorboard import SummaryWriter
 
-            _wait_for_a_later_event_file_second(self.run_dir / TENSORBOARD_DIRNAME)
+            _wait_for_a_later_event_file_second(self.run_dir / TENSORBOARD_DIR)
             self._tensorboard = SummaryWriter(
-                str(self.run_dir / TENSORBOARD_DIRNAME),
+                str(self.run_dir / TENSORBOARD_DIR),
                 purge_step=step if self._resumed else None,
             )
         for name, value in values.items():

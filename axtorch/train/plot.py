@@ -9,11 +9,11 @@ from pathlib import Path
 from matplotlib.figure import Figure
 from matplotlib.ticker import LogFormatter
 
-from axtorch.train.goodput import CATEGORIES, GOODPUT_FILE, read_attempts, run_totals
-from axtorch.train.metrics import METRICS_FILENAME, read_metrics
+from axtorch.train.goodput import CATEGORIES, read_attempts, run_totals
+from axtorch.train.metrics import read_metrics
+from axtorch.train.run_layout import GOODPUT_FILE, METRICS_FILE
 
 DEFAULT_METRICS = ("train/loss", "eval/loss")
-DEFAULT_FILENAME = "loss.png"
 _MAX_COLUMNS = 2
 _MARKER_MAX_POINTS = 50
 
@@ -77,9 +77,9 @@ def plot_runs(
 
 
 def _metrics_file(run_dir: Path) -> Path:
-    path = run_dir / METRICS_FILENAME
+    path = run_dir / METRICS_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"{run_dir} has no {METRICS_FILENAME}; is it a run directory?")
+        raise FileNotFoundError(f"{run_dir} has no {METRICS_FILE}; is it a run directory?")
     return path
 
 

@@ -16,7 +16,7 @@ from axtorch.models.causal_lm import CausalLM
 from axtorch.train.checkpoint import checkpoint_problems, newest_valid_checkpoint, read_model_tensors
 from axtorch.train.checkpoint_manifest import CheckpointError
 from axtorch.train.experiment import ExperimentConfig
-from axtorch.train.trainer import CONFIG_FILE, TOKENIZER_FILE
+from axtorch.train.run_layout import CHECKPOINTS_DIR, CONFIG_FILE, TOKENIZER_FILE
 
 
 def resolve_checkpoint(path: Path) -> tuple[Path, Path]:
@@ -25,7 +25,7 @@ def resolve_checkpoint(path: Path) -> tuple[Path, Path]:
         if problems := checkpoint_problems(path):
             raise CheckpointError(f"checkpoint {path} failed verification: {'; '.join(problems[:3])}")
         return path, path.parent.parent
-    checkpoint = newest_valid_checkpoint(path / "checkpoints")
+    checkpoint = newest_valid_checkpoint(path / CHECKPOINTS_DIR)
     if checkpoint is None:
         raise ConfigError(
             "checkpoint", str(path), "a run directory with checkpoints/ or a checkpoints/step_* directory"

@@ -52,15 +52,14 @@ from axtorch.train.peak_flops import resolve_peak_flops
 from axtorch.train.plot import plot_runs
 from axtorch.train.preemption import PreemptionWatch
 from axtorch.train.rng import capture_rng_state, restore_rng_state
+from axtorch.train.run_layout import CHECKPOINTS_DIR, CONFIG_FILE, LOSS_PLOT_FILE, TOKENIZER_FILE
 from axtorch.train.schedule import learning_rate
 from axtorch.train.watchdog import Watchdog
 
 if TYPE_CHECKING:  # torch.distributed.pipelining only where a pipeline runs
     from axtorch.parallel.pipeline import MicroBatchLoss
 
-CONFIG_FILE = "config.yaml"
 T = TypeVar("T")
-TOKENIZER_FILE = "tokenizer.json"
 
 
 @dataclass
@@ -137,7 +136,7 @@ class Trainer:
         random.seed(config.trainer.seed)
         self.pretrained = None
         if config.init_from:
-            if list_checkpoints(self.run_dir / "checkpoints"):  # resuming: the weights come from there
+            if list_checkpoints(self.run_dir / CHECKPOINTS_DIR):  # resuming: the weights come from there
                 config.data.tokenizer.path = str(pretrained_tokenizer_path(config.init_from, self.run_dir))
             else:
                 self.pretrained = load_pretrained(config.init_from, self.run_dir)
@@ -157,7 +156,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, config.optim)
         self.backend.prepare_optimizer(self.optimizer)
         self.checkpointer = Checkpointer(
-            self.run_dir / "checkpoints",
+            self.run_dir / CHECKPOINTS_DIR,
             config.trainer.keep_checkpoints,
             config.trainer.async_checkpoint,
             collective=self.backend,
@@ -474,7 +473,7 @@ class Trainer:
         goodput.add("checkpoint", time.perf_counter() - waiting)
         _best_effort("recording goodput", goodput.write)
         if trainer.plot and main and preempted_by is None:
-            _best_effort("plotting loss.png", plot_runs, [self.run_dir], self.run_dir / "loss.png")
+            _best_effort(f"plotting {LOSS_PLOT_FILE}", plot_runs, [self.run_dir], self.run_dir / LOSS_PLOT_FILE)
         return TrainResult(self.run_dir, self.step, initial_eval, final_eval, last_checkpoint, preempted_by)
 
     def _log_event(self, metrics: Optional[MetricsLogger], event: dict[str, float]) -> None:
