@@ -2,7 +2,9 @@
 
 Imports are read from the source (``ast``), including those inside functions, so a lazy import
 counts like any other. ``__main__`` modules and the ``python -m axtorch.<command>`` shims are entry
-points: they exist to import a CLI.
+points: they exist to import a CLI. Module by module, the imports that run when a module is
+loaded (outside functions and ``if TYPE_CHECKING:``) form no cycle either: one would make the
+import order decide whether a name exists yet.
 """
 
 from __future__ import annotations
@@ -78,25 +80,70 @@ def test_package_imports_only_packages_below_it(package):
     assert not forbidden, f"axtorch.{package} may import only {sorted(ALLOWED[package])}; found {forbidden}"
 
 
-def test_package_graph_has_no_cycles():
-    graph = {package: set(edges) for package, edges in package_imports().items()}
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` as its nodes, first repeated at the end, or None."""
     visiting: list[str] = []
     done: set[str] = set()
 
-    def visit(package: str) -> None:
-        if package in visiting:
-            cycle = [*visiting[visiting.index(package) :], package]
-            pytest.fail(f"import cycle: {' -> '.join(cycle)}")
-        if package in done:
-            return
-        visiting.append(package)
-        for target in graph.get(package, ()):
-            visit(target)
+    def visit(node: str) -> list[str] | None:
+        if node in visiting:
+            return [*visiting[visiting.index(node) :], node]
+        if node in done:
+            return None
+        visiting.append(node)
+        for target in sorted(graph.get(node, ())):
+            if cycle := visit(target):
+                return cycle
         visiting.pop()
-        done.add(package)
+        done.add(node)
+        return None
 
-    for package in graph:
-        visit(package)
+    return next((cycle for node in sorted(graph) if (cycle := visit(node))), None)
+
+
+def _load_time_imports(statements: list[ast.stmt], package: str) -> set[str]:
+    """Modules imported when these statements run: not inside functions or ``if TYPE_CHECKING:``."""
+    modules: set[str] = set()
+    for node in statements:
+        if isinstance(node, ast.Import):
+            modules.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1]) if node.level else ""
+            module = ".".join(part for part in (base, node.module or "") if part)
+            modules.update(f"{module}.{alias.name}" for alias in node.names)  # a submodule, or a name of module
+            modules.add(module)
+        elif isinstance(node, ast.If) and not (isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"):
+            modules |= _load_time_imports(node.body + node.orelse, package)
+        elif isinstance(node, (ast.Try, ast.With, ast.ClassDef)):
+            handlers = [s for h in getattr(node, "handlers", []) for s in h.body]
+            modules |= _load_time_imports(
+                node.body + handlers + getattr(node, "orelse", []) + getattr(node, "finalbody", []), package
+            )
+    return modules
+
+
+def module_imports() -> dict[str, set[str]]:
+    """{module: {axtorch modules it imports when loaded}}, over every module of the package."""
+    files = {}
+    for path in sorted(PACKAGE_ROOT.rglob("*.py")):
+        parts = path.relative_to(PACKAGE_ROOT.parent).with_suffix("").parts
+        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for module, path in files.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        tree = ast.parse(path.read_text(), filename=str(path))
+        graph[module] = (_load_time_imports(tree.body, package) & set(files)) - {module}
+    return graph
+
+
+def test_the_allowed_table_is_a_stack():
+    cycle = find_cycle(ALLOWED)
+    assert cycle is None, f"ALLOWED lets packages import each other: {' -> '.join(cycle)}"
+
+
+def test_no_module_level_import_cycle():
+    cycle = find_cycle(module_imports())
+    assert cycle is None, f"module-level import cycle: {' -> '.join(cycle)}"
 
 
 def test_nothing_imports_the_command_line_package():
@@ -119,3 +166,18 @@ def test_the_layering_check_sees_a_violation(tmp_path, monkeypatch):
     (fake / "layers" / "bad.py").write_text("def f():\n    from axtorch.train.trainer import Trainer\n")
     monkeypatch.setattr(sys.modules[__name__], "PACKAGE_ROOT", fake)
     assert package_imports()["layers"] == {"train": {"layers/bad.py"}}
+
+
+def test_the_cycle_check_sees_a_module_level_cycle(tmp_path, monkeypatch):
+    """Within one package, where the package table cannot see it; a lazy import inside a function is no cycle."""
+    fake = tmp_path / "axtorch"
+    (fake / "plan").mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "plan" / "__init__.py").write_text("")
+    (fake / "plan" / "a.py").write_text("from axtorch.plan.b import f\n")
+    (fake / "plan" / "b.py").write_text("from axtorch.plan import c\n")
+    (fake / "plan" / "c.py").write_text("import axtorch.plan.a\ndef f():\n    from axtorch.plan import b\n")
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE_ROOT", fake)
+    assert find_cycle(module_imports()) == ["axtorch.plan.a", "axtorch.plan.b", "axtorch.plan.c", "axtorch.plan.a"]
+    (fake / "plan" / "c.py").write_text("def f():\n    import axtorch.plan.a\n")
+    assert find_cycle(module_imports()) is None

@@ -10,6 +10,7 @@ import pytest
 from axtorch.compose.experiment import load_experiment_config
 from axtorch.config.errors import ConfigError
 from axtorch.config.serialize import config_from_yaml, config_to_yaml
+from axtorch.data.packing import prepare_corpus
 from axtorch.train.checkpoint import Checkpointer
 from axtorch.train.checkpoint_manifest import CheckpointError
 from axtorch.train.experiment import ExperimentConfig
@@ -49,10 +50,16 @@ def test_a_corpus_of_empty_files_is_named_as_such(tmp_path):
 
 
 def test_non_utf8_bytes_are_replaced_not_fatal(tmp_path):
+    """Each invalid byte sequence becomes U+FFFD in the text the tokenizer sees; the rest is kept."""
     (tmp_path / "corpus").mkdir()
     text = ("plain words and some more words to fill a few sequences. " * 30).encode()
     (tmp_path / "corpus" / "mixed.txt").write_bytes(b"\xff\xfe\x80 broken " + text + b"\xc3\x28 end")
-    assert Trainer(_corpus_config(tmp_path, "data.val_fraction=0.1")).fit().step == 1
+    config = _corpus_config(tmp_path, "data.val_fraction=0.1")
+    assert Trainer(config).fit().step == 1
+    corpus = prepare_corpus(config.data)  # the cache entry the run trained on
+    seen = corpus.tokenizer.decode([*corpus.train_tokens, *corpus.val_tokens])
+    assert seen.startswith("\ufffd\ufffd\ufffd broken plain words")
+    assert seen.endswith("sequences. \ufffd( end" + config.data.tokenizer.eos_token)
 
 
 def test_a_document_longer_than_the_sequence_spans_several_sequences(tmp_path):
