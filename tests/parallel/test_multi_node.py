@@ -74,9 +74,8 @@ def _lose_a_node_then_rerun(run_dir: Path, cache: Path, start: Callable[..., lis
     """2 nodes under FSDP: node 1 killed whole once step 3 is logged (a checkpoint of step 2 behind
     it), node 0's end timed; then both nodes started again, with the launcher's default timeout."""
     extra = (*FSDP4, "trainer.checkpoint_every=2")
-    nodes = start(
-        2, 2, run_dir, cache, *extra, env={"RDZV_JOIN_TIMEOUT": str(JOIN_TIMEOUT_S)}
-    )  # node 0 hosts the store
+    # store_first (the default): node 0 hosts the rendezvous store, so losing node 1 is a join timeout.
+    nodes = start(2, 2, run_dir, cache, *extra, env={"RDZV_JOIN_TIMEOUT": str(JOIN_TIMEOUT_S)})
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while max(_losses_by_step(run_dir), default=0) < 3:
         assert nodes[1].process.poll() is None and time.monotonic() < deadline, nodes[0].tail() + nodes[1].tail()
@@ -111,16 +110,12 @@ def runs(tmp_path_factory):
             # Meanwhile (the launchers take seconds to start), and filling the data cache first.
             Trainer(load_experiment_config(debug_overrides(root / "single", cache))).fit()  # LAST_STEP steps
             _finish(fsdp4, hsdp)
-            _finish(  # both nodes' checkpoint of step STEPS, resumed on one node and on four
-                start(1, 2, _resume_from_step(root / "fsdp4", root / "fsdp4_on_1x2"), cache, *FSDP2, store_first=False),
-                start(
-                    4,
-                    1,
-                    _resume_from_step(root / "hsdp_static", root / "hsdp_on_4x1"),
-                    cache,
-                    *FSDP4,
-                    store_first=False,
-                ),
+            # Both nodes' checkpoint of step STEPS, resumed on one node and on four.
+            on_one_node = _resume_from_step(root / "fsdp4", root / "fsdp4_on_1x2")
+            on_four_nodes = _resume_from_step(root / "hsdp_static", root / "hsdp_on_4x1")
+            _finish(
+                start(1, 2, on_one_node, cache, *FSDP2, store_first=False),
+                start(4, 1, on_four_nodes, cache, *FSDP4, store_first=False),
             )
             lost = lost_node.result()
     finally:
