@@ -1,4 +1,4 @@
-"""XLA compile time against depth, with and without ``scan_layers``, from the trainer's goodput record.
+"""XLA compile time against depth, unrolled and scanned (``execution.layer_runner``), from the goodput record.
 
     .venv/bin/python benchmarks/xla_compile_time.py [--layers 2 8 32] [--devices 4]
 
@@ -30,7 +30,7 @@ def compile_seconds(python: Path, layers: int, scan: bool, devices: int, run_dir
         f"mesh.fsdp={devices}",
         "sharding=fsdp",
         f"model.decoder.num_layers={layers}",
-        f"model.decoder.scan_layers={str(scan).lower()}",
+        f"execution.layer_runner={'scan' if scan else 'unrolled'}",
         "trainer.max_steps=3",
         "trainer.eval_every=1000",
         "trainer.checkpoint_every=1000",
@@ -65,7 +65,7 @@ def main() -> None:
                 run_dir = Path(scratch) / f"layers{layers}_scan{scan}"
                 seconds[layers, scan] = compile_seconds(python, layers, scan, args.devices, run_dir)
     print(f"llama_debug, backend=xla, fsdp={args.devices} CPU devices, compile time of the training step (s)")
-    print("| layers | unrolled | vs shallowest | scan_layers | vs shallowest |")
+    print("| layers | unrolled | vs shallowest | layer_runner=scan | vs shallowest |")
     print("|---|---|---|---|---|")
     shallowest = min(args.layers)
     for layers in args.layers:

@@ -10,9 +10,8 @@ score bias (ALiBi) joins the mask as an additive float mask, which every kernel 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import ClassVar, Optional, Protocol, runtime_checkable
 
 import torch
 from omegaconf import MISSING
@@ -26,6 +25,7 @@ from axtorch.layers.linear import LinearConfig
 from axtorch.layers.norm import NormConfig
 from axtorch.layers.position import PositionConfig
 from axtorch.layers.remat import activation_name
+from axtorch.layers.seams import Seams
 
 
 @dataclass
@@ -91,11 +91,25 @@ class AttentionConfig:
         return GroupedQueryAttention(self, dim)
 
 
-#: ``(keys, values, positions) -> (keys, values, key positions)``: the keys and values that this
-#: process's queries attend to, when the sequence is split over processes (context parallelism).
-#: A backend installs one (``GroupedQueryAttention.sequence_exchange``) that gathers the other
-#: processes' keys and values with their absolute positions, which the mask then compares.
-SequenceExchange = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+@runtime_checkable
+class SequenceExchange(Protocol):
+    """The keys and values that this process's queries attend to, with the keys' positions.
+
+    When the sequence is split over processes (context parallelism), a backend fills this seam
+    with one that gathers the other processes' keys and values with their absolute positions,
+    which the mask then compares. The default, ``local_sequence``, keeps this process's own.
+    """
+
+    def __call__(
+        self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
+def local_sequence(
+    keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The default ``SequenceExchange``: the whole sequence is here; the key positions are the queries'."""
+    return keys, values, positions
 
 
 @dataclass
@@ -112,6 +126,9 @@ class AttentionOutput:
 
 
 class GroupedQueryAttention(nn.Module):
+    #: What a backend may replace (``axtorch.layers.seams``).
+    SEAMS: ClassVar[Seams] = {"sequence_exchange": SequenceExchange}
+
     def __init__(self, config: AttentionConfig, dim: int):
         super().__init__()
         self.config = config
@@ -127,7 +144,7 @@ class GroupedQueryAttention(nn.Module):
         self.position = config.position.build(self.head_dim)
         self.mask = config.mask.build()
         self.kernel = (config.kernel or SdpaKernelConfig()).build()
-        self.sequence_exchange: Optional[SequenceExchange] = None
+        self.sequence_exchange: SequenceExchange = local_sequence
 
     def allocate_kv_cache(
         self,
@@ -166,10 +183,8 @@ class GroupedQueryAttention(nn.Module):
         if inputs.kv_cache is not None:
             k, v = inputs.kv_cache.update(k, v, inputs.positions)
             key_positions = inputs.kv_cache.key_positions()
-        elif self.sequence_exchange is not None:
-            k, v, key_positions = self.sequence_exchange(k, v, inputs.positions)
         else:
-            key_positions = inputs.positions
+            k, v, key_positions = self.sequence_exchange(k, v, inputs.positions)
         bias = self.position.score_bias(inputs.positions, key_positions, self.num_heads)
         if bias is not None and bias.shape[1] != q.shape[1]:
             raise ValueError(

@@ -32,9 +32,8 @@ import enum
 import functools
 import math
 import operator
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import ClassVar, Optional, Union
+from typing import ClassVar, Optional, Protocol, Union, runtime_checkable
 
 import torch
 from omegaconf import MISSING
@@ -50,6 +49,7 @@ from axtorch.layers.feed_forward import (
 )
 from axtorch.layers.init import initialize
 from axtorch.layers.linear import Linear, LinearConfig
+from axtorch.layers.seams import Seams
 
 
 class Gating(enum.Enum):
@@ -214,16 +214,24 @@ class GroupedExperts(nn.Module):
         return gated_mlp(x, self.gate_proj[index], self.up_proj[index], self.down_proj[index], self.config.activation)
 
 
-#: ``(experts, rows, counts) -> outputs``: every expert on its own rows. ``rows`` [N, dim] are
-#: sorted by expert, ``counts[e]`` of them for expert ``e`` (a tensor; dropless routing), or
-#: ``counts`` of them for every expert (an int: a capacity's fixed-shape buffer); the outputs
-#: come back in the same order. A backend that splits the experts over processes installs one
-#: that sends rows to their experts' processes and back (``MixtureOfExperts.expert_compute``).
-ExpertCompute = Callable[[GroupedExperts, torch.Tensor, Union[torch.Tensor, int]], torch.Tensor]
+@runtime_checkable
+class ExpertCompute(Protocol):
+    """Every expert on its own rows.
+
+    ``rows`` [N, dim] are sorted by expert, ``counts[e]`` of them for expert ``e`` (a tensor;
+    dropless routing), or ``counts`` of them for every expert (an int: a capacity's fixed-shape
+    buffer); the outputs come back in the same order. A backend that splits the experts over
+    processes fills this seam with one that sends rows to their experts' processes and back; the
+    default, ``run_local_experts``, runs them all here.
+    """
+
+    def __call__(
+        self, experts: GroupedExperts, rows: torch.Tensor, counts: Union[torch.Tensor, int]
+    ) -> torch.Tensor: ...
 
 
 def run_local_experts(experts: GroupedExperts, rows: torch.Tensor, counts: Union[torch.Tensor, int]) -> torch.Tensor:
-    """Every expert here, on this process: a capacity's buffer as one batched matmul."""
+    """The default ``ExpertCompute``: every expert here, on this process; a capacity's buffer as one batched matmul."""
     if isinstance(counts, int):  # static shapes, no host read: what XLA needs
         return experts(rows.view(-1, counts, rows.shape[-1])).reshape(rows.shape)
     groups = rows.split(counts.tolist())
@@ -232,6 +240,9 @@ def run_local_experts(experts: GroupedExperts, rows: torch.Tensor, counts: Union
 
 class MixtureOfExperts(nn.Module):
     """``sum_k weight_k * expert_k(x)`` over each token's routed experts, plus the shared experts if any."""
+
+    #: What a backend may replace (``axtorch.layers.seams``).
+    SEAMS: ClassVar[Seams] = {"expert_compute": ExpertCompute}
 
     def __init__(self, config: MixtureOfExpertsConfig, dim: int):
         super().__init__()

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Optional, overload
+from typing import ClassVar, Optional, Protocol, overload, runtime_checkable
 
 import torch
 from omegaconf import MISSING
@@ -17,6 +16,7 @@ from axtorch.layers.kv_cache import KVCache
 from axtorch.layers.norm import NormConfig
 from axtorch.layers.remat import RematConfig
 from axtorch.layers.residual import ResidualConfig, build_residual
+from axtorch.layers.seams import Seams
 
 
 @dataclass
@@ -97,9 +97,9 @@ class DecoderConfig:
     final_norm: Optional[NormConfig] = None
     #: Activation checkpointing of each layer (``model/remat``); None keeps every activation.
     remat: Optional[RematConfig] = None
-    #: Run the layers as one compiled loop over stacked weights (``torch_xla``'s ``scan``), so that
-    #: compile time does not grow with depth. Only ``backend=xla`` can; the math is unchanged.
-    scan_layers: bool = False
+    #: Deprecated, removed in the next release: how the layers run is an execution choice, not the
+    #: model's (``execution.layer_runner=scan``); set here, it is moved there with a warning.
+    scan_layers: Optional[bool] = None
 
     def validate(self, dim: int, key: str) -> None:
         if self.num_layers <= 0:
@@ -127,14 +127,24 @@ class DecoderOutput:
     aux_loss: Optional[torch.Tensor] = None
 
 
-#: Runs a decoder's layers on ``(hidden_states, positions)`` without KV caches and returns the
-#: last hidden states and the summed auxiliary loss (None when no layer reports one). A backend
-#: may install one (``Decoder.layer_runner``), e.g. a scan over stacked weights.
-LayerRunner = Callable[["Decoder", torch.Tensor, torch.Tensor], tuple[torch.Tensor, Optional[torch.Tensor]]]
+@runtime_checkable
+class LayerRunner(Protocol):
+    """Runs a decoder's layers on ``inputs`` and returns the last hidden states and the summed
+    auxiliary loss (None when no layer reports one).
+
+    Every forward goes through it, a KV-cache decode step too (``inputs.kv_caches``, one cache per
+    layer). The default, ``run_layers_unrolled``, runs one layer after another; a backend may fill
+    this seam with another, e.g. a compiled scan over stacked weights.
+    """
+
+    def __call__(self, decoder: Decoder, inputs: DecoderInput) -> tuple[torch.Tensor, Optional[torch.Tensor]]: ...
 
 
 class Decoder(nn.Module):
     """A stack of ``num_layers`` identical-config layers followed by a final norm."""
+
+    #: What a backend may replace (``axtorch.layers.seams``).
+    SEAMS: ClassVar[Seams] = {"layer_runner": LayerRunner}
 
     def __init__(self, config: DecoderConfig, dim: int):
         super().__init__()
@@ -145,19 +155,19 @@ class Decoder(nn.Module):
         self.layer_runner: LayerRunner = run_layers_unrolled
 
     def run_layer(self, layer: nn.Module, inputs: TransformerLayerInput) -> TransformerLayerOutput:
-        """One layer under the remat policy."""
-        return layer(inputs) if self.remat is None else self.remat(layer, inputs)
+        """One layer, under the remat policy when training.
+
+        A step with a KV cache (decoding) runs without remat: it keeps no activations for a
+        backward, so recomputing them would only cost time.
+        """
+        if self.remat is None or inputs.kv_cache is not None:
+            return layer(inputs)
+        return self.remat(layer, inputs)
 
     def forward(self, inputs: DecoderInput) -> DecoderOutput:
-        if inputs.kv_caches is None:
-            h, aux_loss = self.layer_runner(self, inputs.hidden_states, inputs.positions)
-            return DecoderOutput(hidden_states=self.final_norm(h), aux_loss=aux_loss)
-        if len(inputs.kv_caches) != len(self.layers):
+        if inputs.kv_caches is not None and len(inputs.kv_caches) != len(self.layers):
             raise ValueError(f"got {len(inputs.kv_caches)} KV caches for {len(self.layers)} layers")
-        h, aux_loss = inputs.hidden_states, None
-        for layer, cache in zip(self.layers, inputs.kv_caches):
-            out = layer(TransformerLayerInput(h, inputs.positions, cache))
-            h, aux_loss = out.hidden_states, add_aux_loss(aux_loss, out.aux_loss)
+        h, aux_loss = self.layer_runner(self, inputs)
         return DecoderOutput(hidden_states=self.final_norm(h), kv_caches=inputs.kv_caches, aux_loss=aux_loss)
 
 
@@ -172,12 +182,11 @@ def add_aux_loss(total: Optional[torch.Tensor], layer_loss: Optional[torch.Tenso
     return layer_loss if total is None else total + layer_loss
 
 
-def run_layers_unrolled(
-    decoder: Decoder, hidden_states: torch.Tensor, positions: torch.Tensor
-) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """The default ``LayerRunner``: one layer after another, each under the remat policy."""
-    aux_loss = None
-    for layer in decoder.layers:
-        out = decoder.run_layer(layer, TransformerLayerInput(hidden_states, positions))
+def run_layers_unrolled(decoder: Decoder, inputs: DecoderInput) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The default ``LayerRunner``: one layer after another, each with its KV cache if decoding."""
+    caches: list[Optional[KVCache]] = [None] * len(decoder.layers) if inputs.kv_caches is None else [*inputs.kv_caches]
+    hidden_states, aux_loss = inputs.hidden_states, None
+    for layer, cache in zip(decoder.layers, caches):
+        out = decoder.run_layer(layer, TransformerLayerInput(hidden_states, inputs.positions, cache))
         hidden_states, aux_loss = out.hidden_states, add_aux_loss(aux_loss, out.aux_loss)
     return hidden_states, aux_loss

@@ -19,6 +19,7 @@ from axtorch.layers.linear import LinearConfig
 from axtorch.layers.position_embedding import PositionEmbeddingConfig
 from axtorch.layers.transformer import DecoderConfig, DecoderInput, TransformerLayer
 from axtorch.models.float8 import Float8Config
+from axtorch.models.transforms import ModelTransformConfig
 
 
 @dataclass
@@ -37,8 +38,7 @@ class CausalLMConfig:
     #: Reuse the embedding table as the output head.
     tie_embeddings: bool = False
     lm_head: LinearConfig = field(default_factory=LinearConfig)
-    #: Float8 training of the linears (``model/float8``): the trainer converts the built model
-    #: before sharding it; ``build()`` itself, and so inference, keeps ordinary linears.
+    #: Float8 training of the linears (``model/float8``): a model transform (see ``transforms``).
     float8: Optional[Float8Config] = None
 
     def validate(self, key: str = "model") -> None:
@@ -52,6 +52,13 @@ class CausalLMConfig:
         self.decoder.validate(self.dim, f"{key}.decoder")
         if self.float8 is not None:
             self.float8.validate(f"{key}.float8")
+
+    def transforms(self) -> list[ModelTransformConfig]:
+        """The transforms training applies to the built model (``axtorch.models.transforms``).
+
+        ``build()`` itself, and so inference, leaves them out.
+        """
+        return [transform for transform in (self.float8,) if transform is not None]
 
     def build(self) -> CausalLM:
         return CausalLM(self)

@@ -1,10 +1,11 @@
 """Float8 training of a model's linear layers, through torchao (``model/float8=tensorwise|rowwise``).
 
-Applied to a built model from outside its layers, as sharding is: ``Float8Linears.convert``
-swaps each eligible ``Linear`` for torchao's ``Float8Linear``, which keeps the same ``weight``
-and ``bias`` parameters (so checkpoints, sharding rules and HF export are unchanged) and runs its
-matmuls in float8 with dynamic scales: one per tensor (``tensorwise``) or one per row
-(``rowwise``, more accurate, needs torch's per-row ``_scaled_mm``). The trainer converts before
+A model transform (``axtorch.models.transforms``), applied to a built model from outside its
+layers, as sharding is: ``Float8Linears.apply`` swaps each eligible ``Linear`` for torchao's
+``Float8Linear``, which keeps the same ``weight`` and ``bias`` parameters (so checkpoints,
+sharding rules and HF export are unchanged) and runs its matmuls in float8 with dynamic scales:
+one per tensor (``tensorwise``) or one per row (``rowwise``, more accurate, needs torch's per-row
+``_scaled_mm``). The trainer applies it before
 sharding, so FSDP gathers the high-precision weights and torchao scales the whole weight, as on
 one device. Inference from such a run uses ordinary linears.
 
@@ -23,13 +24,14 @@ from torch import nn
 
 from axtorch.config.errors import ConfigError
 from axtorch.layers.linear import Linear
+from axtorch.models.transforms import ModelTransformConfig
 
 #: torchao's float8 matmul needs both dimensions of every weight divisible by this.
 _FLOAT8_MULTIPLE = 16
 
 
 @dataclass
-class Float8Config:
+class Float8Config(ModelTransformConfig):
     """Slot type for ``model.float8``; None (the default) trains every linear in its own dtype."""
 
     #: torchao's recipe name, set by each option.
@@ -69,7 +71,7 @@ class RowwiseFloat8Config(Float8Config):
 
 
 class Float8Linears:
-    """Converts a model's eligible ``Linear`` layers to torchao's float8 training linears."""
+    """A ``ModelTransform``: a model's eligible ``Linear`` layers become torchao's float8 training linears."""
 
     def __init__(self, config: Float8Config):
         self.config = config
@@ -83,7 +85,7 @@ class Float8Linears:
             and module.out_features % _FLOAT8_MULTIPLE == 0
         )
 
-    def convert(self, model: nn.Module) -> list[str]:
+    def apply(self, model: nn.Module) -> list[str]:
         """Swap in place (works on the meta device); returns the converted linears' names."""
         linear_class, torchao_config = _torchao_float8(self.config.recipe)
         converted = [name for name, module in model.named_modules() if self.eligible(name, module)]

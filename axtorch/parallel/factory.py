@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 
 from axtorch.parallel.backend import Backend
+from axtorch.parallel.execution import ExecutionConfig
 from axtorch.parallel.mesh import MeshConfig
 from axtorch.parallel.pipeline_config import PipelineConfig
 from axtorch.parallel.rules import ShardingConfig
@@ -38,11 +39,13 @@ def build_backend(
     pipeline: Optional[PipelineConfig] = None,
     gather_dtype: Optional[torch.dtype] = None,
     reduce_dtype: Optional[torch.dtype] = None,
+    execution: Optional[ExecutionConfig] = None,
 ) -> Backend:
     """The backend of ``kind``; ``device`` is the trainer's device setting (``auto``, ``cpu``, ``cuda:1``, ...).
 
     ``gather_dtype`` and ``reduce_dtype`` (None: the parameters' own) are the dtypes FSDP gathers
     parameters and reduces gradients in on the native backend (its mixed precision policy).
+    ``execution`` (None: the defaults) holds the choices that only the xla backend reads today.
     """
     if kind is BackendKind.native:
         from axtorch.parallel.native import NativeBackend  # torch.distributed only when asked for
@@ -51,5 +54,5 @@ def build_backend(
     if kind is BackendKind.xla:
         from axtorch.parallel.xla import XlaBackend  # torch_xla only when asked for
 
-        return XlaBackend(mesh, sharding)
+        return XlaBackend(mesh, sharding, execution or ExecutionConfig())
     return SingleDeviceBackend(resolve_device(device))

@@ -32,7 +32,6 @@ from __future__ import annotations
 import importlib
 import math
 import os
-import re
 import warnings
 from typing import Any, Optional
 
@@ -45,7 +44,10 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 
 from axtorch.config.errors import ConfigError
-from axtorch.layers.attention import GroupedQueryAttention
+from axtorch.layers.attention import SequenceExchange
+from axtorch.layers.embedding import Embedding
+from axtorch.layers.mixture_of_experts import ExpertCompute
+from axtorch.layers.seams import fill_seams, modules_with_seam
 from axtorch.models.causal_lm import CausalLM
 from axtorch.parallel.backend import HostFedBackend
 from axtorch.parallel.context import GatheredSequence, split_sequence
@@ -145,15 +147,15 @@ class NativeBackend(HostFedBackend):
             self.pipeline = Pipeline(model, self.pipeline_config, ranges, stages, group, self.device)
         return model
 
-    def _apply_tensor_parallel(self, model: nn.Module, specs: dict[str, PartitionSpec]) -> None:
+    def _apply_tensor_parallel(self, model: CausalLM, specs: dict[str, PartitionSpec]) -> None:
         tp_mesh = self.mesh["model"]
         for module_name, module in model.named_modules():
             weight_spec = specs.get(f"{module_name}.weight") if module_name else None
             if weight_spec is None or not any(axes and "model" in axes for axes in weight_spec):
                 continue
             dim = next(i for i, axes in enumerate(weight_spec) if axes and "model" in axes)
-            is_embedding = isinstance(getattr(module, "weight", None), nn.Parameter) and hasattr(module, "attend")
-            if is_embedding and getattr(model.config, "tie_embeddings", False):
+            is_embedding = isinstance(module, Embedding)
+            if is_embedding and model.config.tie_embeddings:
                 raise ConfigError(
                     "model.tie_embeddings",
                     True,
@@ -163,7 +165,7 @@ class NativeBackend(HostFedBackend):
             if is_embedding:
                 _distribute(module, tp_mesh, weight_dim=dim, bias=None, inputs=Replicate(), outputs=Replicate())
             elif dim == 0:  # column-parallel
-                gather = "." not in module_name  # a top-level head: the loss needs whole logits
+                gather = module is model.lm_head  # the output head: the loss needs whole logits
                 _distribute(
                     module,
                     tp_mesh,
@@ -176,20 +178,16 @@ class NativeBackend(HostFedBackend):
                 _distribute(module, tp_mesh, weight_dim=1, bias=Replicate(), inputs=Shard(-1), outputs=Replicate())
 
     def _apply_context_parallel(self, model: nn.Module) -> None:
-        exchange = GatheredSequence(self.mesh["seq"].get_group())
-        for module in model.modules():
-            if isinstance(module, GroupedQueryAttention):
-                module.sequence_exchange = exchange
+        fill_seams(model, SequenceExchange, GatheredSequence(self.mesh["seq"].get_group()))
 
     def _apply_expert_parallel(self, model: nn.Module, specs: dict[str, PartitionSpec]) -> None:
         """Split each stacked expert weight, whole experts over ``expert``; route tokens by all-to-all."""
         mesh = self.mesh["data", "fsdp", "expert"]
         # FSDP scales the other gradients by 1 / its mesh size; the experts' are summed (``Partial``).
         compute = ExpertParallelCompute(mesh, gradient_scale=1 / self._fsdp_mesh_size())
-        for module_name, module in model.named_modules():
-            if not hasattr(module, "expert_compute"):  # a mixture of experts, whatever its kind
-                continue
-            for param_name, param in list(module.experts.named_parameters(recurse=False)):
+        for module_name, module, _ in modules_with_seam(model, ExpertCompute):  # any mixture of experts
+            experts = module.get_submodule("experts")  # the stacked weights ExpertCompute receives
+            for param_name, param in list(experts.named_parameters(recurse=False)):
                 name = f"{module_name}.experts.{param_name}"
                 spec = specs[name]
                 if not spec[0] or "expert" not in spec[0]:
@@ -201,9 +199,9 @@ class NativeBackend(HostFedBackend):
                     )
                 fsdp_dim = next((i for i, axes in enumerate(spec) if axes and "fsdp" in axes), None)
                 placements = [Replicate(), Replicate() if fsdp_dim is None else Shard(fsdp_dim), Shard(0)]
-                module.experts.register_parameter(param_name, nn.Parameter(distribute_tensor(param, mesh, placements)))
-                self._expert_parameters.add(module.experts.get_parameter(param_name))
-            module.expert_compute = compute
+                experts.register_parameter(param_name, nn.Parameter(distribute_tensor(param, mesh, placements)))
+                self._expert_parameters.add(experts.get_parameter(param_name))
+        fill_seams(model, ExpertCompute, compute)
 
     def _fsdp_mesh_size(self) -> int:
         return self.data_parallel_size * self.sizes["seq"]
@@ -345,11 +343,6 @@ def _init_process_group(backend: Optional[str]) -> None:
         rank=int(os.environ["RANK"]),
         world_size=int(os.environ["WORLD_SIZE"]),
     )
-
-
-def _config_key(module_name: str) -> str:
-    """The config key of a layer's module: ``decoder.layers.3.feed_forward`` -> ``model.decoder.layer.feed_forward``."""
-    return "model." + re.sub(r"^decoder\.layers\.\d+", "decoder.layer", module_name)
 
 
 def _distribute(module: nn.Module, mesh: DeviceMesh, *, weight_dim: int, bias, inputs, outputs) -> None:

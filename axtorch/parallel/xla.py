@@ -26,9 +26,11 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from axtorch.config.errors import ConfigError
-from axtorch.layers.transformer import Decoder
+from axtorch.layers.seams import fill_seams
+from axtorch.layers.transformer import LayerRunner
 from axtorch.models.causal_lm import CausalLM
 from axtorch.parallel.backend import ec2_instance_type
+from axtorch.parallel.execution import ExecutionConfig, LayerRunnerKind
 from axtorch.parallel.mesh import MeshConfig
 from axtorch.parallel.rules import PartitionSpec, ShardingConfig, resolve_activation_specs, resolve_parameter_specs
 from axtorch.parallel.side_channel import Coordinator, GlooSideChannel
@@ -61,12 +63,13 @@ class XlaBackend:
     gradient_divisor = 1  # one global program: the loss is already the global mean
     pipeline: Optional[Pipeline] = None  # no stages: the config refuses mesh.pipe > 1 with backend=xla
 
-    def __init__(self, mesh: MeshConfig, sharding: ShardingConfig):
+    def __init__(self, mesh: MeshConfig, sharding: ShardingConfig, execution: ExecutionConfig):
         xr.use_spmd()
         self.device = torch_xla.device()
         num_devices = xr.global_runtime_device_count()
         self.sizes = mesh.resolve(num_devices, "mesh")
         self.sharding = sharding
+        self.execution = execution
         axis_names = tuple(self.sizes)
         dcn = mesh.resolve_dcn(self.sizes)
         if any(size > 1 for size in dcn.values()):
@@ -98,7 +101,7 @@ class XlaBackend:
         self.data_parallel_size = self.world_size
         self.is_main_process = self.rank == 0
         self.parameter_specs: dict[str, PartitionSpec] = {}
-        #: Runs the decoders whose config asks for ``scan_layers``; None when none does.
+        #: Fills the decoders' layer-runner seam under ``execution.layer_runner=scan``; None otherwise.
         self.layer_scan: Optional[LayerScan] = None
 
     def parallelize(self, model: CausalLM) -> CausalLM:
@@ -110,10 +113,9 @@ class XlaBackend:
         activation_specs = resolve_activation_specs(modules, self.sharding, self.sizes)
         for (module_name, io, field), spec in activation_specs.items():
             self._hook_activation(modules[module_name], io, field, _xla_spec(spec))
-        for module in modules.values():
-            if isinstance(module, Decoder) and module.config.scan_layers:
-                self.layer_scan = self.layer_scan or LayerScan()
-                module.layer_runner = self.layer_scan
+        if self.execution.layer_runner is LayerRunnerKind.scan:
+            runner = LayerScan()
+            self.layer_scan = runner if fill_seams(model, LayerRunner, runner) else None
         return model
 
     def fill_parameter(self, model: nn.Module, name: str, value: torch.Tensor) -> None:

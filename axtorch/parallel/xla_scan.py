@@ -1,4 +1,4 @@
-"""Scanned decoder layers on the xla backend (``model.decoder.scan_layers``): compile time flat in depth.
+"""Scanned decoder layers on the xla backend (``execution.layer_runner=scan``): compile time flat in depth.
 
 A scan compiles one layer and loops it over the layers' weights stacked on a leading dimension.
 What else in a training step touches every layer's parameters separately would still grow the
@@ -27,7 +27,7 @@ from functorch.compile import default_partition, min_cut_rematerialization_parti
 from torch import nn
 from torch_xla.experimental.scan import scan
 
-from axtorch.layers.transformer import Decoder, TransformerLayerInput, add_aux_loss
+from axtorch.layers.transformer import Decoder, DecoderInput, TransformerLayerInput, add_aux_loss, run_layers_unrolled
 
 #: A stacked weight: (its decoder's id, the parameter's name within a layer).
 StackKey = tuple[int, str]
@@ -53,7 +53,10 @@ class _ScanStep(nn.Module):
 
 
 class LayerScan:
-    """The ``LayerRunner`` the xla backend installs on scanned decoders, its gradient norm and update.
+    """The ``LayerRunner`` the xla backend fills decoders' seam with, its gradient norm and update.
+
+    It stacks every layer of a decoder, which all share one config. (A decoder whose layers follow
+    a pattern of configs would scan each repeated group of the pattern as one step instead.)
 
     Each training forward's stacked weights keep their gradients (``retain_grad``): summed over
     the step's micro-batches, they are the layers' gradients, stacked.
@@ -66,14 +69,16 @@ class LayerScan:
         self._stacked_grads: dict[StackKey, torch.Tensor] = {}  # clipped, until the update
         self._indices: dict[int, torch.Tensor] = {}  # layer index -> the same on the device
 
-    def __call__(
-        self, decoder: Decoder, hidden_states: torch.Tensor, positions: torch.Tensor
-    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def __call__(self, decoder: Decoder, inputs: DecoderInput) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Run ``decoder``'s layers as one compiled loop over their stacked weights.
 
         The decoder's remat policy becomes AOTAutograd's min-cut rematerialisation of the scanned
-        layer (``torch.utils.checkpoint`` does not apply inside a traced scan body).
+        layer (``torch.utils.checkpoint`` does not apply inside a traced scan body). A decode step
+        with KV caches runs unrolled: the scan's carry holds no per-layer caches.
         """
+        if inputs.kv_caches is not None:
+            return run_layers_unrolled(decoder, inputs)
+        hidden_states, positions = inputs.hidden_states, inputs.positions
         layers = [_ScanStep(layer) for layer in decoder.layers]
         parameters = [dict(layer.named_parameters()) for layer in layers]
         buffers = [dict(layer.named_buffers()) for layer in layers]

@@ -8,12 +8,14 @@ data, optimizer and trainer settings, and the backend and mesh that run them. Hy
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Optional
 
 from axtorch.config.errors import ConfigError
 from axtorch.data.config import DataConfig
 from axtorch.models.causal_lm import CausalLMConfig
+from axtorch.parallel.execution import ExecutionConfig, LayerRunnerKind
 from axtorch.parallel.factory import BackendKind
 from axtorch.parallel.mesh import MeshConfig
 from axtorch.parallel.mesh_rules import MeshRulesConfig
@@ -38,6 +40,8 @@ class ExperimentConfig:
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
     #: Stages and micro-batches when ``mesh.pipe > 1``.
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    #: How the backend runs the model (``execution.layer_runner``), apart from how it splits it.
+    execution: ExecutionConfig = field(default_factory=ExecutionConfig)
     model: CausalLMConfig = field(default_factory=CausalLMConfig)
     loss: CrossEntropyLossConfig = field(default_factory=CrossEntropyLossConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -45,6 +49,24 @@ class ExperimentConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     #: Start from imported weights: ``hf:<directory>`` or ``gguf:<file>`` (ignored when resuming).
     init_from: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        self._move_deprecated_settings()
+
+    def _move_deprecated_settings(self) -> None:
+        """Settings under their old keys move to their new ones, with a warning naming the new key."""
+        scan_layers = self.model.decoder.scan_layers
+        if scan_layers is None:
+            return
+        runner = LayerRunnerKind.scan if scan_layers else LayerRunnerKind.unrolled
+        warnings.warn(
+            f"model.decoder.scan_layers is deprecated and will be removed in the next release: "
+            f"use execution.layer_runner={runner.value}",
+            FutureWarning,
+            stacklevel=2,
+        )
+        self.execution.layer_runner = runner
+        self.model.decoder.scan_layers = None
 
     def validate(self) -> None:
         """Raise ``ConfigError`` for the first impossible setting, naming its key."""
@@ -106,11 +128,11 @@ class ExperimentConfig:
             self._validate_pipeline()
         if self.model.float8 is not None:
             self._validate_float8(self.model.float8.recipe)
-        if self.model.decoder.scan_layers and self.backend is not BackendKind.xla:
+        if self.execution.layer_runner is LayerRunnerKind.scan and self.backend is not BackendKind.xla:
             raise ConfigError(
-                "model.decoder.scan_layers",
-                True,
-                "false unless backend=xla",
+                "execution.layer_runner",
+                "scan",
+                "unrolled unless backend=xla",
                 reason=f"backend={self.backend.value} has no compiled loop over layers (torch_xla's scan)",
             )
         if self.backend is BackendKind.single:

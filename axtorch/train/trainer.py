@@ -35,6 +35,7 @@ from axtorch.interop.pretrained import (
 )
 from axtorch.layers.init import initial_parameter_values
 from axtorch.models.causal_lm import CausalLM
+from axtorch.models.transforms import apply_model_transforms
 from axtorch.parallel.backend import Backend, materialize
 from axtorch.parallel.factory import build_backend
 from axtorch.parallel.single import SingleDeviceBackend
@@ -92,12 +93,13 @@ def build_parallel_model(
     holds the whole model in one process (only one module's parameters at a time); an import
     still does, in ``pretrained``.
     """
+    transforms = config.model.transforms()
     with torch.device("meta"):
         whole = config.model.build()
-        # torchao's float8 linears initialise as torch's Linear does: draw from axtorch's own.
-        initial = whole if config.model.float8 is None else config.model.build()
-    if config.model.float8 is not None:
-        config.model.float8.build().convert(whole)
+        # A transform may swap in modules that initialise their own way (torchao's float8 linears
+        # draw as torch's Linear does): the seeded values come from the model as configured.
+        initial = config.model.build() if transforms else whole
+    apply_model_transforms(transforms, whole)
     model = backend.parallelize(whole)  # ``whole`` itself, or this process's pipeline stages of it
     values: Iterable[tuple[str, torch.Tensor]]
     if pretrained is not None:
@@ -123,6 +125,7 @@ class Trainer:
             config.pipeline,
             gather_dtype=torch.bfloat16 if bf16 else None,
             reduce_dtype=config.trainer.reduce_precision.dtype if bf16 else None,
+            execution=config.execution,
         )
         self.device = self.backend.device
         replicas = self.backend.data_parallel_size

@@ -4,6 +4,7 @@ import pytest
 
 from axtorch.compose.experiment import load_experiment_config
 from axtorch.config.errors import ConfigError
+from axtorch.parallel.execution import LayerRunnerKind
 
 
 def _error(*overrides) -> ConfigError:
@@ -92,9 +93,16 @@ def test_swapping_a_child_is_a_config_change():
 
 
 def test_scanning_layers_needs_the_xla_backend():
-    error = _error("model.decoder.scan_layers=true")
-    assert error.key == "model.decoder.scan_layers"
+    error = _error("execution.layer_runner=scan")
+    assert error.key == "execution.layer_runner"
     assert "backend=xla" in error.allowed and "backend=single" in str(error)
+
+
+def test_the_old_scan_layers_key_still_works_for_one_release_with_a_warning():
+    with pytest.warns(FutureWarning, match=r"model.decoder.scan_layers is deprecated.*execution.layer_runner=scan"):
+        config = load_experiment_config(["model.decoder.scan_layers=true", "backend=xla"])
+    assert config.execution.layer_runner is LayerRunnerKind.scan
+    assert config.model.decoder.scan_layers is None  # moved, not read twice
 
 
 def test_context_parallelism_needs_sequences_that_cut_into_balanced_chunks():

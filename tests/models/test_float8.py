@@ -47,7 +47,7 @@ def test_the_decoder_linears_convert_and_keep_their_parameter_names():
     config = load_experiment_config(["experiment=debug"])
     model = build_model(config, torch.device("cpu"))
     names = dict(model.state_dict())
-    converted = TensorwiseFloat8Config().build().convert(model)
+    converted = TensorwiseFloat8Config().build().apply(model)
     assert len(converted) == 2 * 7  # q, k, v, o and the three feed-forward projections of 2 layers
     assert all(isinstance(model.get_submodule(name), Float8Linear) for name in converted)
     assert "lm_head" not in converted  # skipped by default
@@ -59,7 +59,7 @@ def test_the_decoder_linears_convert_and_keep_their_parameter_names():
 def test_linears_that_float8_matmuls_cannot_take_stay_as_they_are():
     config = load_experiment_config(["experiment=debug", "model.decoder.layer.feed_forward.hidden_dim=120"])
     model = build_model(config, torch.device("cpu"))
-    converted = TensorwiseFloat8Config().build().convert(model)
+    converted = TensorwiseFloat8Config().build().apply(model)
     assert not any("feed_forward" in name for name in converted)  # 120 is not a multiple of 16
     assert len(converted) == 2 * 4
 

@@ -24,9 +24,9 @@ def main() -> None:
         "xla, fsdp=4": (4, ["mesh.fsdp=4", "sharding=fsdp"]),
         "xla, fsdp=2 x model=2": (4, ["mesh.fsdp=2", "mesh.model=2", "sharding=fsdp_tp"]),
         "xla, fsdp=2 x seq=2": (4, ["mesh.fsdp=2", "mesh.seq=2", "sharding=fsdp"]),
-        "xla, fsdp=4, scan_layers + remat=full": (
+        "xla, fsdp=4, layer_runner=scan + remat=full": (
             4,
-            ["mesh.fsdp=4", "sharding=fsdp", "model.decoder.scan_layers=true", "model/remat=full"],
+            ["mesh.fsdp=4", "sharding=fsdp", "execution.layer_runner=scan", "model/remat=full"],
         ),
     }
     native_runs = {

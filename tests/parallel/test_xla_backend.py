@@ -59,7 +59,7 @@ def runs(tmp_path_factory):
                 "mesh.fsdp=2",
                 "mesh.seq=2",
                 "sharding=fsdp",
-                "model.decoder.scan_layers=true",
+                "execution.layer_runner=scan",
                 "model/remat=full",
                 "trainer.grad_accum_steps=2",
             ),

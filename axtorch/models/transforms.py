@@ -1,0 +1,39 @@
+"""Model transforms: changes to a built model that its config names and one function applies.
+
+A transform rewrites modules of a model built from its config, in place and on the meta device,
+before a backend shards it: float8 training linears (``model/float8``) are one. The config lists
+its transforms (``CausalLMConfig.transforms()``) and ``apply_model_transforms`` applies them, so
+no caller special-cases any one of them. ``CausalLMConfig.build()`` stays the layers as
+configured: inference from a run, and the seeded initial values, do not depend on training
+transforms.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from torch import nn
+
+
+class ModelTransform(Protocol):
+    def apply(self, model: nn.Module) -> list[str]:
+        """Rewrite ``model`` in place; returns the qualified names of the modules it changed."""
+        ...
+
+
+@dataclass
+class ModelTransformConfig:
+    """A transform's settings: a slot type of ``CausalLMConfig`` (e.g. ``model.float8``)."""
+
+    def validate(self, key: str) -> None:
+        """Raise ``ConfigError`` for settings this torch build cannot run."""
+
+    def build(self) -> ModelTransform:
+        raise NotImplementedError(f"{type(self).__name__} must build its transform")
+
+
+def apply_model_transforms(transforms: Sequence[ModelTransformConfig], model: nn.Module) -> dict[str, list[str]]:
+    """Apply each of ``transforms`` to ``model`` in order; returns each transform's changed modules by its type name."""
+    return {type(config).__name__: config.build().apply(model) for config in transforms}
