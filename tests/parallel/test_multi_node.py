@@ -47,7 +47,7 @@ class LostNode:
 
 def _start(nnodes: int, nproc: int, run_dir: Path, cache: Path, *extra: str, **options) -> list[Node]:
     """Start one job of the debug experiment over ``nnodes`` launchers; ``options`` go to start_nodes."""
-    overrides = debug_overrides(run_dir, cache, "trainer.plot=false", *extra)
+    overrides = debug_overrides(run_dir, cache, *extra)
     logs = run_dir.with_name(f"{run_dir.name}.logs")
     return start_nodes(nnodes, nproc, overrides, logs / str(len(list(logs.glob("*")))), **options)
 
