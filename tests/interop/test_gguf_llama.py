@@ -13,22 +13,22 @@ from tokenizers import pre_tokenizers
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
+from hf_shapes import HF_SHAPE
+
 from axtorch.interop import from_gguf
 from axtorch.models import CausalLMInput
 
 MERGES = ["h e", "l l"]
 TOKENS = [*sorted(pre_tokenizers.ByteLevel.alphabet()), "he", "ll", "<|endoftext|>", "<|user|>"]
-SHAPE = dict(
-    vocab_size=len(TOKENS),
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    rope_theta=5000.0,
-    rms_norm_eps=1e-5,
-    max_position_embeddings=64,
-)
+SHAPE = {
+    **HF_SHAPE,
+    "vocab_size": len(TOKENS),
+    "intermediate_size": 96,
+    "num_attention_heads": 4,
+    "max_position_embeddings": 64,
+    "rope_theta": 5000.0,
+    "rms_norm_eps": 1e-5,
+}
 #: HF parameter name (layer part) -> GGUF tensor name, written independently of axtorch's table.
 GGUF_NAMES = {
     "self_attn.q_proj": "attn_q",

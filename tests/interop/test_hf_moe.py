@@ -14,6 +14,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from hf_shapes import HF_SHAPE
+
 from axtorch.compose.experiment import load_experiment_config
 from axtorch.interop import from_hf, to_hf
 from axtorch.interop.families import config_from_hf
@@ -25,16 +27,14 @@ mixtral = transformers.models.mixtral.modeling_mixtral
 qwen2_moe = transformers.models.qwen2_moe.modeling_qwen2_moe
 qwen3_moe = transformers.models.qwen3_moe.modeling_qwen3_moe
 
-SHAPE = dict(
-    vocab_size=97,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    num_experts_per_tok=2,
-    max_position_embeddings=64,
-)
+SHAPE = {
+    **HF_SHAPE,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_attention_heads": 4,
+    "num_experts_per_tok": 2,
+    "max_position_embeddings": 64,
+}
 
 #: case -> (config class, tie_word_embeddings, config fields beyond SHAPE, architecture to_hf writes)
 CASES = {

@@ -8,6 +8,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from hf_shapes import HF_SHAPE
+
 from axtorch.interop import from_hf, to_hf
 from axtorch.interop.families import config_from_hf
 from axtorch.layers.attention_mask import CausalMaskConfig, SlidingWindowMaskConfig
@@ -30,17 +32,7 @@ FAMILIES = {
     "qwen3": (transformers.Qwen3Config, transformers.models.qwen3.modeling_qwen3.Qwen3RMSNorm),
     "gemma": (transformers.GemmaConfig, transformers.models.gemma.modeling_gemma.GemmaRMSNorm),
 }
-SHAPE = dict(
-    vocab_size=97,
-    hidden_size=64,
-    intermediate_size=160,
-    num_hidden_layers=2,
-    num_attention_heads=8,
-    num_key_value_heads=2,
-    rope_theta=5000.0,
-    rms_norm_eps=1e-5,
-    max_position_embeddings=128,
-)
+SHAPE = {**HF_SHAPE, "rope_theta": 5000.0, "rms_norm_eps": 1e-5}
 
 
 pytestmark = pytest.mark.usefixtures("float64_hf_rmsnorm")

@@ -12,6 +12,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from hf_shapes import HF_SHAPE
+
 from axtorch.interop.families import config_from_hf
 from axtorch.interop.families.llama_layout import hf_to_axtorch_name, hf_to_axtorch_state_dict
 from axtorch.layers.attention_mask import CausalMaskConfig
@@ -20,16 +22,7 @@ from axtorch.models import CausalLMInput
 
 pytestmark = pytest.mark.usefixtures("float64_hf_rmsnorm")
 
-SHAPE = dict(
-    vocab_size=97,
-    hidden_size=64,
-    intermediate_size=160,
-    num_hidden_layers=3,
-    num_attention_heads=8,
-    num_key_value_heads=2,
-    rms_norm_eps=1e-5,
-    max_position_embeddings=128,
-)
+SHAPE = {**HF_SHAPE, "num_hidden_layers": 3, "rms_norm_eps": 1e-5}
 SEQ_LEN = 23
 
 #: case -> (HF config class, fields beyond SHAPE). An original context of 16 makes the Llama 3.1 RoPE

@@ -2,6 +2,8 @@
 
 from pathlib import Path
 
+from quiet_runs import quiet_debug_run
+
 from axtorch.compose.experiment import load_experiment_config
 from axtorch.train.metrics import read_metrics
 from axtorch.train.trainer import Trainer
@@ -11,17 +13,9 @@ STEPS = 5
 
 
 def debug_overrides(run_dir: Path, cache: Path, *extra: str) -> list[str]:
-    return [
-        "experiment=debug",
-        f"run_dir={run_dir}",
-        f"data.cache_dir={cache}",
-        "trainer.progress_bar=false",
-        "trainer.log_every=1",
-        f"trainer.max_steps={STEPS + 3}",
-        "trainer.eval_every=100",
-        f"trainer.checkpoint_every={STEPS}",
-        *extra,
-    ]
+    """The quiet debug run, every step logged, checkpointed at ``STEPS`` of ``STEPS + 3``."""
+    steps = [f"trainer.max_steps={STEPS + 3}", "trainer.eval_every=100", f"trainer.checkpoint_every={STEPS}"]
+    return quiet_debug_run(run_dir, cache, "trainer.log_every=1", *steps, *extra)
 
 
 def train_on_one_device(run_dir: Path, cache: Path, *extra: str) -> None:

@@ -11,15 +11,3 @@ def logged_steps(run_dir: Path) -> int:
     path = run_dir / "metrics.jsonl"
     lines = path.read_text().splitlines() if path.exists() else []
     return max((json.loads(line)["step"] for line in lines if line.endswith("}") and "train/loss" in line), default=0)
-
-
-def quiet_debug_run(run_dir: Path, cache: Path, *extra: str) -> list[str]:
-    """Overrides for the debug experiment writing into ``run_dir``, without progress bar or plot."""
-    return [
-        "experiment=debug",
-        f"run_dir={run_dir}",
-        f"data.cache_dir={cache}",
-        "trainer.progress_bar=false",
-        "trainer.plot=false",
-        *extra,
-    ]

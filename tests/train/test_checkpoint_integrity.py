@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import xxhash
-from process_runs import quiet_debug_run
+from quiet_runs import quiet_debug_run
 
 from axtorch.cli.ckpt import main as ckpt_main
 from axtorch.compose.experiment import load_experiment_config

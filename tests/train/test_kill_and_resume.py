@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from process_runs import logged_steps, quiet_debug_run
+from process_runs import logged_steps
+from quiet_runs import quiet_debug_run
 
 from axtorch.train.checkpoint import read_model_tensors
 

@@ -8,7 +8,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from process_runs import quiet_debug_run
+from quiet_runs import quiet_debug_run
 
 from axtorch.compose.experiment import load_experiment_config
 from axtorch.train.trainer import Trainer
