@@ -98,6 +98,7 @@ class SlurmCluster:
                     "KillWait=60",  # SIGTERM to SIGKILL when a job is requeued: time for the save
                     "MinJobAge=3600",  # keep finished jobs' records for scontrol show job
                     "MpiDefault=none",
+                    "SlurmdParameters=config_overrides",  # the node line's CPUs, whatever slurmd detects
                     f"NodeName={node} NodeAddr=127.0.0.1 CPUs={os.cpu_count()} State=UNKNOWN",
                     f"PartitionName=test Nodes={node} Default=YES MaxTime=INFINITE State=UP",
                     "",
@@ -107,7 +108,7 @@ class SlurmCluster:
         subprocess.run(["slurmctld", "-i"], check=True, env=self.env, timeout=60)
         subprocess.run(["slurmd"], check=True, env=self.env, timeout=60)
         try:
-            _wait(lambda: self._slurm("sinfo", "--noheader", "--format=%T").strip() == "idle", 60, "an idle node")
+            _wait(self._node_idle, 60, "an idle node")
         except TimeoutError as error:
             raise RuntimeError(f"{error}\n{self.logs()}") from error
 
@@ -136,6 +137,9 @@ class SlurmCluster:
                 _terminate(int(pid_file.read_text()))
         if self._munged_pid is not None:
             _terminate(self._munged_pid)
+
+    def _node_idle(self) -> bool:
+        return self._slurm("sinfo", "--noheader", "--format=%T").strip() == "idle"
 
     def _slurm(self, *command: str) -> str:
         return subprocess.run(command, check=True, capture_output=True, text=True, env=self.env, timeout=60).stdout
@@ -174,12 +178,14 @@ class SlurmCluster:
 
     def wait_until_requeued(self, job_id: int, restarts: int) -> None:
         """Wait for the job's ``restarts``-th requeue, then let it start: Slurm holds a requeued job for
-        about two minutes (its begin time) before it may run again."""
+        about two minutes (its begin time) before it may run again. Not before the previous run's
+        steps are gone: its batch script may still be ending, and its exit would end the new run."""
         self.wait_for(
             job_id,
             lambda job: job["JobState"] == "PENDING" and int(job["Restarts"]) >= restarts,
             f"pending again after requeue {restarts}",
         )
+        _wait(lambda: not _has_steps(job_id), 120, f"the steps of job {job_id}'s previous run to end")
         self.scontrol("update", f"JobId={job_id}", "StartTime=now")
 
     def wait_until_finished(self, job_id: int) -> dict[str, str]:
@@ -193,6 +199,18 @@ class SlurmCluster:
             lines = path.read_text(errors="replace").splitlines()[-20:] if path.exists() else ["(none)"]
             tails.append(f"--- {name}\n" + "\n".join(lines))
         return "\n".join(tails)
+
+
+def _has_steps(job_id: int) -> bool:
+    """Whether a slurmstepd of the job runs on this machine (its title: ``slurmstepd: [<job>.<step>]``)."""
+    title = f"slurmstepd: [{job_id}.".encode()
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if cmdline.read_bytes().startswith(title):
+                return True
+        except OSError:  # the process ended meanwhile
+            continue
+    return False
 
 
 def _terminate(pid: int) -> None:

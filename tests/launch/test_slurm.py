@@ -20,8 +20,10 @@ from axtorch.train.metrics import read_metrics
 pytestmark = pytest.mark.slow
 
 SCRIPT = "launch/slurm.sbatch"
-#: Long enough to interrupt twice; every run of the module uses it, so their schedules agree.
-LONG = ("trainer.max_steps=40", "trainer.checkpoint_every=100", "trainer.plot=false")
+#: Long enough to interrupt twice: a debug step takes well under 0.1 s, and a signal's way through
+#: Slurm about 1 s. Every run of the module uses it, so that their schedules agree.
+LONG_STEPS = 150
+LONG = (f"trainer.max_steps={LONG_STEPS}", f"trainer.checkpoint_every={LONG_STEPS}", "trainer.plot=false")
 FSDP2 = ("backend=native", "mesh.fsdp=2", "sharding=fsdp")
 
 
@@ -61,7 +63,7 @@ def test_a_job_submitted_as_documented_matches_one_device(straight):
     root, record = straight
     assert record["JobState"] == "COMPLETED", (record, (root / "straight.out").read_text()[-3000:])
     single, distributed = train_losses(root / "single"), train_losses(root / "straight")
-    assert len(single) == STEPS and len(distributed) == 40
+    assert len(single) == STEPS and len(distributed) == LONG_STEPS
     torch.testing.assert_close(torch.tensor(distributed[:STEPS]), torch.tensor(single), rtol=1e-5, atol=1e-5)
 
 
@@ -76,7 +78,7 @@ def test_a_preempted_job_saves_requeues_uncounted_and_resumes_exactly(slurm, str
     slurm.wait_until_requeued(job, 1)
     first = logged_steps(run_dir)
     # A preemption Slurm requeues itself (as PreemptMode=REQUEUE does): SIGTERM to every process.
-    _wait_for_step(run_dir, first + 3)
+    _wait_for_step(run_dir, first + 5)
     slurm.scontrol("requeue", str(job))
     slurm.wait_until_requeued(job, 2)
     record = slurm.wait_until_finished(job)
@@ -87,8 +89,9 @@ def test_a_preempted_job_saves_requeues_uncounted_and_resumes_exactly(slurm, str
     assert "not counted as a failure" in output and "axtorch-failures" not in record.get("Comment", "")
     # Every step once, each loss equal to the uninterrupted job's: nothing lost or repeated.
     assert _losses_by_step(run_dir) == _losses_by_step(root / "straight")
-    expected = read_model_tensors(root / "straight" / "checkpoints" / "step_00000040")
-    got = read_model_tensors(run_dir / "checkpoints" / "step_00000040")
+    final = f"step_{LONG_STEPS:08d}"
+    expected = read_model_tensors(root / "straight" / "checkpoints" / final)
+    got = read_model_tensors(run_dir / "checkpoints" / final)
     for name, tensor in expected.items():
         assert torch.equal(tensor, got[name]), name
 
@@ -103,3 +106,4 @@ def test_a_failing_job_requeues_itself_max_requeues_times(slurm, tmp_path):
     assert record["JobState"] == "FAILED" and record["Restarts"] == "1", (record, output[-3000:])
     assert record["Comment"] == "axtorch-failures=1"
     assert output.count("requeueing job") == 1 and "failure 1 of 1" in output, output[-3000:]
+    assert output.count("axtorch: 1 nodes x 2 processes") == 2, output[-3000:]  # the requeued run ran
