@@ -3,9 +3,7 @@ documents, and a node lost whole. Shared by the tests that launch multi-node job
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -13,6 +11,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
+
+from process_tree import kill_process_tree
 
 LAUNCHER = Path(__file__).resolve().parents[2] / "launch" / "torchrun_multi_node.sh"
 
@@ -119,36 +119,7 @@ def _listening(port: int) -> bool:
         return probe.connect_ex(("127.0.0.1", port)) == 0
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every live process below ``pid``, read from /proc (Linux)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue  # ended meanwhile
-            parent = int(stat.rsplit(")", 1)[1].split()[1])
-            children.setdefault(parent, []).append(int(entry.name))
-    found, pending = [], [pid]
-    while pending:
-        for child in children.get(pending.pop(), []):
-            found.append(child)
-            pending.append(child)
-    return found
-
-
 def kill_node(node: Node) -> None:
-    """SIGKILL a node's launcher and all its processes at once, as a machine lost whole would go.
-
-    Killing the launcher's process group is not enough: torchrun starts every worker in a session
-    of its own, so its workers would outlive it and go on training.
-    """
-    groups = set()
-    for pid in [node.process.pid, *_descendants(node.process.pid)]:
-        with contextlib.suppress(ProcessLookupError):  # ended meanwhile
-            groups.add(os.getpgid(pid))
-    for group in groups:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(group, signal.SIGKILL)
+    """SIGKILL a node's launcher and all its processes at once, as a machine lost whole would go."""
+    kill_process_tree(node.process.pid)
     node.process.wait()

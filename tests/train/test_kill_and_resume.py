@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from process_runs import logged_steps
+from process_tree import kill_process_tree
 from quiet_runs import quiet_debug_run
 
 from axtorch.train.checkpoint import read_model_tensors
@@ -67,7 +68,8 @@ def test_repeated_sigkills_then_a_resume_equal_an_uninterrupted_run(tmp_path, la
     chance = random.Random(f"kills-{launch}")
     kills = 0
     while kills < 4:
-        # A session of its own: the kill takes torchrun and its workers at once, as a lost node would.
+        # The kill takes the launcher and every process below it at once, as a lost node would (torchrun's
+        # workers lead sessions of their own: a process-group kill would leave them training).
         attempt = [*command, f"trainer.async_checkpoint={str(kills % 2 == 1).lower()}"] if alternate else command
         process = subprocess.Popen(attempt, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
         reached = logged_steps(run_dir) + 2 + chance.randrange(4)  # a few steps into this attempt
@@ -77,7 +79,7 @@ def test_repeated_sigkills_then_a_resume_equal_an_uninterrupted_run(tmp_path, la
         time.sleep(chance.uniform(0, 0.3))  # anywhere in a step, a save or an asynchronous write
         if process.poll() is not None:
             break  # finished before this kill
-        os.killpg(process.pid, signal.SIGKILL)
+        kill_process_tree(process.pid)
         process.wait()
         kills += 1
     assert kills >= 2
