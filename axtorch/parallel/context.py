@@ -63,7 +63,7 @@ class _GatherAlongSequence(torch.autograd.Function):
 
 
 class GatheredSequence:
-    """An attention ``sequence_exchange``: every process's keys, values and key positions, in group order.
+    """A ``SequenceExchange`` (attention's seam): every process's keys, values and key positions, in group order.
 
     Every layer of a forward gets the same positions tensor, so its gathered key positions are
     kept and reused: one exchange of positions per forward, not one per layer.

@@ -44,7 +44,7 @@ def _exchange(rows: torch.Tensor, send: list[int], receive: list[int], group: di
 
 
 class ExpertParallelCompute:
-    """A ``MixtureOfExperts.expert_compute`` for experts split over the ``expert`` axis of ``mesh``.
+    """An ``ExpertCompute`` (a mixture of experts' seam) for experts split over the ``expert`` axis of ``mesh``.
 
     ``mesh`` is (``data``, ``fsdp``, ``expert``); the stacked expert weights are DTensors on it,
     split over ``expert`` on their first dimension and possibly over ``fsdp``. Each forward
