@@ -98,8 +98,9 @@ class DecoderConfig:
     #: Activation checkpointing of each layer (``model/remat``); None keeps every activation.
     remat: Optional[RematConfig] = None
     #: Deprecated, removed in the next release: how the layers run is an execution choice, not the
-    #: model's (``execution.layer_runner=scan``); set here, it is moved there with a warning.
-    scan_layers: Optional[bool] = None
+    #: model's (``execution.layer_runner=scan``). True here sets that, with a warning; nothing
+    #: else reads it (it stays, so that the model's digest, and resuming such a run, is unchanged).
+    scan_layers: bool = False
 
     def validate(self, dim: int, key: str) -> None:
         if self.num_layers <= 0:

@@ -51,22 +51,18 @@ class ExperimentConfig:
     init_from: Optional[str] = None
 
     def __post_init__(self) -> None:
-        self._move_deprecated_settings()
+        self._apply_deprecated_settings()
 
-    def _move_deprecated_settings(self) -> None:
-        """Settings under their old keys move to their new ones, with a warning naming the new key."""
-        scan_layers = self.model.decoder.scan_layers
-        if scan_layers is None:
-            return
-        runner = LayerRunnerKind.scan if scan_layers else LayerRunnerKind.unrolled
-        warnings.warn(
-            f"model.decoder.scan_layers is deprecated and will be removed in the next release: "
-            f"use execution.layer_runner={runner.value}",
-            FutureWarning,
-            stacklevel=2,
-        )
-        self.execution.layer_runner = runner
-        self.model.decoder.scan_layers = None
+    def _apply_deprecated_settings(self) -> None:
+        """Settings under their old keys apply to their new ones, with a warning naming the new key."""
+        if self.model.decoder.scan_layers:
+            warnings.warn(
+                "model.decoder.scan_layers is deprecated and will be removed in the next release: "
+                "use execution.layer_runner=scan",
+                FutureWarning,
+                stacklevel=2,
+            )
+            self.execution.layer_runner = LayerRunnerKind.scan
 
     def validate(self) -> None:
         """Raise ``ConfigError`` for the first impossible setting, naming its key."""
