@@ -81,6 +81,9 @@ class SlurmCluster:
                     f"SlurmctldPort={free_port()}",
                     f"SlurmdPort={free_port()}",
                     "AuthType=auth/munge",
+                    # How long slurmd refuses a job's revoked credentials, and so how long a requeued job
+                    # waits before it may start again: 120 s by default.
+                    "AuthInfo=cred_expire=10",
                     f"StateSaveLocation={self.root / 'state'}",
                     f"SlurmdSpoolDir={self.root / 'spool'}",
                     f"SlurmctldPidFile={self.root / 'slurmctld.pid'}",
@@ -93,6 +96,7 @@ class SlurmCluster:
                     "SelectType=select/cons_tres",
                     "SelectTypeParameters=CR_CPU",
                     "SchedulerType=sched/builtin",  # start a job as soon as it fits, no backfill cycle
+                    "SchedulerParameters=sched_interval=2",  # and a requeued one soon after its wait (60 s)
                     "ReturnToService=2",
                     "JobRequeue=1",
                     "KillWait=60",  # SIGTERM to SIGKILL when a job is requeued: time for the save
@@ -177,16 +181,12 @@ class SlurmCluster:
             raise TimeoutError(f"{error}; last seen {self.job(job_id)}\n{self.logs()}") from error
 
     def wait_until_requeued(self, job_id: int, restarts: int) -> None:
-        """Wait for the job's ``restarts``-th requeue, then let it start: Slurm holds a requeued job for
-        about two minutes (its begin time) before it may run again. Not before the previous run's
-        steps are gone: its batch script may still be ending, and its exit would end the new run."""
+        """Wait for the job's ``restarts``-th requeue (Slurm starts it again after ``cred_expire``)."""
         self.wait_for(
             job_id,
-            lambda job: job["JobState"] == "PENDING" and int(job["Restarts"]) >= restarts,
-            f"pending again after requeue {restarts}",
+            lambda job: int(job["Restarts"]) >= restarts and job["JobState"] in ("PENDING", "RUNNING"),
+            f"requeued {restarts} times",
         )
-        _wait(lambda: not _has_steps(job_id), 120, f"the steps of job {job_id}'s previous run to end")
-        self.scontrol("update", f"JobId={job_id}", "StartTime=now")
 
     def wait_until_finished(self, job_id: int) -> dict[str, str]:
         self.wait_for(job_id, lambda job: job["JobState"] in FINISHED, "finished")
@@ -199,18 +199,6 @@ class SlurmCluster:
             lines = path.read_text(errors="replace").splitlines()[-20:] if path.exists() else ["(none)"]
             tails.append(f"--- {name}\n" + "\n".join(lines))
         return "\n".join(tails)
-
-
-def _has_steps(job_id: int) -> bool:
-    """Whether a slurmstepd of the job runs on this machine (its title: ``slurmstepd: [<job>.<step>]``)."""
-    title = f"slurmstepd: [{job_id}.".encode()
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            if cmdline.read_bytes().startswith(title):
-                return True
-        except OSError:  # the process ended meanwhile
-            continue
-    return False
 
 
 def _terminate(pid: int) -> None:
