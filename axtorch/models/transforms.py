@@ -34,6 +34,7 @@ class ModelTransformConfig:
         raise NotImplementedError(f"{type(self).__name__} must build its transform")
 
 
-def apply_model_transforms(transforms: Sequence[ModelTransformConfig], model: nn.Module) -> dict[str, list[str]]:
-    """Apply each of ``transforms`` to ``model`` in order; returns each transform's changed modules by its type name."""
-    return {type(config).__name__: config.build().apply(model) for config in transforms}
+def apply_model_transforms(transforms: Sequence[ModelTransformConfig], model: nn.Module) -> None:
+    """Apply each of ``transforms`` to ``model``, in order."""
+    for config in transforms:
+        config.build().apply(model)
