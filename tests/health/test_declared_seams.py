@@ -92,6 +92,17 @@ def test_backends_assign_no_attribute_that_no_layer_declares(moe_model):
     assert not direct, f"seams assigned by name instead of fill_seams(model, Protocol, implementation): {direct}"
 
 
+def test_backends_find_layers_without_duck_typing():
+    """By declared slot (``modules_with_seam``) or class, never by probing for an attribute."""
+    probes = [
+        f"parallel/{path.name}:{node.lineno}: {ast.unparse(node)}"
+        for path in sorted(PARALLEL_DIR.glob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "hasattr"
+    ]
+    assert not probes, f"backends probe modules for attributes: {probes}"
+
+
 def test_every_declared_seam_holds_a_default_of_its_protocol(moe_model):
     # Attention, mixture of experts and decoder each declare one; a new seam shows up here.
     assert {name: sorted(seams) for name, seams in _seams_by_class().items()} == {
