@@ -5,16 +5,15 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from debug_runs import STEPS, debug_overrides, train_losses, train_on_one_device
-from xla_runs import ROOT, XLA_PYTHON, needs_xla, run_worker, xla_env
+from xla_runs import ROOT, XLA_PYTHON, needs_xla, preempted_checkpoint, run_worker, wait_for_steps, xla_env
 
 from axtorch.compose.experiment import load_experiment_config
-from axtorch.train.checkpoint import checkpoint_problems, list_checkpoints, read_index, read_model_tensors
+from axtorch.train.checkpoint import read_index, read_model_tensors
 from axtorch.train.metrics import read_metrics
 from axtorch.train.trainer import Trainer
 
@@ -204,17 +203,6 @@ def test_a_sigterm_under_xla_finishes_the_step_saves_and_exits_0(tmp_path):
     overrides = debug_overrides(run_dir, tmp_path / "cache", "mesh.fsdp=4", "sharding=fsdp", "trainer.max_steps=500")
     command = [str(XLA_PYTHON), "-m", "axtorch.train", "backend=xla", *overrides]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
-    metrics = run_dir / "metrics.jsonl"
-    deadline = time.monotonic() + 600
-    while process.poll() is None and time.monotonic() < deadline:
-        if metrics.exists() and len(train_losses(run_dir)) >= 3:  # compiled, and past a few steps
-            break
-        time.sleep(0.2)
+    wait_for_steps(process, run_dir)
     process.send_signal(signal.SIGTERM)
-    stdout, stderr = process.communicate(timeout=300)
-    assert process.returncode == 0, stdout[-2000:] + stderr[-2000:]
-    said = next(line for line in stdout.splitlines() if line.startswith("preempted by SIGTERM at step "))
-    step = int(said.removeprefix("preempted by SIGTERM at step ").split(":")[0])
-    assert 3 <= step < 500
-    checkpoint = list_checkpoints(run_dir / "checkpoints")[-1]
-    assert checkpoint.name == f"step_{step:08d}" and checkpoint_problems(checkpoint) == []
+    preempted_checkpoint(process, run_dir)

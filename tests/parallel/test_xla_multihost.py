@@ -11,13 +11,12 @@ import math
 import shutil
 import signal
 import subprocess
-import time
 
 import psutil
 import pytest
 import torch
 from debug_runs import STEPS, debug_overrides, train_losses, train_on_one_device
-from xla_runs import ROOT, XLA_PYTHON, needs_xla, run_worker, torchrun, xla_env
+from xla_runs import ROOT, XLA_PYTHON, needs_xla, preempted_checkpoint, run_worker, torchrun, wait_for_steps, xla_env
 
 from axtorch.compose.experiment import load_experiment_config
 from axtorch.config.errors import ConfigError
@@ -27,7 +26,6 @@ from axtorch.train.checkpoint import (
     MODEL,
     OPTIMIZER,
     checkpoint_problems,
-    list_checkpoints,
     read_index,
     read_model_tensors,
 )
@@ -147,20 +145,10 @@ def test_a_sigterm_to_one_host_stops_both_at_the_same_step_with_one_checkpoint(t
     launcher = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=xla_env(DEVICES, HOSTS), cwd=ROOT
     )
-    deadline = time.monotonic() + 600
-    while launcher.poll() is None and time.monotonic() < deadline:
-        if (run_dir / "metrics.jsonl").exists() and len(train_losses(run_dir)) >= 3:  # compiled, a few steps done
-            break
-        time.sleep(0.2)
+    wait_for_steps(launcher, run_dir)
     (host1,) = [p for p in psutil.Process(launcher.pid).children() if p.environ().get("RANK") == "1"]
     host1.send_signal(signal.SIGTERM)
-    stdout, stderr = launcher.communicate(timeout=300)
-    assert launcher.returncode == 0, stdout[-2000:] + stderr[-3000:]
-    said = next(line for line in stdout.splitlines() if line.startswith("preempted by SIGTERM at step "))
-    step = int(said.removeprefix("preempted by SIGTERM at step ").split(":")[0])
-    assert 3 <= step < 500
-    checkpoint = list_checkpoints(run_dir / "checkpoints")[-1]
-    assert checkpoint.name == f"step_{step:08d}" and checkpoint_problems(checkpoint) == []
+    checkpoint = preempted_checkpoint(launcher, run_dir)
     files = {p["file"] for entry in read_index(checkpoint).values() for p in entry["pieces"]}
     assert files == set(_HOST_FILES[MODEL])
 

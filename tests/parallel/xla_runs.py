@@ -7,9 +7,13 @@ torch_xla needs torch 2.9.0, so the workers run with the interpreter of a separa
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
+from debug_runs import train_losses
+
+from axtorch.train.checkpoint import checkpoint_problems, list_checkpoints
 
 ROOT = Path(__file__).resolve().parents[2]
 XLA_PYTHON = Path(os.environ.get("AXTORCH_XLA_PYTHON", ROOT / ".venv-xla" / "bin" / "python"))
@@ -42,3 +46,24 @@ def run_worker(devices: int, out: Path, until: int, overrides: list[str], hosts:
     if hosts == 1:
         return [json.loads(out.read_text())]
     return [json.loads(out.with_name(f"{out.stem}.host{host}.json").read_text()) for host in range(hosts)]
+
+
+def wait_for_steps(process: subprocess.Popen, run_dir: Path, steps: int = 3) -> None:
+    """Until ``process`` has logged ``steps`` losses (compiled, and past a few steps) or ended."""
+    deadline = time.monotonic() + 600
+    while process.poll() is None and time.monotonic() < deadline:
+        if (run_dir / "metrics.jsonl").exists() and len(train_losses(run_dir)) >= steps:
+            break
+        time.sleep(0.2)
+
+
+def preempted_checkpoint(process: subprocess.Popen, run_dir: Path) -> Path:
+    """The checkpoint a SIGTERMed run saved: it exits 0, says at which step, and that checkpoint is sound."""
+    stdout, stderr = process.communicate(timeout=300)
+    assert process.returncode == 0, stdout[-2000:] + stderr[-3000:]
+    said = next(line for line in stdout.splitlines() if line.startswith("preempted by SIGTERM at step "))
+    step = int(said.removeprefix("preempted by SIGTERM at step ").split(":")[0])
+    assert 3 <= step < 500
+    checkpoint = list_checkpoints(run_dir / "checkpoints")[-1]
+    assert checkpoint.name == f"step_{step:08d}" and checkpoint_problems(checkpoint) == []
+    return checkpoint
