@@ -108,7 +108,11 @@ class SequenceExchange(Protocol):
 def local_sequence(
     keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The default ``SequenceExchange``: the whole sequence is here; the key positions are the queries'."""
+    """The default ``SequenceExchange``: the whole sequence is here.
+
+    The key positions are the queries' very tensor, which tells ``forward`` that a fusing kernel
+    may apply a plain causal mask itself.
+    """
     return keys, values, positions
 
 
