@@ -5,8 +5,8 @@
 
 - extraction: fenced blocks, commands split at unescaped line ends (``\\`` continues a line),
   comments (``# ...`` outside quotes) removed, and the ``# needs: <what>`` marker read from them;
-- ``as_run``: the command as the test runs it: the shared overrides (``TEST_OVERRIDES``) appended to
-  training commands, TPU lines on CPU virtual devices, the benchmark at its smallest.
+- ``as_run``: the command as the test runs it: a step limit (``STEP_LIMIT``) appended to training
+  commands, TPU lines on CPU virtual devices, the benchmark at its smallest.
 """
 
 from __future__ import annotations
@@ -23,18 +23,11 @@ REPO = Path(__file__).resolve().parents[2]
 DOC_GLOBS = ("README.md", "docs/*.md", "launch/README.md", "launch/*/README.md")
 
 #: Appended to every training command (``axtorch-train``, ``-m axtorch.train`` under python or
-#: torchrun, the ``launch/*.sh`` scripts that end in it): a few steps of a small batch on short
-#: sequences with a small vocabulary. Appended after the command's own overrides, so they win.
+#: torchrun, the ``launch/*.sh`` scripts that end in it), after its own overrides so that it wins:
+#: the only change to what the reader runs. The last step logs, evaluates and saves a checkpoint,
+#: so the commands after it (generate, plot, export) read what they would after a full run.
 #: docs/testing.md quotes this line; a test keeps the two equal.
-TEST_OVERRIDES = (
-    "trainer.max_steps=2 trainer.eval_every=2 trainer.checkpoint_every=2 trainer.log_every=1 "
-    "trainer.batch_size=4 trainer.eval_batches=1 data.seq_len=64 data.tokenizer.vocab_size=512"
-)
-#: Added unless the command chooses a tiny preset itself (``model=<name>_tiny`` or ``_debug``):
-#: released shapes such as ``model=llama3_1b`` are replaced, as is the default ``llama_tiny``.
-TEST_MODEL = "model=llama_debug"
-#: Added unless the command chooses another corpus than the default Python standard library.
-TEST_CORPUS = "data.source.max_files=40"
+STEP_LIMIT = "trainer.max_steps=2"
 #: Scripts run at their smallest (argparse: the last value of a repeated option wins).
 SCRIPT_ARGS = {"benchmarks/train_throughput.py": "--steps 1 --repeats 1"}
 #: TPU lines run on 4 CPU virtual devices, with .venv-xla first on PATH.
@@ -44,7 +37,6 @@ TPU_ON_CPU = "PJRT_DEVICE=CPU CPU_NUM_DEVICES=4"
 _HEREDOC = re.compile(r"<<-?\s*'?\"?(\w+)'?\"?\s*$")
 _NEEDS = re.compile(r"(?:^|\s)#\s*needs:\s*(.+?)\s*$")
 _ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
-_TINY_MODEL = re.compile(r"^model=\w+_(tiny|debug)$")
 
 
 @dataclass(frozen=True)
@@ -59,7 +51,7 @@ class Block:
 class DocCommand:
     doc: str
     line: int  # the command's first line
-    block_line: int  # the opening fence of its block: commands of one block share a directory
+    block_line: int  # the opening fence of its block
     index: int  # its position in the block
     text: str  # as written: continuations joined, comments removed
     needs: str | None  # the reason of a ``# needs: ...`` marker
@@ -67,10 +59,6 @@ class DocCommand:
     @property
     def id(self) -> str:
         return f"{self.doc}:{self.line}"
-
-    @property
-    def block_id(self) -> str:
-        return f"{self.doc}:{self.block_line}"
 
 
 @dataclass(frozen=True)
@@ -230,16 +218,8 @@ def as_run(text: str) -> str:
     run = text.replace(TPU, TPU_ON_CPU)
     if is_training_command(text):
         if _is_compound(text):
-            raise ValueError(f"cannot append the test overrides to a compound command: {text}")
-        words = _words(text)
-        extra = [TEST_OVERRIDES]
-        models = [w for w in words if w.startswith("model=")]
-        if not (models and _TINY_MODEL.match(models[-1])):
-            extra.append(TEST_MODEL)
-        corpora = [w.partition("=")[2] for w in words if w.startswith(("data=", "data/source="))]
-        if not corpora or corpora[-1] == "python_stdlib":
-            extra.append(TEST_CORPUS)
-        run = f"{run} {' '.join(extra)}"
+            raise ValueError(f"cannot append the step limit to a compound command: {text}")
+        run = f"{run} {STEP_LIMIT}"
     words = _words(text)
     for script, args in SCRIPT_ARGS.items():
         if script in words:

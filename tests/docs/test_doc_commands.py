@@ -2,11 +2,11 @@
 
 One case per command of each ```bash block of README.md, docs/*.md, launch/README.md and
 launch/*/README.md, and one per ```python snippet of README.md and docs/*.md; a case's id is the
-document and line. The commands of one block run in order in one fresh directory outside the
-repository (so the installed ``axtorch.conf`` configs are used, and a command can use what an
-earlier one wrote); running one case alone first runs the block's earlier commands. What the test
-changes, and only that, is in ``doc_blocks.as_run``: the shared overrides that keep training runs
-to a few small steps, TPU lines on CPU virtual devices, the benchmark at its smallest.
+document and line. The commands of one document run in order, as a reader runs them, in one fresh
+directory outside the repository (so the installed ``axtorch.conf`` configs are used, and a
+command can use what an earlier one wrote); running one case alone first runs the document's
+earlier commands. What the test changes, and only that, is in ``doc_blocks.as_run``: a step limit
+on training runs, TPU lines on CPU virtual devices, the benchmark at its smallest.
 
 A command that needs what this machine lacks says so in the document, ending in
 ``# needs: <what>``, and is skipped with that reason; any other command that fails, fails here.
@@ -24,9 +24,7 @@ from pathlib import Path
 import pytest
 from doc_blocks import (
     REPO,
-    TEST_CORPUS,
-    TEST_MODEL,
-    TEST_OVERRIDES,
+    STEP_LIMIT,
     Block,
     DocCommand,
     DocSnippet,
@@ -50,8 +48,8 @@ OUTPUT_TAIL_CHARS = 4000
 
 COMMANDS, SNIPPETS = collect()
 
-# Over 4 minutes on a 2-core machine (4m20s measured, with the two XLA commands failing early),
-# mostly about 20 training runs; the throughput benchmark alone takes about half a minute or more.
+# Minutes on a 2-core machine: about 25 training runs; the throughput benchmark alone takes about
+# half a minute or more.
 pytestmark = pytest.mark.slow
 
 
@@ -71,13 +69,13 @@ class Outcome:
             f"  as run:     {self.run}",
         ]
         if earlier_failures:
-            lines.append(f"  (earlier commands of this block failed too: {', '.join(earlier_failures)})")
+            lines.append(f"  (earlier commands of this document failed too: {', '.join(earlier_failures)})")
         return "\n".join([*lines, "--- output (tail) ---", tail])
 
 
 @dataclass
-class BlockRun:
-    """One block's directory and the outcomes of its commands so far."""
+class DocumentRun:
+    """One document's directory and the outcomes of its commands so far, by line."""
 
     directory: Path
     outcomes: dict[int, Outcome] = field(default_factory=dict)
@@ -144,36 +142,36 @@ def doc_home(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def block_runs(tmp_path_factory, doc_home):
-    """Run a command after the earlier ones of its block, all in the block's own directory."""
-    blocks: dict[str, BlockRun] = {}
+def document_runs(tmp_path_factory, doc_home):
+    """Run a command after the earlier ones of its document, all in the document's own directory."""
+    documents: dict[str, DocumentRun] = {}
 
     def run_through(command: DocCommand) -> tuple[Outcome, list[str]]:
-        if command.block_id not in blocks:
-            directory = tmp_path_factory.mktemp(command.block_id.replace("/", "_").replace(":", "-line") + "-")
+        if command.doc not in documents:
+            directory = tmp_path_factory.mktemp(command.doc.replace("/", "_") + "-")
             assert REPO not in directory.resolve().parents, "the commands must not run inside the repository"
             for name in LINKED:
                 (directory / name).symlink_to(REPO / name)
-            blocks[command.block_id] = BlockRun(directory)
-        block = blocks[command.block_id]
-        siblings = [c for c in COMMANDS if c.block_id == command.block_id and c.index <= command.index]
-        for sibling in siblings:
-            if sibling.index not in block.outcomes and (sibling is command or skip_reason(sibling) is None):
-                block.outcomes[sibling.index] = run_shell(sibling, block.directory, doc_home)
+            documents[command.doc] = DocumentRun(directory)
+        document = documents[command.doc]
+        earlier = [c for c in COMMANDS if c.doc == command.doc and c.line <= command.line]
+        for sibling in earlier:
+            if sibling.line not in document.outcomes and (sibling is command or skip_reason(sibling) is None):
+                document.outcomes[sibling.line] = run_shell(sibling, document.directory, doc_home)
         earlier_failures = [
-            o.command.id for i, o in sorted(block.outcomes.items()) if i < command.index and o.returncode != 0
+            o.command.id for line, o in sorted(document.outcomes.items()) if line < command.line and o.returncode != 0
         ]
-        return block.outcomes[command.index], earlier_failures
+        return document.outcomes[command.line], earlier_failures
 
     return run_through
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=[c.id for c in COMMANDS])
-def test_doc_command(command: DocCommand, block_runs):
+def test_doc_command(command: DocCommand, document_runs):
     reason = skip_reason(command)
     if reason:
         pytest.skip(reason)
-    outcome, earlier_failures = block_runs(command)
+    outcome, earlier_failures = document_runs(command)
     if outcome.returncode != 0:
         pytest.fail(outcome.report(earlier_failures), pytrace=False)
 
@@ -209,10 +207,8 @@ def test_the_docs_have_commands_and_snippets():
     assert any(s.doc == "README.md" for s in SNIPPETS)
 
 
-def test_the_shared_overrides_are_documented():
-    testing = (REPO / "docs" / "testing.md").read_text()
-    for part in (TEST_OVERRIDES, TEST_MODEL, TEST_CORPUS):
-        assert part in testing, f"docs/testing.md does not quote {part!r}"
+def test_the_step_limit_is_documented():
+    assert f"`{STEP_LIMIT}`" in (REPO / "docs" / "testing.md").read_text()
 
 
 def test_commands_split_at_lines_continuations_and_comments():
@@ -227,16 +223,15 @@ def test_commands_split_at_lines_continuations_and_comments():
     first, second = shell_commands(block)
     assert (first.line, first.text, first.needs) == (12, "axtorch-train a=1 b='#not a comment' c=\"x # y\"", None)
     assert (second.line, second.text, second.needs) == (15, "sbatch job.sh", "a Slurm cluster")
-    assert (first.block_id, second.index) == ("doc.md:10", 1)
+    assert (first.block_line, second.index) == (10, 1)
 
 
-def test_training_commands_get_the_shared_overrides():
+def test_training_commands_get_only_the_step_limit():
     assert as_run("make train") == "make train"
     run = as_run("PJRT_DEVICE=TPU .venv-xla/bin/python -m axtorch.train backend=xla")
-    assert run.startswith("PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 .venv-xla/bin/python -m axtorch.train backend=xla ")
-    assert run.endswith(f"{TEST_OVERRIDES} {TEST_MODEL} {TEST_CORPUS}")
-    assert TEST_MODEL not in as_run("axtorch-train model=mixtral_tiny")
-    assert TEST_MODEL in as_run("launch/torchrun_single_node.sh model=llama3_1b")
-    assert TEST_CORPUS not in as_run("axtorch-train data=text_files")
+    assert run == f"PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 .venv-xla/bin/python -m axtorch.train backend=xla {STEP_LIMIT}"
+    assert as_run("axtorch-train model=mixtral_tiny") == f"axtorch-train model=mixtral_tiny {STEP_LIMIT}"
+    assert as_run("launch/torchrun_single_node.sh model=llama3_1b").endswith(f"model=llama3_1b {STEP_LIMIT}")
+    assert as_run("axtorch-generate checkpoint=runs/x") == "axtorch-generate checkpoint=runs/x"
     with pytest.raises(ValueError, match="compound"):
         as_run("axtorch-train x=1 | tee log")
