@@ -76,8 +76,11 @@ def test_gradient_accumulation_matches_the_full_batch(tmp_path, data_cache):
     )
     one.fit()
     four.fit()
+    # Summing four micro-batches rounds differently from one batch, and AdamW divides by sqrt(v):
+    # for lm_head rows of tokens the batch barely touches (gradients near eps) that rounding comes
+    # out at the learning rate's scale (2.2e-6 measured on this CPU with torch 2.13).
     for (name, a), (_, b) in zip(one.model.named_parameters(), four.model.named_parameters()):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=name)
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
 
 
 def test_resuming_with_a_different_model_is_refused(tmp_path, data_cache):
