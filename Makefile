@@ -22,9 +22,10 @@ check: $(VENV)/.axtorch-test
 	$(VENV)/bin/ruff format --check axtorch tests benchmarks
 	$(VENV)/bin/mypy axtorch
 
-# One pytest worker per core, each taking whole files (so a module's fixtures run once): most
-# tests wait on subprocesses (torchrun, XLA workers, the documented commands) part of the time.
-PARALLEL := -n auto --dist loadfile
+# One pytest worker per core, each taking whole scheduling groups: a file (so its module fixtures
+# run once) or a finer group a file names (tests/conftest.py). Most tests wait on subprocesses
+# (torchrun, XLA workers, the documented commands) part of the time.
+PARALLEL := -n auto --dist loadgroup
 
 test-newest: $(VENV)/.axtorch-test $(OLDEST_VENV)/.axtorch-xla
 	$(VENV)/bin/python -m pytest $(PARALLEL) --durations=15 $(ARGS)

@@ -51,7 +51,16 @@ def random_hf_model():
     return build
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Slow tests first. Under pytest-xdist (``make test``: a worker per core, whole files each),
-    the files holding them then start early, and the many short files fill in at the end."""
+    """Slow tests first, and every test in a scheduling group: its file's, unless it names its own.
+
+    Under pytest-xdist (``make test``: a worker per core, ``--dist loadgroup``) each group runs
+    whole on one worker, so a file's module fixtures run once; a file that can split (the
+    documented commands, one group per document) names finer groups. The groups holding slow
+    tests start early, and the many short files fill in at the end.
+    """
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
