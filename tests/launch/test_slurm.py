@@ -4,7 +4,6 @@ a preempted job that saves, requeues without counting as a failure, and resumes 
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import pytest
 import torch
 from parallel.debug_runs import STEPS, debug_overrides, train_losses, train_on_one_device
 from slurm_cluster import SlurmCluster, free_port
+from torchrun_runs import TORCHRUN_EXECUTABLE
 from train.process_runs import logged_steps
 
 from axtorch.train.checkpoint import read_model_tensors
@@ -33,7 +33,7 @@ def _submit(slurm: SlurmCluster, out: Path, overrides: list[str], **env: str) ->
     environment = {
         "NPROC": "2",
         "MASTER_PORT": str(free_port()),
-        "TORCHRUN": str(Path(sys.executable).with_name("torchrun")),
+        "TORCHRUN": str(TORCHRUN_EXECUTABLE),
     }
     return slurm.submit(options, SCRIPT, overrides, {**environment, **env})
 

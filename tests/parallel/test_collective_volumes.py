@@ -5,13 +5,12 @@ one training step as its ring algorithm sends it, and the planner predicts the s
 """
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from debug_runs import debug_overrides
 from test_native_moe import MOE
+from torchrun_runs import run_torchrun
 
 from axtorch.parallel.pipeline_config import layer_ranges
 from axtorch.plan import Planner, cluster_for, load_plan_inputs
@@ -27,10 +26,7 @@ def _measured_and_predicted(tmp_path: Path, sharding: str, *overrides: str) -> t
     overrides = (*overrides, f"sharding={sharding}")
     run_overrides = debug_overrides(tmp_path / "run", tmp_path / "cache", "backend=native", *overrides)
     out = tmp_path / "volumes.json"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(PROCESSES), "--standalone"]
-    run = subprocess.run([*command, str(WORKER), str(out), *run_overrides], capture_output=True, text=True, timeout=600)
-    # A rank's own error sits well above torchrun's summary of the failed processes.
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-12000:]
+    run_torchrun(PROCESSES, str(WORKER), str(out), *run_overrides, tail=12000)
     config, mesh = load_plan_inputs(["experiment=debug", *overrides])
     seq_len, batch = config.data.seq_len, config.trainer.batch_size
     planner = Planner(config, {sharding: config.sharding}, cluster_for(f"gpu-H100-{PROCESSES}x1"), seq_len, batch)

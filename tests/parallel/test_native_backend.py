@@ -5,12 +5,12 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from debug_runs import STEPS, debug_overrides, train_losses, train_on_one_device
+from torchrun_runs import TORCHRUN_EXECUTABLE, run_torchrun
 
 from axtorch.compose.experiment import load_experiment_config
 from axtorch.layers.transformer import TransformerLayerInput, TransformerLayerOutput
@@ -23,20 +23,7 @@ WORKER = Path(__file__).with_name("native_worker.py")
 
 
 def _torchrun(processes: int, out: Path, until: int, overrides: list[str]) -> list[dict]:
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        str(processes),
-        "--standalone",
-        str(WORKER),
-        str(out),
-        str(until),
-        *overrides,
-    ]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    run_torchrun(processes, str(WORKER), str(out), str(until), *overrides)
     return [json.loads(out.with_name(f"{out.name}.rank{r}.json").read_text()) for r in range(processes)]
 
 
@@ -154,7 +141,7 @@ def test_checkpoint_moves_between_meshes_and_training_continues_alike(runs, tmp_
 def test_launcher_runs_native_training_and_rejects_a_mesh_that_does_not_fit(tmp_path):
     """launch/torchrun_single_node.sh with 2 CPU processes: a run that fits, and one that does not."""
     launcher = Path(__file__).resolve().parents[2] / "launch" / "torchrun_single_node.sh"
-    env = {**os.environ, "NPROC": "2", "TORCHRUN": str(Path(sys.executable).with_name("torchrun"))}
+    env = {**os.environ, "NPROC": "2", "TORCHRUN": str(TORCHRUN_EXECUTABLE)}
 
     def launch(run: str, *extra: str) -> subprocess.CompletedProcess:
         overrides = debug_overrides(tmp_path / run, tmp_path / "cache", "backend=native", *extra)

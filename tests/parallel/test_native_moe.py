@@ -6,13 +6,12 @@ tokens per expert, times mean probabilities) are per forward call, so replicas c
 their own rows legitimately differ from one device computing it on the whole batch.
 """
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from debug_runs import STEPS, debug_overrides, train_losses, train_on_one_device
+from torchrun_runs import run_torchrun
 
 from axtorch.train.checkpoint import read_model_tensors
 
@@ -54,20 +53,9 @@ def test_mixture_of_experts_losses_match_a_single_device(processes, mesh, one_de
     cache = tmp_path / "cache"
     train_on_one_device(tmp_path / "single", cache, *MOE, *one_device)
     out = tmp_path / "distributed"
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        str(processes),
-        "--standalone",
-        str(WORKER),
-        str(out),
-        str(STEPS),
-        *debug_overrides(out, cache, "backend=native", *mesh, *MOE),
-    ]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    run_torchrun(
+        processes, str(WORKER), str(out), str(STEPS), *debug_overrides(out, cache, "backend=native", *mesh, *MOE)
+    )
     single, distributed = train_losses(tmp_path / "single"), train_losses(out)
     assert len(single) == len(distributed) == STEPS
     torch.testing.assert_close(torch.tensor(distributed), torch.tensor(single), rtol=1e-5, atol=1e-5)

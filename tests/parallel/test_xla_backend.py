@@ -4,12 +4,12 @@ import math
 import shutil
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from debug_runs import STEPS, debug_overrides, train_losses, train_on_one_device
+from torchrun_runs import run_torchrun
 from xla_runs import ROOT, XLA_PYTHON, needs_xla, preempted_checkpoint, run_worker, wait_for_steps, xla_env
 
 from axtorch.compose.experiment import load_experiment_config
@@ -143,20 +143,13 @@ def test_xla_checkpoint_resumes_under_native_and_on_one_device(runs, tmp_path):
     to_native, to_single = tmp_path / "to_native", tmp_path / "to_single"
     for target in (to_native, to_single):
         shutil.copytree(root / "xla_fsdp4" / "checkpoints", target / "checkpoints")
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--standalone",
+    run_torchrun(
+        2,
         str(NATIVE_WORKER),
         str(tmp_path / "native"),
         str(STEPS + 3),
         *debug_overrides(to_native, cache, "backend=native", "mesh.fsdp=2", "sharding=fsdp"),
-    ]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    )
     Trainer(load_experiment_config(debug_overrides(to_single, cache))).fit()
     Trainer(load_experiment_config(debug_overrides(root / "single", cache))).fit()
     reference = train_losses(root / "single")[-3:]

@@ -16,7 +16,8 @@ import psutil
 import pytest
 import torch
 from debug_runs import STEPS, debug_overrides, train_losses, train_on_one_device
-from xla_runs import ROOT, XLA_PYTHON, needs_xla, preempted_checkpoint, run_worker, torchrun, wait_for_steps, xla_env
+from torchrun_runs import torchrun
+from xla_runs import ROOT, XLA_PYTHON, needs_xla, preempted_checkpoint, run_worker, wait_for_steps, xla_env
 
 from axtorch.compose.experiment import load_experiment_config
 from axtorch.config.errors import ConfigError
@@ -141,7 +142,7 @@ def test_a_sigterm_to_one_host_stops_both_at_the_same_step_with_one_checkpoint(t
     """Only host 1 is signalled; both hosts agree on the step, save together and exit 0."""
     run_dir = tmp_path / "run"
     overrides = debug_overrides(run_dir, tmp_path / "cache", *_FSDP4, "trainer.max_steps=500")
-    command = [*torchrun(HOSTS), "-m", "axtorch.train", "backend=xla", *overrides]
+    command = [*torchrun(HOSTS, XLA_PYTHON), "-m", "axtorch.train", "backend=xla", *overrides]
     launcher = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=xla_env(DEVICES, HOSTS), cwd=ROOT
     )

@@ -6,13 +6,13 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 from process_tree import kill_process_tree
+from torchrun_runs import TORCHRUN_EXECUTABLE
 
 LAUNCHER = Path(__file__).resolve().parents[2] / "launch" / "torchrun_multi_node.sh"
 
@@ -70,7 +70,7 @@ def start_node(
         "NODE_RANK": str(node_rank),
         "RDZV_BACKEND": rdzv_backend,
         "RDZV_ID": f"test-{port}",
-        "TORCHRUN": str(Path(sys.executable).with_name("torchrun")),
+        "TORCHRUN": str(TORCHRUN_EXECUTABLE),
         **(env or {}),
     }
     with log.open("w") as output:

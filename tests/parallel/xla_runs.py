@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from debug_runs import train_losses
+from torchrun_runs import torchrun
 
 from axtorch.train.checkpoint import checkpoint_problems, list_checkpoints
 
@@ -32,14 +33,9 @@ def xla_env(devices: int, hosts: int = 1) -> dict[str, str]:
     return env
 
 
-def torchrun(hosts: int) -> list[str]:
-    """The xla environment's torchrun on this machine, one process per simulated host."""
-    return [str(XLA_PYTHON), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(hosts)]
-
-
 def run_worker(devices: int, out: Path, until: int, overrides: list[str], hosts: int = 1) -> list[dict]:
     """Train with ``xla_worker.py`` to step ``until``; every host's report, in host order."""
-    launcher = [str(XLA_PYTHON)] if hosts == 1 else torchrun(hosts)
+    launcher = [str(XLA_PYTHON)] if hosts == 1 else torchrun(hosts, XLA_PYTHON)
     command = [*launcher, str(WORKER), str(out), str(until), "backend=xla", *overrides]
     result = subprocess.run(command, capture_output=True, text=True, timeout=900, env=xla_env(devices, hosts), cwd=ROOT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

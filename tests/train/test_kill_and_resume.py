@@ -17,6 +17,7 @@ import torch
 from process_runs import logged_steps
 from process_tree import kill_process_tree
 from quiet_runs import quiet_debug_run
+from torchrun_runs import TORCHRUN_EXECUTABLE, torchrun
 
 from axtorch.train.checkpoint import read_model_tensors
 
@@ -44,12 +45,14 @@ def _assert_equal_parameters(run_dir: Path, straight_dir: Path) -> None:
         assert torch.equal(tensor, got[name]), name
 
 
-TORCHRUN = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node", "2"]
 LAUNCHES = {
     # One device: the attempts alternate between synchronous and asynchronous saves, so kills land
     # both in a save on the training thread and in a background write.
     "one_device": ([sys.executable], ()),
-    "torchrun_async": (TORCHRUN, ("backend=native", "mesh.fsdp=2", "sharding=fsdp", "trainer.async_checkpoint=true")),
+    "torchrun_async": (
+        torchrun(2),
+        ("backend=native", "mesh.fsdp=2", "sharding=fsdp", "trainer.async_checkpoint=true"),
+    ),
 }
 
 
@@ -92,7 +95,7 @@ def test_the_torchrun_launcher_restarts_a_killed_worker_and_the_run_ends_exact(t
     place, the restarted workers resume from the newest checkpoint, and the run exits 0 with the
     parameters of an uninterrupted run."""
     launcher = Path(__file__).resolve().parents[2] / "launch" / "torchrun_single_node.sh"
-    env = {**os.environ, "NPROC": "2", "TORCHRUN": TORCHRUN[0]}
+    env = {**os.environ, "NPROC": "2", "TORCHRUN": str(TORCHRUN_EXECUTABLE)}
     parallel = LAUNCHES["torchrun_async"][1]
     cache = tmp_path / "cache"
     straight = subprocess.run(

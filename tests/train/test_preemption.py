@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 from process_runs import logged_steps
+from torchrun_runs import torchrun
 
 from axtorch.train.checkpoint import checkpoint_problems, list_checkpoints, read_model_tensors
 
 pytestmark = pytest.mark.slow
-TORCHRUN = Path(sys.executable).with_name("torchrun")
 
 
 def _command(run_dir: Path, cache: Path, launcher: list[str], *extra: str) -> list[str]:
@@ -77,7 +77,7 @@ def test_a_signal_saves_at_a_step_boundary_and_exits_0(tmp_path, signal_number):
 
 
 def test_under_torchrun_every_rank_stops_at_the_same_step_and_the_resume_is_exact(tmp_path):
-    launcher = [str(TORCHRUN), "--standalone", "--nproc-per-node", "2"]
+    launcher = torchrun(2)
     parallel = ("backend=native", "mesh.fsdp=2", "sharding=fsdp")
     run_dir = tmp_path / "run"
     command = _command(run_dir, tmp_path / "cache", launcher, *parallel)

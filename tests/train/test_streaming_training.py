@@ -2,12 +2,11 @@
 under torchrun, each reading only its own virtual streams, train as one process does."""
 
 import json
-import subprocess
-import sys
 import sysconfig
 from pathlib import Path
 
 import pytest
+from torchrun_runs import run_torchrun
 
 from axtorch.compose.experiment import load_experiment_config
 from axtorch.train.metrics import read_metrics
@@ -62,19 +61,9 @@ def test_a_resumed_streaming_run_matches_an_uninterrupted_one(corpus, tmp_path):
 
 
 def _torchrun(corpus: Path, run_dir: Path, *extra: str) -> None:
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--standalone",
-        "-m",
-        "axtorch.train",
-        *overrides(corpus, run_dir, "backend=native", "mesh.fsdp=2", "sharding=fsdp", *extra),
-    ]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    run_torchrun(
+        2, "-m", "axtorch.train", *overrides(corpus, run_dir, "backend=native", "mesh.fsdp=2", "sharding=fsdp", *extra)
+    )
 
 
 @pytest.mark.slow
