@@ -19,7 +19,7 @@ from torch import nn
 
 from axtorch.config.errors import ConfigError
 from axtorch.layers.attention_kernel import AttentionKernelConfig, SdpaKernelConfig
-from axtorch.layers.attention_mask import MaskConfig
+from axtorch.layers.attention_mask import DocumentMask, MaskConfig
 from axtorch.layers.kv_cache import KVCache
 from axtorch.layers.linear import LinearConfig
 from axtorch.layers.norm import NormConfig
@@ -121,6 +121,9 @@ class AttentionInput:
     hidden_states: torch.Tensor  # [B, S, dim]
     positions: torch.Tensor  # [B, S] absolute positions
     kv_cache: Optional[KVCache] = None
+    #: [B, S] document of each token of packed sequences (positions restart in each); None: one
+    #: document per row. Attention then stays within a document (``DocumentMask``).
+    segment_ids: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -146,7 +149,7 @@ class GroupedQueryAttention(nn.Module):
         self.query_norm = _build_optional_norm(config.query_norm, self.head_dim)
         self.key_norm = _build_optional_norm(config.key_norm, self.head_dim)
         self.position = config.position.build(self.head_dim)
-        self.mask = config.mask.build()
+        self.mask = DocumentMask(config.mask.build())
         self.kernel = (config.kernel or SdpaKernelConfig()).build()
         self.sequence_exchange: SequenceExchange = local_sequence
 
@@ -184,11 +187,19 @@ class GroupedQueryAttention(nn.Module):
             v = self.v_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         q, k = self.position(q, k, inputs.positions)
 
+        segments = inputs.segment_ids
         if inputs.kv_cache is not None:
+            if segments is not None:
+                raise ValueError("KV-cache decoding reads one document per row: pass no segment ids")
             k, v = inputs.kv_cache.update(k, v, inputs.positions)
             key_positions = inputs.kv_cache.key_positions()
         else:
             k, v, key_positions = self.sequence_exchange(k, v, inputs.positions)
+            if segments is not None and key_positions.shape[-1] != segments.shape[-1]:
+                raise ValueError(
+                    "document masking (segment ids) does not run with context parallelism (mesh seq > 1): "
+                    "the sequence exchange gathers the keys' positions but not their documents"
+                )
         bias = self.position.score_bias(inputs.positions, key_positions, self.num_heads)
         if bias is not None and bias.shape[1] != q.shape[1]:
             raise ValueError(
@@ -201,10 +212,11 @@ class GroupedQueryAttention(nn.Module):
             and self.mask.is_plain_causal
             and bias is None
             and self.kernel.fuses_causal_mask
+            and segments is None
         )
         mask: Optional[torch.Tensor] = None
         if not fused_causal:
-            allowed = self.mask(inputs.positions, key_positions)
+            allowed = self.mask(inputs.positions, key_positions, segments, segments)
             # With a bias, an additive float mask: the bias where allowed, -inf elsewhere.
             mask = allowed if bias is None else bias.to(q.dtype).masked_fill(~allowed, float("-inf"))
         with activation_name("attention_context"):

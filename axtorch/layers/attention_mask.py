@@ -3,6 +3,12 @@
 Masks compare absolute positions, so the same rule serves training (keys are the sequence) and
 KV-cache decoding (keys are cache slots indexed by position; empty slots lie in the future and
 are masked by the same comparison).
+
+Packed sequences add a part: segment ids (which document each token belongs to).
+``DocumentMask`` composes the configured mask with "the same document" (AXLearn's
+``and_masks`` of a causal or sliding-window mask and a segment mask). Positions restart at 0 in
+every document, so causal and window comparisons stay right within one, and a token never sees
+another document.
 """
 
 from __future__ import annotations
@@ -88,3 +94,35 @@ class SlidingWindowMask(AttentionMask):
 
     def extra_repr(self) -> str:
         return f"window={self.window}"
+
+
+def same_segment(query_segments: torch.Tensor, key_segments: torch.Tensor) -> torch.Tensor:
+    """[B, 1, Sq, Sk] True where the query and the key belong to the same document (segment id)."""
+    return query_segments[:, None, :, None] == key_segments[:, None, None, :]
+
+
+class DocumentMask(AttentionMask):
+    """The configured mask (``within``) and, when segment ids are given, the same document.
+
+    Without segment ids (unpacked data, KV-cache decoding of one document) it is ``within``
+    unchanged, so a plain causal mask keeps its fused kernel path.
+    """
+
+    def __init__(self, within: AttentionMask):
+        super().__init__()
+        self.within = within
+        self.window = within.window
+        self.is_plain_causal = within.is_plain_causal
+
+    def forward(
+        self,
+        query_positions: torch.Tensor,
+        key_positions: torch.Tensor,
+        query_segments: Optional[torch.Tensor] = None,
+        key_segments: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """Boolean [B, 1, Sq, Sk] mask, True where attention is allowed."""
+        allowed = self.within(query_positions, key_positions)
+        if query_segments is None or key_segments is None:
+            return allowed
+        return allowed & same_segment(query_segments, key_segments)

@@ -43,6 +43,8 @@ class TransformerLayerInput:
     hidden_states: torch.Tensor  # [B, S, dim]
     positions: torch.Tensor  # [B, S]
     kv_cache: Optional[KVCache] = None
+    #: [B, S] document of each token of packed sequences (``AttentionInput.segment_ids``).
+    segment_ids: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -81,7 +83,7 @@ class TransformerLayer(nn.Module):
         h, attention = self.attention_residual(
             inputs.hidden_states,
             self.attention_norm,
-            lambda x: self.attention(AttentionInput(x, inputs.positions, inputs.kv_cache)),
+            lambda x: self.attention(AttentionInput(x, inputs.positions, inputs.kv_cache, inputs.segment_ids)),
         )
         out, feed_forward = self.feed_forward_residual(
             h, self.feed_forward_norm, lambda x: self.feed_forward(FeedForwardInput(x))
@@ -118,6 +120,8 @@ class DecoderInput:
     hidden_states: torch.Tensor  # [B, S, dim]
     positions: torch.Tensor  # [B, S]
     kv_caches: Optional[list[KVCache]] = None
+    #: [B, S] document of each token of packed sequences (``AttentionInput.segment_ids``).
+    segment_ids: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -188,6 +192,7 @@ def run_layers_unrolled(decoder: Decoder, inputs: DecoderInput) -> tuple[torch.T
     caches: list[Optional[KVCache]] = [None] * len(decoder.layers) if inputs.kv_caches is None else [*inputs.kv_caches]
     hidden_states, aux_loss = inputs.hidden_states, None
     for layer, cache in zip(decoder.layers, caches):
-        out = decoder.run_layer(layer, TransformerLayerInput(hidden_states, inputs.positions, cache))
+        layer_input = TransformerLayerInput(hidden_states, inputs.positions, cache, inputs.segment_ids)
+        out = decoder.run_layer(layer, layer_input)
         hidden_states, aux_loss = out.hidden_states, add_aux_loss(aux_loss, out.aux_loss)
     return hidden_states, aux_loss

@@ -69,6 +69,9 @@ class CausalLMInput:
     input_ids: torch.Tensor  # [B, S] int64
     #: [B, S] absolute positions; None means 0..S-1 for every row.
     positions: Optional[torch.Tensor] = None
+    #: [B, S] document of each token when a row packs several (positions restart in each); None:
+    #: one document per row. Attention stays within a document (``DocumentMask``).
+    segment_ids: Optional[torch.Tensor] = None
     #: One cache per layer for incremental decoding (see ``CausalLM.allocate_kv_caches``).
     kv_caches: Optional[list[KVCache]] = None
     #: Called as ``head_fn(final hidden states, head weight, head bias)`` in place of the output
@@ -143,7 +146,9 @@ class CausalLM(nn.Module):
         positions = inputs.positions
         if positions is None:
             positions = default_positions(ids)
-        decoded = self.decoder(DecoderInput(self.embed(ids, positions), positions, inputs.kv_caches))
+        decoded = self.decoder(
+            DecoderInput(self.embed(ids, positions), positions, inputs.kv_caches, inputs.segment_ids)
+        )
         final = decoded.hidden_states
         if inputs.head_positions is not None:
             final = final.gather(1, inputs.head_positions[..., None].expand(-1, -1, final.shape[-1]))

@@ -76,6 +76,11 @@ class LayerScan:
         layer (``torch.utils.checkpoint`` does not apply inside a traced scan body). A decode step
         with KV caches runs unrolled: the scan's carry holds no per-layer caches.
         """
+        if inputs.segment_ids is not None:
+            raise ValueError(
+                "execution.layer_runner=scan carries no segment ids: document masking (packed documents) "
+                "runs with the unrolled layer runner"
+            )
         if inputs.kv_caches is not None:
             return run_layers_unrolled(decoder, inputs)
         hidden_states, positions = inputs.hidden_states, inputs.positions

@@ -137,14 +137,16 @@ def forward_with_loss(
     labels: torch.Tensor,
     num_target_tokens: Optional[torch.Tensor] = None,
     positions: Optional[torch.Tensor] = None,
+    segment_ids: Optional[torch.Tensor] = None,
 ) -> tuple[LossOutput, Optional[torch.Tensor]]:
     """A causal LM's forward and its loss: ``(loss, the model's aux loss)``.
 
     With ``loss.chunk_size`` set the head runs fused with the loss inside the model's forward;
     otherwise the model returns whole logits and the loss reads them. ``positions`` (None:
-    0..S-1) are the tokens' absolute positions, given when they are a slice of longer sequences.
+    0..S-1) are the tokens' absolute positions, given when they are a slice of longer sequences
+    or restart in each packed document; ``segment_ids`` (None: one document a row) the documents.
     """
     head_fn = loss_fn.head_fn(labels, num_target_tokens)
-    output = model(CausalLMInput(input_ids, positions=positions, head_fn=head_fn))
+    output = model(CausalLMInput(input_ids, positions=positions, segment_ids=segment_ids, head_fn=head_fn))
     loss = loss_fn(LossInput(output.logits, labels, num_target_tokens, fused=output.head_output))
     return loss, output.aux_loss

@@ -301,7 +301,13 @@ class Trainer:
         for mb in micro_batches if pipeline is None else ():
             with self._autocast():
                 loss, aux_loss = forward_with_loss(
-                    self.model, self.loss_fn, mb["input_ids"], mb["labels"], num_targets, mb.get("positions")
+                    self.model,
+                    self.loss_fn,
+                    mb["input_ids"],
+                    mb["labels"],
+                    num_targets,
+                    mb.get("positions"),
+                    mb.get("segment_ids"),
                 )
                 objective = loss.loss
                 if aux_loss is not None:
@@ -313,6 +319,8 @@ class Trainer:
             total_loss += loss.cross_entropy.detach()
         if pipeline is not None:  # the schedule runs the forwards and backwards (one micro-batch list)
             (mb,) = micro_batches
+            if "segment_ids" in mb:
+                raise ValueError("pipeline stages take no segment ids: document masking needs mesh pipe=1")
             with self._autocast():
                 sums = pipeline.run(mb["input_ids"], mb["labels"], self._stage_loss(num_targets), train=True)
             total_loss += sums[0].float()
@@ -361,7 +369,12 @@ class Trainer:
                     continue
                 with self._autocast():
                     loss, _ = forward_with_loss(
-                        self.model, self.loss_fn, mb["input_ids"], mb["labels"], positions=mb.get("positions")
+                        self.model,
+                        self.loss_fn,
+                        mb["input_ids"],
+                        mb["labels"],
+                        positions=mb.get("positions"),
+                        segment_ids=mb.get("segment_ids"),
                     )
                 sums += torch.stack([loss.cross_entropy.double() * loss.num_tokens, loss.num_tokens.double()])
                 self.backend.run_traced()  # one batch's program, the same for every batch
