@@ -12,7 +12,7 @@ from axtorch.parallel.execution import ExecutionConfig
 from axtorch.parallel.mesh import MeshConfig
 from axtorch.parallel.pipeline_config import PipelineConfig
 from axtorch.parallel.rules import ShardingConfig
-from axtorch.parallel.single import SingleDeviceBackend, resolve_device
+from axtorch.parallel.single import SingleDeviceBackend, device_name, resolve_device
 
 
 class BackendKind(enum.Enum):
@@ -22,13 +22,6 @@ class BackendKind(enum.Enum):
     native = "native"
     #: torch_xla SPMD: TPU, torch-neuronx, or CPU virtual devices.
     xla = "xla"
-
-
-def native_device_type(device: str) -> str:
-    """The torch device type a native run uses: ``auto`` means CUDA when present."""
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device.split(":")[0]
 
 
 def build_backend(
@@ -50,7 +43,7 @@ def build_backend(
     if kind is BackendKind.native:
         from axtorch.parallel.native import NativeBackend  # torch.distributed only when asked for
 
-        return NativeBackend(mesh, sharding, native_device_type(device), pipeline, gather_dtype, reduce_dtype)
+        return NativeBackend(mesh, sharding, device_name(device).split(":")[0], pipeline, gather_dtype, reduce_dtype)
     if kind is BackendKind.xla:
         from axtorch.parallel.xla import XlaBackend  # torch_xla only when asked for
 

@@ -13,12 +13,17 @@ from axtorch.models.causal_lm import CausalLM
 from axtorch.parallel.backend import HostFedBackend
 
 
-def resolve_device(name: str, key: str = "trainer.device") -> torch.device:
-    """``auto`` picks CUDA when present, else the CPU; an unavailable device is a ConfigError."""
+def device_name(name: str) -> str:
+    """The one reading of a ``device`` setting: ``auto`` is CUDA when present, else the CPU; others stay."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
+def resolve_device(name: str, key: str = "trainer.device") -> torch.device:
+    """The device a ``device`` setting names (:func:`device_name`); an unavailable device is a ConfigError."""
     try:
-        device = torch.device(name)
+        device = torch.device(device_name(name))
     except RuntimeError as error:
         raise ConfigError(key, name, "auto, cpu, cuda or cuda:<index>", reason=str(error)) from error
     if device.type == "cuda" and not torch.cuda.is_available():
