@@ -24,7 +24,7 @@ from axtorch.layers.kv_cache import KVCache
 from axtorch.layers.linear import LinearConfig
 from axtorch.layers.norm import NormConfig
 from axtorch.layers.position import PositionConfig
-from axtorch.layers.remat import activation_name
+from axtorch.layers.remat import ActivationWidths, activation_name
 from axtorch.layers.seams import Seams
 
 
@@ -86,6 +86,18 @@ class AttentionConfig:
             )
         if self.kernel is not None:
             self.kernel.validate(f"{key}.kernel")
+
+    def activation_widths(self, dim: int, tensor_parallel: int = 1) -> ActivationWidths:
+        """The activations ``GroupedQueryAttention`` names for remat, in features per token on one device."""
+        query = self.num_heads * self.resolved_head_dim(dim) / tensor_parallel
+        key_value = self.resolved_kv_heads() * self.resolved_head_dim(dim) / tensor_parallel
+        return {
+            "attention_query": query,
+            "attention_key": key_value,
+            "attention_value": key_value,
+            "attention_context": query,
+            "attention_output": dim,
+        }
 
     def build(self, dim: int) -> GroupedQueryAttention:
         return GroupedQueryAttention(self, dim)

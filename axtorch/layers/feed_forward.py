@@ -17,7 +17,7 @@ from torch import nn
 
 from axtorch.config.errors import ConfigError
 from axtorch.layers.linear import LinearConfig
-from axtorch.layers.remat import activation_name
+from axtorch.layers.remat import ActivationWidths, activation_name
 
 
 class Activation(enum.Enum):
@@ -65,6 +65,13 @@ class FeedForwardConfig:
     def validate(self, key: str) -> None:
         if self.hidden_dim <= 0:
             raise ConfigError(f"{key}.hidden_dim", self.hidden_dim, "a positive integer")
+
+    def activation_widths(self, dim: int, tensor_parallel: int = 1) -> ActivationWidths:
+        """The activations the block names for remat, in features per token on one device.
+
+        A dense block's (``GatedFeedForward``, ``FeedForward``); a block that names others says so.
+        """
+        return {"feed_forward_hidden": self.hidden_dim / tensor_parallel, "feed_forward_output": dim}
 
     def build(self, dim: int) -> nn.Module:
         raise NotImplementedError(f"{type(self).__name__} is a slot type: choose a concrete feed-forward config")

@@ -49,6 +49,7 @@ from axtorch.layers.feed_forward import (
 )
 from axtorch.layers.init import initialize
 from axtorch.layers.linear import Linear, LinearConfig
+from axtorch.layers.remat import ActivationWidths, activation_name, combine_widths
 from axtorch.layers.seams import Seams
 
 
@@ -178,6 +179,17 @@ class MixtureOfExpertsConfig(FeedForwardConfig):
                 reason="there are no shared experts to gate",
             )
 
+    def activation_widths(self, dim: int, tensor_parallel: int = 1) -> ActivationWidths:
+        """The routed experts' activations (``gated_mlp``) plus the shared experts' own, per token on one device.
+
+        A token's ``top_k`` assignments are computed, each with ``hidden_dim`` hidden features;
+        with a capacity, the experts' buffers hold ``capacity_factor`` times as many rows.
+        """
+        rows = self.router.top_k * (self.capacity_factor or 1.0)
+        routed = {"feed_forward_hidden": rows * self.hidden_dim / tensor_parallel, "feed_forward_output": rows * dim}
+        shared = {} if self.shared_experts is None else self.shared_experts.activation_widths(dim, tensor_parallel)
+        return combine_widths(routed, shared)
+
     def build(self, dim: int) -> MixtureOfExperts:
         return MixtureOfExperts(self, dim)
 
@@ -185,8 +197,15 @@ class MixtureOfExpertsConfig(FeedForwardConfig):
 def gated_mlp(
     x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, activation: Activation
 ) -> torch.Tensor:
-    """``down(act(gate(x)) * up(x))`` for [out, in] weights, batched over any leading dims they share with ``x``."""
-    return (activate(x @ gate.mT, activation) * (x @ up.mT)) @ down.mT
+    """``down(act(gate(x)) * up(x))`` for [out, in] weights, batched over any leading dims they share with ``x``.
+
+    Every expert computation, local or a backend's, runs here: the names it gives its activations
+    are those ``MixtureOfExpertsConfig.activation_widths`` declares.
+    """
+    with activation_name("feed_forward_hidden"):
+        hidden = activate(x @ gate.mT, activation) * (x @ up.mT)
+    with activation_name("feed_forward_output"):
+        return hidden @ down.mT
 
 
 class GroupedExperts(nn.Module):

@@ -9,15 +9,19 @@ chosen, every activation a layer's backward needs is kept (fastest, most memory)
   kept scope are not rerun in backward.
 
 Layers name activations and never see the policy: the same model runs under any policy, and
-gradients are identical under all of them. Remat applies only where gradients are being
-recorded; evaluation and decoding run layers directly.
+gradients are identical under all of them. A layer's config declares the names its layer gives,
+with their widths (``activation_widths``: name -> features per token on one device); that one
+declaration is what a selective policy's ``save`` is checked against (a name no layer of the
+model gives is a ``ConfigError``) and what the planner counts as kept. Remat applies only where
+gradients are being recorded; evaluation and decoding run layers directly.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections import Counter
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -27,18 +31,24 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from axtorch.config.errors import ConfigError
 
-#: Names that layers give activations (``activation_name``), for ``SelectiveRematConfig.save``.
-ACTIVATION_NAMES = (
-    "attention_query",
-    "attention_key",
-    "attention_value",
-    "attention_context",
-    "attention_output",
-    "feed_forward_hidden",
-    "feed_forward_output",
-)
+#: A layer's declaration of the activations it names (``activation_name``): name -> features per
+#: token on one device (under ``tensor_parallel``), which a selective policy listing the name keeps.
+ActivationWidths = dict[str, float]
 
 _current_name: Optional[str] = None  # read by the selective policy as each op dispatches
+
+
+def combine_widths(*declarations: Mapping[str, float]) -> ActivationWidths:
+    """The declaration of a layer made of sublayers: a name several of them give keeps all of theirs."""
+    total: Counter[str] = Counter()
+    for declaration in declarations:
+        total.update(declaration)
+    return dict(total)
+
+
+def current_activation_name() -> Optional[str]:
+    """The name of the activations being computed now (None outside every ``activation_name`` scope)."""
+    return _current_name
 
 
 @contextlib.contextmanager
@@ -59,8 +69,8 @@ def activation_name(name: str) -> Iterator[None]:
 class RematConfig:
     """Slot type for the per-layer remat policy; build with ``build()``."""
 
-    def validate(self, key: str) -> None:
-        pass
+    def validate(self, key: str, named: Collection[str]) -> None:
+        """``named``: the activation names the model's layers declare (``activation_widths``)."""
 
     def build(self) -> nn.Module:
         raise NotImplementedError(f"{type(self).__name__} is a slot type: choose a concrete remat config")
@@ -74,13 +84,17 @@ class FullRematConfig(RematConfig):
 
 @dataclass
 class SelectiveRematConfig(RematConfig):
-    #: Named activations to keep (``ACTIVATION_NAMES``); everything else is recomputed.
+    #: Named activations to keep (names the model's layers declare); everything else is recomputed.
+    #: The default suits every preset: dense feed-forwards and mixtures of experts both name
+    #: their hidden activations ``feed_forward_hidden``.
     save: list[str] = field(default_factory=lambda: ["attention_context", "feed_forward_hidden"])
 
-    def validate(self, key: str) -> None:
-        unknown = sorted(set(self.save) - set(ACTIVATION_NAMES))
+    def validate(self, key: str, named: Collection[str]) -> None:
+        unknown = sorted(set(self.save) - set(named))
         if unknown:
-            raise ConfigError(f"{key}.save", unknown, f"names that layers give activations: {list(ACTIVATION_NAMES)}")
+            raise ConfigError(
+                f"{key}.save", unknown, f"names that this model's layers give activations: {sorted(named)}"
+            )
 
     def build(self) -> SelectiveRemat:
         return SelectiveRemat(self)
@@ -100,12 +114,13 @@ class SelectiveRemat(nn.Module):
 
     def __init__(self, config: SelectiveRematConfig):
         super().__init__()
-        config.validate("remat")
         self.save = frozenset(config.save)
         self._context = functools.partial(create_selective_checkpoint_contexts, self._policy)
 
     def _policy(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        return CheckpointPolicy.MUST_SAVE if _current_name in self.save else CheckpointPolicy.PREFER_RECOMPUTE
+        return (
+            CheckpointPolicy.MUST_SAVE if current_activation_name() in self.save else CheckpointPolicy.PREFER_RECOMPUTE
+        )
 
     def forward(self, layer: Callable[[Any], Any], inputs: Any) -> Any:
         if not torch.is_grad_enabled():

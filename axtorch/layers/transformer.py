@@ -14,7 +14,7 @@ from axtorch.layers.attention import AttentionConfig, AttentionInput
 from axtorch.layers.feed_forward import FeedForwardConfig, FeedForwardInput
 from axtorch.layers.kv_cache import KVCache
 from axtorch.layers.norm import NormConfig
-from axtorch.layers.remat import RematConfig
+from axtorch.layers.remat import ActivationWidths, RematConfig, combine_widths
 from axtorch.layers.residual import ResidualConfig, build_residual
 from axtorch.layers.seams import Seams
 
@@ -33,6 +33,13 @@ class TransformerLayerConfig:
         self.feed_forward.validate(f"{key}.feed_forward")
         if self.residual is not None:
             self.residual.validate(f"{key}.residual")
+
+    def activation_widths(self, dim: int, tensor_parallel: int = 1) -> ActivationWidths:
+        """The activations a layer names for remat (its attention's and its feed-forward's)."""
+        return combine_widths(
+            self.attention.activation_widths(dim, tensor_parallel),
+            self.feed_forward.activation_widths(dim, tensor_parallel),
+        )
 
     def build(self, dim: int) -> TransformerLayer:
         return TransformerLayer(self, dim)
@@ -109,7 +116,7 @@ class DecoderConfig:
             raise ConfigError(f"{key}.num_layers", self.num_layers, "a positive integer")
         self.layer.validate(dim, f"{key}.layer")
         if self.remat is not None:
-            self.remat.validate(f"{key}.remat")
+            self.remat.validate(f"{key}.remat", self.layer.activation_widths(dim))
 
     def build(self, dim: int) -> Decoder:
         return Decoder(self, dim)

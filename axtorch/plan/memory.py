@@ -130,7 +130,8 @@ def activation_bytes(model: CausalLMConfig, batch: int, seq: int, tensor_paralle
     ``scaled_dot_product_attention``, whose fused kernels (flash / memory-efficient, chosen for
     the causal mask on accelerators) keep O(s) state, not O(s^2). Under ``model/remat=full`` only
     each layer's input (``s*b*h`` values) is kept, plus one layer's full set while it is
-    recomputed; ``selective`` adds the named activations it keeps (``_named_widths``).
+    recomputed; ``selective`` adds the named activations it keeps, as wide as the layers declare
+    (``TransformerLayerConfig.activation_widths``: a mixture of experts keeps ``top_k`` experts' hidden).
 
     An estimate: the constants are for a GPT layer (4h MLP, dropout); embedding, logits and loss
     buffers, and the keys and values that context parallelism gathers, are not counted.
@@ -143,22 +144,7 @@ def activation_bytes(model: CausalLMConfig, batch: int, seq: int, tensor_paralle
     if remat is None:
         return round(layers * per_layer)
     saved: Iterable[str] = getattr(remat, "save", ())
-    kept_width = h + sum(_named_widths(model, t)[name] for name in saved)
+    # The layers' own declaration (a name a layer does not give keeps nothing of it).
+    named = model.decoder.layer.activation_widths(h, t)
+    kept_width = h + sum(named.get(name, 0.0) for name in saved)
     return round(layers * value_bytes * s * b * kept_width + per_layer)
-
-
-def _named_widths(model: CausalLMConfig, tensor_parallel: int) -> dict[str, float]:
-    """Features per token of each activation a selective policy can keep, on one device."""
-    attention = model.decoder.layer.attention
-    head_dim = attention.resolved_head_dim(model.dim)
-    query = attention.num_heads * head_dim / tensor_parallel
-    key_value = attention.resolved_kv_heads() * head_dim / tensor_parallel
-    return {
-        "attention_query": query,
-        "attention_key": key_value,
-        "attention_value": key_value,
-        "attention_context": query,
-        "attention_output": model.dim,
-        "feed_forward_hidden": model.decoder.layer.feed_forward.hidden_dim / tensor_parallel,
-        "feed_forward_output": model.dim,
-    }

@@ -6,8 +6,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from axtorch.compose.experiment import load_experiment_config
 from axtorch.config.errors import ConfigError
+from axtorch.layers.remat import current_activation_name
 from axtorch.models.causal_lm import CausalLMInput
+from axtorch.plan.memory import activation_bytes
+from axtorch.train.config import Precision
 from axtorch.train.trainer import build_model
+
+#: A small mixture of experts (mixtral_tiny: 4 layers, top 2 of 8 SwiGLU experts of width 256).
+MOE = ["model=mixtral_tiny", "model.vocab_size=512"]
 
 
 class _OpCounter(TorchDispatchMode):
@@ -18,6 +24,20 @@ class _OpCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
         self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+class _NameRecorder(TorchDispatchMode):
+    """The activation names in force while the forward's ops dispatch."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = current_activation_name()
+        if name is not None:
+            self.names.add(name)
         return func(*args, **(kwargs or {}))
 
 
@@ -77,3 +97,51 @@ def test_selective_remat_can_keep_the_attention_context_so_attention_is_not_reru
     attention_ops = [name for name in full if "scaled_dot_product" in name and "backward" not in name]
     assert attention_ops and all(full[name] == 2 for name in attention_ops)
     assert not any(name in kept for name in attention_ops)
+
+
+def test_the_error_names_the_activations_this_model_gives():
+    with pytest.raises(ConfigError) as raised:
+        load_experiment_config([*MOE, "model/remat=selective", "model.decoder.remat.save=[expert_hidden]"])
+    error = raised.value
+    assert (error.key, error.value) == ("model.decoder.remat.save", ["expert_hidden"])
+    assert "attention_context" in error.allowed and "feed_forward_hidden" in error.allowed
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],
+        ["model/ffn=gelu"],
+        MOE,
+        [*MOE, "model/shared_experts=swiglu", "model.decoder.layer.feed_forward.shared_experts.hidden_dim=64"],
+        [*MOE, "model.decoder.layer.feed_forward.capacity_factor=1.5"],
+    ],
+    ids=["swiglu", "gelu_mlp", "moe_dropless", "moe_shared", "moe_capacity"],
+)
+def test_layers_name_exactly_the_activations_their_configs_declare(overrides):
+    config = load_experiment_config(["experiment=debug", *overrides])
+    model = build_model(config, torch.device("cpu"))
+    with _NameRecorder() as recorder:
+        model(CausalLMInput(torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))))
+    assert recorder.names == set(config.model.decoder.layer.activation_widths(config.model.dim))
+
+
+def test_moe_under_selective_remat_keeps_its_experts_hidden_activations():
+    _, full = _gradients_and_backward_ops(*MOE, "model/remat=full")
+    _, selective = _gradients_and_backward_ops(*MOE, "model/remat=selective")
+    _, attention_only = _gradients_and_backward_ops(
+        *MOE, "model/remat=selective", "model.decoder.remat.save=[attention_context]"
+    )
+    assert full["silu"] >= 4  # every layer's experts rerun their SwiGLU (one call per expert with tokens)
+    assert attention_only["silu"] == full["silu"]
+    assert "silu" not in selective  # feed_forward_hidden names the experts' hidden: kept, not rerun
+
+
+def test_the_planner_counts_what_the_moe_layer_declares():
+    def kept(*save):
+        config = load_experiment_config([*MOE, "model/remat=selective", f"model.decoder.remat.save=[{','.join(save)}]"])
+        return activation_bytes(config.model, batch=2, seq=64, tensor_parallel=1, precision=Precision.fp32)
+
+    # Each token's top 2 of 8 experts keep 256 hidden features each, in each of the 4 layers.
+    hidden = kept("attention_context", "feed_forward_hidden") - kept("attention_context")
+    assert hidden == 4 * 4 * 2 * 64 * (2 * 256)
