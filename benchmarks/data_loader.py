@@ -207,7 +207,8 @@ def _child_stream(corpus: Path, cache: Path, batches: int, ranks: int) -> None:
 
     import torch
 
-    from axtorch.data.streaming import StreamingDataModule, is_held_out_text
+    from axtorch.data.held_out import is_held_out
+    from axtorch.data.streaming import StreamingDataModule
 
     torch.set_num_threads(1)
     config = load_experiment_config(streaming_overrides(corpus, cache))
@@ -227,7 +228,7 @@ def _child_stream(corpus: Path, cache: Path, batches: int, ranks: int) -> None:
         for text, _ in source.read_part(part, STREAMS, 0):
             documents += 1
             characters += len(text)
-            is_held_out_text(text, config.data.val_fraction, config.data.seed)
+            is_held_out(text, config.data.val_fraction, config.data.seed)
     figures.update(
         documents=documents,
         read_mb_per_s=characters / 1e6 / (time.perf_counter() - started),

@@ -1,8 +1,8 @@
 """Tokenize a corpus once, split it into training and held-out tokens, and cache both as ``.npy`` files.
 
-The split is by document, so that no held-out text is trained on. A corpus of too few documents
-for that (one book, a handful of files) is split by tokens instead: its last ``val_fraction`` of
-tokens are held out.
+The split is by document, so that no held-out text is trained on, and by the rule every source
+shares (``axtorch.data.held_out``). A corpus of too few documents for that (one book, a handful
+of files) is split by tokens instead: its last ``val_fraction`` of tokens are held out.
 
 A cache entry is ``<cache_dir>/<key>/`` with ``tokenizer.json``, ``train_tokens.npy``,
 ``val_tokens.npy`` and ``meta.json``. The key covers everything the arrays depend on (corpus
@@ -13,7 +13,6 @@ so an interrupted run leaves either nothing or a whole file.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from tqdm import tqdm
 
 from axtorch.config.errors import ConfigError
 from axtorch.data.config import DataConfig
+from axtorch.data.held_out import is_held_out, needs_token_split, token_split_size
 from axtorch.data.shards import ShardedTokens, read_shards, token_dtype
 from axtorch.data.sources import DocumentSource, stable_hash, write_file_atomically
 from axtorch.data.tokenizer import (
@@ -40,7 +40,7 @@ TRAIN_TOKENS_FILE = "train_tokens.npy"
 VAL_TOKENS_FILE = "val_tokens.npy"
 META_FILE = "meta.json"
 # Bump when the layout or meaning of cached arrays changes, so old entries are not reused.
-_CACHE_FORMAT = 2
+_CACHE_FORMAT = 3  # 3: documents held out by a hash of their text (axtorch.data.held_out)
 #: Documents tokenized in one ``encode_batch`` call: amortises the call, bounds the read-ahead.
 ENCODE_BATCH_DOCUMENTS = 64
 
@@ -51,42 +51,25 @@ def validate_data_config(cfg: DataConfig) -> None:
     validate_tokenizer_config(cfg.tokenizer)
 
 
-def _document_score(index: int, seed: int) -> float:
-    """A uniform number in [0, 1) fixed by (index, seed), independent of the document's content."""
-    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") / 2**64
-
-
-def assign_validation(num_documents: int, val_fraction: float, seed: int) -> np.ndarray:
-    """Which documents go to validation (bool per document).
-
-    About ``val_fraction`` of them, never all: at least one when ``val_fraction > 0`` and there are
-    two or more documents, and at least one training document always.
-    """
-    scores = np.array([_document_score(index, seed) for index in range(num_documents)])
-    is_validation = scores < val_fraction
-    if val_fraction > 0 and num_documents >= 2 and not is_validation.any():
-        is_validation[scores.argmin()] = True
-    if num_documents > 0 and is_validation.all():
-        is_validation[scores.argmax()] = False
-    return is_validation
-
-
 def _batched(documents: Iterator[str], size: int) -> Iterator[list[str]]:
     while batch := list(islice(documents, size)):
         yield batch
 
 
-def tokenize_documents(source: DocumentSource, tokenizer: Tokenizer) -> tuple[np.ndarray, np.ndarray]:
-    """All documents' tokens, each followed by EOS, and each document's length (EOS included).
+def tokenize_documents(
+    source: DocumentSource, tokenizer: Tokenizer, val_fraction: float, seed: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """All documents' tokens, each followed by EOS, each document's length (EOS included), and
+    whether it is held out (``axtorch.data.held_out``).
 
     The whole stream is held in memory (2 bytes a token for vocabularies up to 65536), which is
-    what lets the split pick documents by index after they are all known.
+    what lets the split fall back to the stream's last tokens once all are known.
     """
     dtype = token_dtype(tokenizer.vocab_size)
     eos = (tokenizer.eos_id,)
     chunks: list[np.ndarray] = []
     lengths: list[int] = []
+    held_out: list[bool] = []
     with tqdm(desc="tokenizing", unit=" docs") as progress:
         for documents in _batched(source.iter_documents(), ENCODE_BATCH_DOCUMENTS):
             encoded = tokenizer.encode_batch(documents)
@@ -94,32 +77,32 @@ def tokenize_documents(source: DocumentSource, tokenizer: Tokenizer) -> tuple[np
             flat = chain.from_iterable(chain(ids, eos) for ids in encoded)
             chunks.append(np.fromiter(flat, dtype=dtype, count=sum(batch_lengths)))
             lengths.extend(batch_lengths)
+            held_out.extend(is_held_out(text, val_fraction, seed) for text in documents)
             progress.update(len(documents))
     if not lengths:
         raise ConfigError(
             "data.source", type(source).__name__, "a source that yields documents", reason="it yielded none"
         )
-    return np.concatenate(chunks), np.array(lengths, dtype=np.int64)
+    return np.concatenate(chunks), np.array(lengths, dtype=np.int64), np.array(held_out, dtype=bool)
 
 
 def split_by_tokens(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
     """(train, validation): the stream's last ``val_fraction`` of tokens held out, the rest trained on."""
-    held_out = round(tokens.size * val_fraction)
-    return tokens[: tokens.size - held_out], tokens[tokens.size - held_out :]
+    cut = tokens.size - token_split_size(tokens.size, val_fraction)
+    return tokens[:cut], tokens[cut:]
 
 
 def split_corpus(
-    tokens: np.ndarray, document_lengths: np.ndarray, val_fraction: float, seed: int
+    tokens: np.ndarray, document_lengths: np.ndarray, is_validation: np.ndarray, val_fraction: float
 ) -> tuple[np.ndarray, np.ndarray, str]:
     """(train, validation, how): by document, unless that holds out under a quarter or over twice ``val_fraction``.
 
     Whole documents keep held-out text unseen, but with few documents the draw can hold out
     nothing (one document), far too little (a short one) or most of the corpus (a long one);
-    then the tokens are split instead.
+    then the tokens are split instead (``axtorch.data.held_out``).
     """
-    is_validation = assign_validation(len(document_lengths), val_fraction, seed)
     train, val = split_by_document(tokens, document_lengths, is_validation)
-    if not 0.25 * val_fraction * tokens.size <= val.size <= 2 * val_fraction * tokens.size:
+    if needs_token_split(val.size, tokens.size, val_fraction):
         train, val = split_by_tokens(tokens, val_fraction)
         return train, val, "tokens"
     return train, val, "documents"
@@ -155,7 +138,7 @@ def _pack(
     directory: Path, source: DocumentSource, tokenizer: Tokenizer, cfg: DataConfig, identity: dict[str, Any]
 ) -> None:
     """Tokenize and split the corpus into ``directory``; meta.json also records ``identity``."""
-    tokens, lengths = tokenize_documents(source, tokenizer)
+    tokens, lengths, held_out = tokenize_documents(source, tokenizer, cfg.val_fraction, cfg.seed)
     if (lengths <= 1).all():  # every document is only its end-of-document token
         raise ConfigError(
             "data.source",
@@ -163,7 +146,7 @@ def _pack(
             "a source whose documents contain text",
             reason=f"its {len(lengths)} document(s) are empty",
         )
-    train, val, split = split_corpus(tokens, lengths, cfg.val_fraction, cfg.seed)
+    train, val, split = split_corpus(tokens, lengths, held_out, cfg.val_fraction)
     write_file_atomically(directory / TRAIN_TOKENS_FILE, lambda file: np.save(file, train))
     write_file_atomically(directory / VAL_TOKENS_FILE, lambda file: np.save(file, val))
     meta = {

@@ -12,10 +12,12 @@ A tokenized directory holds::
 
 Tokenizing streams: worker processes encode batches of documents in order while the main process
 appends them to the current shard, and a shard closes after ``shard_tokens`` tokens. Each
-document goes to the held-out split by a seeded hash of its index, so the split needs neither a
-second pass nor the corpus in memory; memory stays that of a few batches, whatever the corpus
-size. Training reads the shards through ``ShardedTokens``, memory-mapped, never whole
-(``data=tokenized data.source.path=DIR``).
+document goes to the held-out split by the rule every source shares (a seeded hash of its text,
+``axtorch.data.held_out``), so the split needs neither a second pass nor the corpus in memory;
+memory stays that of a few batches, whatever the corpus size. Only a corpus whose held-out
+documents come far from ``val_fraction`` (a handful of documents) is read back once and rewritten
+split by tokens, as the in-memory cache splits it. Training reads the shards through
+``ShardedTokens``, memory-mapped, never whole (``data=tokenized data.source.path=DIR``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import multiprocessing
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from itertools import islice
 from pathlib import Path
 from typing import Any, BinaryIO, Optional
@@ -35,6 +38,7 @@ from omegaconf import MISSING
 from tqdm import tqdm
 
 from axtorch.config.errors import ConfigError
+from axtorch.data.held_out import is_held_out, needs_token_split, token_split_size
 from axtorch.data.sources import DocumentSource, SourceConfig, stable_hash, write_file_atomically
 from axtorch.data.tokenizer import TOKENIZER_FILE, Tokenizer
 
@@ -70,14 +74,12 @@ class TokenShardsSource(DocumentSource):
         manifest = json.loads((self.directory / MANIFEST_FILE).read_text())
         dtype = np.dtype(manifest["dtype"])
         for split in SPLITS:
-            for shard in manifest["splits"][split]:
-                tokens = np.memmap(self.directory / shard["file"], dtype=dtype, mode="r")
-                start = 0
-                for length in np.fromfile(self.directory / shard["lengths"], dtype="<u4"):
-                    end = start + int(length)
-                    ids = tokens[start:end]
-                    yield tokenizer.decode(ids[:-1] if ids.size and ids[-1] == tokenizer.eos_id else ids)
-                    start = end
+            files = [
+                (self.directory / shard["file"], self.directory / shard["lengths"])
+                for shard in manifest["splits"][split]
+            ]
+            for ids in _shard_documents(files, dtype):
+                yield tokenizer.decode(ids[:-1] if ids.size and ids[-1] == tokenizer.eos_id else ids)
 
     def fingerprint(self) -> str:
         manifest = json.loads((self.directory / MANIFEST_FILE).read_text())
@@ -89,10 +91,14 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
 
 
-def is_held_out(index: int, fraction: float, seed: int) -> bool:
-    """Whether document ``index`` is held out: a seeded hash below ``fraction``, the same on every run."""
-    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") / 2**64 < fraction
+def _shard_documents(files: list[tuple[Path, Path]], dtype: np.dtype) -> Iterator[np.ndarray]:
+    """Each document's tokens, memory-mapped, from shards given as (tokens file, lengths file)."""
+    for tokens_path, lengths_path in files:
+        tokens = np.memmap(tokens_path, dtype=dtype, mode="r")
+        start = 0
+        for length in np.fromfile(lengths_path, dtype="<u4"):
+            yield tokens[start : start + int(length)]
+            start += int(length)
 
 
 def file_digest(path: Path) -> str:
@@ -142,14 +148,20 @@ def _start_worker(tokenizer_path: str, eos_token: str) -> None:
     _worker_tokenizer = Tokenizer.load(Path(tokenizer_path), eos_token)
 
 
-def _encode(tokenizer: Tokenizer, documents: list[str]) -> list[np.ndarray]:
+def _encode(
+    tokenizer: Tokenizer, documents: list[str], val_fraction: float, seed: int
+) -> list[tuple[np.ndarray, bool]]:
+    """Each document's tokens with EOS, and whether it is held out."""
     eos = tokenizer.eos_id
-    return [np.array([*ids, eos], dtype=np.uint32) for ids in tokenizer.encode_batch(documents)]
+    return [
+        (np.array([*ids, eos], dtype=np.uint32), is_held_out(text, val_fraction, seed))
+        for text, ids in zip(documents, tokenizer.encode_batch(documents))
+    ]
 
 
-def _encode_in_worker(documents: list[str]) -> list[np.ndarray]:
+def _encode_in_worker(documents: list[str], val_fraction: float, seed: int) -> list[tuple[np.ndarray, bool]]:
     assert _worker_tokenizer is not None
-    return _encode(_worker_tokenizer, documents)
+    return _encode(_worker_tokenizer, documents, val_fraction, seed)
 
 
 def _batches(documents: Iterator[str]) -> Iterator[list[str]]:
@@ -176,15 +188,19 @@ def write_shards(
         context = multiprocessing.get_context("spawn")
         initargs = (str(directory / TOKENIZER_FILE), tokenizer.eos_token)
         pool = context.Pool(workers, initializer=_start_worker, initargs=initargs)
-        encoded: Iterator[list[np.ndarray]] = pool.imap(_encode_in_worker, batches)
+        encode = partial(_encode_in_worker, val_fraction=val_fraction, seed=seed)
+        encoded: Iterator[list[tuple[np.ndarray, bool]]] = pool.imap(encode, batches)
     else:
-        encoded = (_encode(tokenizer, batch) for batch in batches)
+        encoded = (_encode(tokenizer, batch, val_fraction, seed) for batch in batches)
     index = 0
+    held_out: set[int] = set()
     try:
         with tqdm(desc="tokenizing", unit=" docs") as progress:
             for documents in encoded:
-                for tokens in documents:
-                    writers["val" if is_held_out(index, val_fraction, seed) else "train"].add(tokens)
+                for tokens, is_validation in documents:
+                    writers["val" if is_validation else "train"].add(tokens)
+                    if is_validation:
+                        held_out.add(index)
                     index += 1
                 progress.update(len(documents))
     finally:
@@ -192,7 +208,12 @@ def write_shards(
             pool.terminate()
         for writer in writers.values():
             writer.close()
-    _hold_out_tail(writers, val_fraction)
+    held_out_tokens = sum(shard["tokens"] for shard in writers["val"].shards)
+    total_tokens = held_out_tokens + sum(shard["tokens"] for shard in writers["train"].shards)
+    split_by = "documents"
+    if needs_token_split(held_out_tokens, total_tokens, val_fraction):
+        writers = _split_by_tokens(writers, held_out, index, val_fraction)
+        split_by = "tokens"
     if writers["train"].shards == [] or all(shard["tokens"] == shard["documents"] for shard in writers["train"].shards):
         raise ConfigError(
             "data.source", type(source).__name__, "a source whose documents contain text", reason="no text to train on"
@@ -208,55 +229,55 @@ def write_shards(
         "val_fraction": val_fraction,
         "seed": seed,
         "documents": index,
+        "split_by": split_by,
         "splits": {split: writer.shards for split, writer in writers.items()},
     }
     write_file_atomically(directory / MANIFEST_FILE, lambda file: file.write(json.dumps(manifest, indent=1).encode()))
     return manifest
 
 
-def _hold_out_tail(writers: dict[str, _ShardWriter], fraction: float) -> None:
-    """With too few documents for the hash to hold out a quarter of ``fraction`` (one book, one
-    huge file), hold out the training stream's last tokens instead, as the in-memory cache does.
+def _split_by_tokens(
+    writers: dict[str, _ShardWriter], held_out: set[int], documents: int, fraction: float
+) -> dict[str, _ShardWriter]:
+    """The shards rewritten as the corpus in order, its last ``token_split_size`` tokens held out
+    (``axtorch.data.held_out``): the split the in-memory cache makes of the same corpus.
 
-    Only the tail is read and the training shards are truncated in place: still one pass.
+    The shards written by document are read back once, memory-mapped, with the held-out documents
+    put back in their places (``held_out``: their indices); the document the cut falls in is split
+    in two, its head trained on.
     """
     train, val = writers["train"], writers["val"]
+    old: dict[str, list[tuple[Path, Path]]] = {split: [] for split in SPLITS}
+    for split, writer in writers.items():
+        for shard in writer.shards:
+            tokens_path, lengths_path = (
+                writer.directory / f".{shard[kind]}.by-document" for kind in ("file", "lengths")
+            )
+            (writer.directory / shard["file"]).rename(tokens_path)
+            (writer.directory / shard["lengths"]).rename(lengths_path)
+            old[split].append((tokens_path, lengths_path))
     total = sum(shard["tokens"] for shard in train.shards + val.shards)
-    wanted = round(total * fraction) - sum(shard["tokens"] for shard in val.shards)
-    if wanted <= 0 or sum(shard["tokens"] for shard in val.shards) >= 0.25 * total * fraction:
-        return
-    moved_tokens: list[np.ndarray] = []
-    moved_lengths: list[np.ndarray] = []
-    while wanted > 0 and train.shards:
-        shard = train.shards[-1]
-        tokens_path, lengths_path = train.directory / shard["file"], train.directory / shard["lengths"]
-        tokens = np.fromfile(tokens_path, dtype=train.dtype)
-        lengths = np.fromfile(lengths_path, dtype="<u4").astype(np.int64)
-        take = min(wanted, tokens.size - 1) if len(train.shards) == 1 else min(wanted, tokens.size)
-        moved_tokens.insert(0, tokens[tokens.size - take :])
-        # Whole documents from the end move; the one cut in two keeps its head here.
-        ends = np.cumsum(lengths)
-        kept = int(np.searchsorted(ends, tokens.size - take, side="left"))
-        head = tokens.size - take - (ends[kept - 1] if kept else 0)
-        tail_lengths = lengths[kept:].copy()
-        new_lengths = lengths[:kept]
-        if head:
-            new_lengths = np.append(new_lengths, head)
-            tail_lengths[0] -= head
-        moved_lengths.insert(0, tail_lengths)
-        tokens[: tokens.size - take].tofile(tokens_path)
-        new_lengths.astype("<u4").tofile(lengths_path)
-        shard["tokens"], shard["documents"] = tokens.size - take, len(new_lengths)
-        wanted -= take
-        if shard["tokens"] == 0:
-            train.shards.pop()
+    cut = total - token_split_size(total, fraction)
+    new = {split: _ShardWriter(train.directory, split, train.dtype, train.shard_tokens) for split in SPLITS}
+    streams = {split: _shard_documents(old[split], train.dtype) for split in SPLITS}
+    written = 0
+    try:
+        for index in range(documents):
+            tokens = next(streams["val" if index in held_out else "train"])
+            head = min(max(cut - written, 0), tokens.size)
+            if head:
+                new["train"].add(tokens[:head])
+            if head < tokens.size:
+                new["val"].add(tokens[head:])
+            written += tokens.size
+    finally:
+        for writer in new.values():
+            writer.close()
+    for files in old.values():
+        for tokens_path, lengths_path in files:
             tokens_path.unlink()
             lengths_path.unlink()
-    for tokens, lengths in zip(moved_tokens, moved_lengths):
-        for length in lengths:
-            val.add(tokens[: int(length)])
-            tokens = tokens[int(length) :]
-    val.close()
+    return new
 
 
 class ShardedTokens:

@@ -1,7 +1,8 @@
 """Document sources: where training text comes from, in a fixed order, with a fingerprint for caching.
 
 Every source yields whole documents (one string each) in a deterministic order, because the
-train/validation split and the packed token arrays are keyed by document index. The fingerprint
+packed token arrays follow it (the train/validation split is keyed by each document's text,
+``axtorch.data.held_out``, whatever the order). The fingerprint
 changes whenever the documents may have changed, so cached tokens are never reused for a new corpus.
 A ``PartitionedSource`` can also be read in disjoint parts, each from a saved position, which is
 what streaming (``axtorch.data.streaming``) needs: every data-parallel rank reads only its parts,

@@ -15,16 +15,14 @@ ranks, and a resume on any number of ranks seeks each stream back to its positio
 reaches the end of its part starts it again (the next epoch), in the same order: shuffle a corpus
 before streaming it.
 
-Held-out documents are chosen by a seeded hash of their text (``data.val_fraction``, ``data.seed``):
-training skips them, and validation packs the first held-out documents of the corpus, in order,
-until it has ``eval_batches`` batches, held in memory (their size is set by the evaluation, not the
-corpus). A hash of the text, not the document's index, because a rank streaming its part does not
-know the global index of what it reads; duplicated documents thereby fall on the same side.
+Held-out documents are chosen by the rule every source shares, a seeded hash of their text
+(``axtorch.data.held_out``; ``data.val_fraction``, ``data.seed``): training skips them, and
+validation packs the first held-out documents of the corpus, in order, until it has
+``eval_batches`` batches, held in memory (their size is set by the evaluation, not the corpus).
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections import deque
 from collections.abc import Iterator
@@ -37,18 +35,13 @@ import numpy as np
 from axtorch.config.errors import ConfigError
 from axtorch.data.batches import Batch, iter_validation_batches, to_batch
 from axtorch.data.config import DataConfig
+from axtorch.data.held_out import is_held_out
 from axtorch.data.mixture import InterleavedSource, mixture_sources, row_sources
 from axtorch.data.packing import ENCODE_BATCH_DOCUMENTS
 from axtorch.data.sources import PartitionedSource, stable_hash
 from axtorch.data.tokenizer import TOKENIZER_FILE, Tokenizer, load_or_train_tokenizer, tokenizer_fingerprint
 
 _STATE_FORMAT = 1
-
-
-def is_held_out_text(text: str, fraction: float, seed: int) -> bool:
-    """Whether a document is held out: a seeded hash of its text below ``fraction``."""
-    digest = hashlib.blake2b(text.encode("utf-8", errors="replace"), digest_size=8, key=str(seed).encode()).digest()
-    return int.from_bytes(digest, "little") / 2**64 < fraction
 
 
 class PackedStream:
@@ -87,7 +80,7 @@ class PackedStream:
         while True:
             kept = False
             for text, after in self.source.read_part(self.part, self.parts, position):
-                if is_held_out_text(text, self._val_fraction, self._seed) == self._held_out:
+                if is_held_out(text, self._val_fraction, self._seed) == self._held_out:
                     kept = True
                     yield text, epoch, after
             if self._held_out:

@@ -9,7 +9,8 @@ from omegaconf import MISSING
 
 from axtorch.config.errors import ConfigError
 from axtorch.data import DataConfig, PackedSequences, TextFilesSourceConfig, TokenizerConfig, build_data
-from axtorch.data.packing import assign_validation, split_corpus
+from axtorch.data.held_out import is_held_out
+from axtorch.data.packing import split_corpus
 
 WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "theta", "kappa", "lambda", "sigma", "omega"]
 DOCUMENTS = [
@@ -44,23 +45,10 @@ def documents_of(tokens: np.ndarray, data) -> list[str]:
     return [data.tokenizer.decode(tokens[start:end].tolist()) for start, end in zip(starts, ends)]
 
 
-def test_validation_assignment_is_deterministic_and_never_degenerate():
-    first = assign_validation(1000, 0.2, seed=0)
-    assert np.array_equal(first, assign_validation(1000, 0.2, seed=0))
-    assert not np.array_equal(first, assign_validation(1000, 0.2, seed=1))
-    assert 150 < first.sum() < 250
-    assert not assign_validation(1000, 0.0, seed=0).any()
-    assert assign_validation(5, 1e-9, seed=0).sum() == 1
-    assert not assign_validation(1, 0.49, seed=0).any()
-    for seed in range(50):
-        split = assign_validation(2, 0.49, seed)
-        assert split.sum() == 1
-
-
 def test_split_is_by_whole_document_in_order(tmp_path):
     config = corpus_config(tmp_path)
     data = build_data(config)
-    is_validation = assign_validation(len(DOCUMENTS), config.val_fraction, config.seed)
+    is_validation = [is_held_out(text, config.val_fraction, config.seed) for text in DOCUMENTS]
     tokens_dir = data.tokenizer_path.parent
     train = np.load(tokens_dir / "train_tokens.npy")
     val = np.load(tokens_dir / "val_tokens.npy")
@@ -155,11 +143,10 @@ def test_many_documents_are_still_split_whole(tmp_path):
 
 def test_split_corpus_falls_back_to_tokens_only_when_documents_hold_out_far_from_the_fraction():
     tokens = np.arange(1000, dtype=np.uint16)
-    few = np.array([990, 10])  # the draw can only hold out 10 or 990 tokens of 1000: both are wrong
-    _, val, how = split_corpus(tokens, few, val_fraction=0.2, seed=0)
-    assert how == "tokens" and np.array_equal(val, np.arange(800, 1000))
-    for seed in range(5):
-        assert split_corpus(tokens, few, val_fraction=0.2, seed=seed)[2] == "tokens"
+    few = np.array([990, 10])  # the documents can hold out 0, 10, 990 or 1000 tokens of 1000: all wrong
+    for held_out in ([False, False], [False, True], [True, False], [True, True]):
+        _, val, how = split_corpus(tokens, few, np.array(held_out), val_fraction=0.2)
+        assert how == "tokens" and np.array_equal(val, np.arange(800, 1000))
     many = np.full(100, 10)
-    _, val, how = split_corpus(tokens, many, val_fraction=0.2, seed=0)
-    assert how == "documents" and len(val) >= 0.05 * 1000
+    _, val, how = split_corpus(tokens, many, np.arange(100) % 5 == 0, val_fraction=0.2)
+    assert how == "documents" and np.array_equal(val, tokens.reshape(100, 10)[::5].ravel())

@@ -19,7 +19,8 @@ from axtorch.data import (
     TokenizerConfig,
     build_data,
 )
-from axtorch.data.streaming import PackedStream, is_held_out_text
+from axtorch.data.held_out import is_held_out
+from axtorch.data.streaming import PackedStream
 
 WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda", "mu"]
 BATCH, SEQ_LEN = 8, 16
@@ -188,7 +189,7 @@ def test_resume_seeks_without_tokenizing_the_prefix(data, monkeypatch):
 def test_held_out_documents_are_never_trained_on(corpus, tmp_path):
     source = JsonlSourceConfig(paths=[str(corpus / "jsonl/*.jsonl")], streaming=True)
     in_order = list(source.build().iter_documents())
-    held = [text for text in in_order if is_held_out_text(text, 0.2, 0)]
+    held = [text for text in in_order if is_held_out(text, 0.2, 0)]
     assert 30 < len(held) < 90
     data = build_data(streaming_config(tmp_path, source, val_fraction=0.2))
     tokenizer = data.tokenizer
