@@ -19,7 +19,7 @@ from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException, MissingConfigException, OverrideParseException
-from omegaconf import DictConfig, Node
+from omegaconf import DictConfig, Node, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from axtorch.compose.registry import register_configs, resolve_mixture_sources
@@ -140,6 +140,8 @@ def check_keys_exist(base: DictConfig, overrides: Sequence[str]) -> None:
                 )
             walked.append(part)
             node = node._get_node(part)
+            if isinstance(node, DictConfig) and OmegaConf.get_type(node) is dict:
+                break  # a mapping of the user's own names (decoder variants): its owner validates them
 
 
 def to_experiment_config(cfg: DictConfig) -> ExperimentConfig:

@@ -17,6 +17,9 @@ from typing import Any, TypeVar
 from omegaconf import OmegaConf
 
 TYPE_KEY = "_type_"
+#: Field metadata: the field is written only when non-empty, so that adding it to a config class
+#: leaves the text (and digest) of every config that does not use it unchanged.
+OMIT_WHEN_EMPTY = "omit_when_empty"
 T = TypeVar("T")
 
 
@@ -54,12 +57,16 @@ def _to_plain(value: Any, declared: type | None) -> Any:
         if type(value) is not declared:  # a subclass, or a dataclass in a field typed Any
             node[TYPE_KEY] = _class_path(type(value))
         for field in dataclasses.fields(value):
+            if field.metadata.get(OMIT_WHEN_EMPTY) and not getattr(value, field.name):
+                continue
             node[field.name] = _to_plain(getattr(value, field.name), _declared_dataclass(hints[field.name]))
         return node
     if isinstance(value, enum.Enum):
         return value.value
     if isinstance(value, (list, tuple)):
         return [_to_plain(v, declared) for v in value]
+    if isinstance(value, dict):  # a mapping typed Any (decoder variants): its dataclasses carry _type_
+        return {k: _to_plain(v, None) for k, v in value.items()}
     return value
 
 

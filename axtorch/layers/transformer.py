@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import ClassVar, Optional, Protocol, overload, runtime_checkable
+from typing import Any, ClassVar, Optional, Protocol, overload, runtime_checkable
 
 import torch
-from omegaconf import MISSING
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 from torch import nn
 
 from axtorch.config.errors import ConfigError
+from axtorch.config.serialize import OMIT_WHEN_EMPTY, to_object
 from axtorch.layers.attention import AttentionConfig, AttentionInput
 from axtorch.layers.feed_forward import FeedForwardConfig, FeedForwardInput
 from axtorch.layers.kv_cache import KVCache
@@ -100,8 +104,27 @@ class TransformerLayer(nn.Module):
 
 @dataclass
 class DecoderConfig:
+    """The decoder stack: ``num_layers`` layers and a final norm.
+
+    A uniform stack repeats ``layer``. A heterogeneous one (Gemma 2/3: five sliding-window
+    layers, then one global layer with another RoPE base) names layer ``variants`` and a
+    ``pattern`` of their names, repeated cyclically to ``num_layers``. A variant is a partial
+    layer tree merged over ``layer``, so it states only what differs from it (a mask, a RoPE
+    base, a norm placement), and validation merges it into ``TransformerLayerConfig``'s schema,
+    so a misspelt field is a ``ConfigError`` naming its full key. A slot's kind changes with a
+    typed node (``SlidingWindowMaskConfig(window=512)`` in Python; from YAML or the command line,
+    a config group placed there: ``model/mask@model.decoder.variants.local.attention.mask=sliding_window``).
+    Either way parameter names stay ``decoder.layers.{i}....``. ``layer_configs()`` is the one
+    resolver that everything walking the layers uses; ``period()`` is the pattern's length, the
+    unit a scan over repeated groups steps by.
+    """
+
     num_layers: int = MISSING
     layer: TransformerLayerConfig = field(default_factory=TransformerLayerConfig)
+    #: Named partial layer trees merged over ``layer`` (``{local: {attention: {mask: ...}}}``).
+    variants: dict[str, Any] = field(default_factory=dict, metadata={OMIT_WHEN_EMPTY: True})
+    #: Variant names, repeated cyclically to ``num_layers``; empty means every layer is ``layer``.
+    pattern: list[str] = field(default_factory=list, metadata={OMIT_WHEN_EMPTY: True})
     #: Norm after the last layer; None means the same kind as ``layer.norm``.
     final_norm: Optional[NormConfig] = None
     #: Activation checkpointing of each layer (``model/remat``); None keeps every activation.
@@ -115,11 +138,67 @@ class DecoderConfig:
         if self.num_layers <= 0:
             raise ConfigError(f"{key}.num_layers", self.num_layers, "a positive integer")
         self.layer.validate(dim, f"{key}.layer")
+        for index, name in enumerate(self.pattern):
+            if name not in self.variants:
+                raise ConfigError(f"{key}.pattern[{index}]", name, f"a name in {key}.variants: {sorted(self.variants)}")
+        for name in self.variants:
+            if name not in self.pattern:
+                raise ConfigError(
+                    f"{key}.variants.{name}",
+                    self.variants[name],
+                    f"a variant that {key}.pattern uses: {sorted(set(self.pattern))}",
+                    reason="the pattern never uses it",
+                )
+            self.variant(name, key).validate(dim, f"{key}.variants.{name}")
         if self.remat is not None:
             self.remat.validate(f"{key}.remat", self.layer.activation_widths(dim))
 
+    def variant(self, name: str, key: str = "model.decoder") -> TransformerLayerConfig:
+        """``layer`` with variant ``name``'s fields merged over it; ``key`` names this config in errors."""
+        overrides = self.variants[name]
+        merged = OmegaConf.structured(self.layer)
+        try:
+            merge_variant(merged, overrides)
+        except OmegaConfBaseException as error:  # an unknown field, a wrong type
+            field_key = f"{key}.variants.{name}" + (f".{error.full_key}" if error.full_key else "")
+            schema = error.object_type if dataclasses.is_dataclass(error.object_type) else TransformerLayerConfig
+            allowed = f"the fields of {schema.__name__}: {[f.name for f in dataclasses.fields(schema)]}"
+            raise ConfigError(field_key, overrides, allowed, str(error).splitlines()[0]) from error
+        return to_object(merged, TransformerLayerConfig)
+
+    def period(self) -> int:
+        """How many consecutive layers the pattern repeats: 1 for a uniform stack."""
+        return len(self.pattern) or 1
+
+    def layer_configs(self) -> list[TransformerLayerConfig]:
+        """Layer ``i``'s config: ``layer``, or variant ``pattern[i % len(pattern)]`` merged over it."""
+        if not self.pattern:
+            return [self.layer] * self.num_layers
+        variants = {name: self.variant(name) for name in set(self.pattern)}
+        return [variants[self.pattern[i % len(self.pattern)]] for i in range(self.num_layers)]
+
     def build(self, dim: int) -> Decoder:
         return Decoder(self, dim)
+
+
+def merge_variant(base: DictConfig, overrides: Mapping[str, Any]) -> None:
+    """Merge a variant's ``overrides`` into ``base`` (a layer config node) in place.
+
+    A plain mapping merges field by field; a typed node (a config dataclass) replaces the child
+    whole, which is how a variant changes a slot's kind (a causal mask for a sliding window).
+    """
+    for name, value in overrides.items():
+        child = base._get_node(name)  # None for an unknown field: merge_with raises its error below
+        if dataclasses.is_dataclass(value) or (
+            isinstance(value, DictConfig) and OmegaConf.get_type(value) not in (None, dict)
+        ):
+            if child is None:
+                base.merge_with({name: value})
+            base[name] = value
+        elif isinstance(value, Mapping) and isinstance(child, DictConfig):
+            merge_variant(child, value)
+        else:
+            base.merge_with({name: value})
 
 
 @dataclass
@@ -153,7 +232,7 @@ class LayerRunner(Protocol):
 
 
 class Decoder(nn.Module):
-    """A stack of ``num_layers`` identical-config layers followed by a final norm."""
+    """A stack of ``num_layers`` layers (``DecoderConfig.layer_configs()``) followed by a final norm."""
 
     #: What a backend may replace (``axtorch.layers.seams``).
     SEAMS: ClassVar[Seams] = {"layer_runner": LayerRunner}
@@ -161,7 +240,7 @@ class Decoder(nn.Module):
     def __init__(self, config: DecoderConfig, dim: int):
         super().__init__()
         self.config = config
-        self.layers = nn.ModuleList(config.layer.build(dim) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(layer.build(dim) for layer in config.layer_configs())
         self.final_norm = (config.final_norm or config.layer.norm).build(dim)
         self.remat = None if config.remat is None else config.remat.build()
         self.layer_runner: LayerRunner = run_layers_unrolled

@@ -1,0 +1,158 @@
+"""Heterogeneous decoder stacks: named layer variants merged over ``decoder.layer``, repeated by a pattern."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from axtorch.compose.experiment import load_experiment_config
+from axtorch.config.errors import ConfigError
+from axtorch.config.serialize import config_from_yaml, config_to_yaml
+from axtorch.layers.attention_mask import CausalMaskConfig, SlidingWindowMaskConfig
+from axtorch.layers.position import RotaryEmbeddingConfig
+from axtorch.layers.transformer import DecoderConfig, DecoderInput, TransformerLayerInput
+from axtorch.models.causal_lm import CausalLMInput
+from axtorch.train.checkpoint import read_model_tensors
+from axtorch.train.trainer import Trainer, build_model
+
+#: The preset with a window short enough for a 12-token sequence to cross it.
+STACK = ["model=local_global_tiny", "model.decoder.variants.local.attention.mask.window=4"]
+
+
+def test_the_preset_resolves_to_local_and_global_layers_with_their_own_rope_bases():
+    decoder = load_experiment_config(STACK).model.decoder
+    layers = decoder.layer_configs()
+    assert decoder.period() == 3 and len(layers) == decoder.num_layers == 6
+    assert [layer.attention.mask for layer in layers] == [SlidingWindowMaskConfig(window=4)] * 2 + [
+        CausalMaskConfig()
+    ] + [SlidingWindowMaskConfig(window=4)] * 2 + [CausalMaskConfig()]
+    assert [layer.attention.position.theta for layer in layers] == [1e4, 1e4, 1e6] * 2
+    assert all(layer.feed_forward == decoder.layer.feed_forward for layer in layers)
+
+
+def test_a_stack_equals_its_layers_built_by_hand_and_run_one_by_one():
+    config = load_experiment_config(STACK)
+    torch.manual_seed(0)
+    model = build_model(config, torch.device("cpu"))
+    base = config.model.decoder.layer
+    local = dataclasses.replace(
+        base,
+        attention=dataclasses.replace(base.attention, mask=SlidingWindowMaskConfig(window=4)),
+    )
+    global_ = dataclasses.replace(
+        base, attention=dataclasses.replace(base.attention, position=RotaryEmbeddingConfig(theta=1e6))
+    )
+    reference = [(local if i % 3 < 2 else global_).build(config.model.dim) for i in range(6)]
+    for layer, built in zip(reference, model.decoder.layers):
+        layer.load_state_dict(built.state_dict())
+
+    hidden = torch.randn(2, 12, config.model.dim, generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(12).expand(2, 12)
+    expected = hidden
+    for layer in reference:
+        expected = layer(TransformerLayerInput(expected, positions)).hidden_states
+    got = model.decoder(DecoderInput(hidden, positions)).hidden_states
+    torch.testing.assert_close(got, model.decoder.final_norm(expected), atol=1e-6, rtol=1e-5)
+
+    uniform = load_experiment_config([*STACK, "model.decoder.pattern=[global]", "~model.decoder.variants.local"])
+    assert not torch.allclose(
+        build_model(uniform, torch.device("cpu")).decoder(DecoderInput(hidden, positions)).hidden_states, got
+    )
+
+
+def test_pattern_and_variant_fields_compose_from_the_command_line():
+    decoder = load_experiment_config(
+        [
+            "model=llama_tiny",
+            "model.decoder.num_layers=5",
+            "model.decoder.pattern=[local,local,global]",
+            "+model/mask@model.decoder.variants.local.attention.mask=sliding_window",
+            "+model.decoder.variants.local.attention.mask.window=512",
+            "+model.decoder.variants.global.attention.position.theta=1000000",
+        ]
+    ).model.decoder
+    assert [layer.attention.mask for layer in decoder.layer_configs()] == [
+        SlidingWindowMaskConfig(window=512),
+        SlidingWindowMaskConfig(window=512),
+        CausalMaskConfig(),
+        SlidingWindowMaskConfig(window=512),
+        SlidingWindowMaskConfig(window=512),
+    ]
+    assert [layer.attention.position.theta for layer in decoder.layer_configs()] == [1e4, 1e4, 1e6, 1e4, 1e4]
+
+
+@pytest.mark.parametrize(
+    ("override", "key", "value", "allowed"),
+    [
+        ("model.decoder.pattern=[local,globl]", "model.decoder.pattern[1]", "globl", "['global', 'local']"),
+        (
+            "+model.decoder.variants.global.attention.position.thta=5",
+            "model.decoder.variants.global.attention.position.thta",
+            None,
+            "['theta']",
+        ),
+        ("model.decoder.pattern=[local]", "model.decoder.variants.global", None, "['local']"),
+    ],
+)
+def test_a_bad_variant_name_or_field_is_a_config_error_naming_key_value_and_allowed(override, key, value, allowed):
+    with pytest.raises(ConfigError) as raised:
+        load_experiment_config(["model=local_global_tiny", override])
+    assert raised.value.key == key
+    assert value is None or raised.value.value == value
+    assert allowed in raised.value.allowed
+
+
+def test_a_stack_round_trips_through_yaml_and_a_uniform_decoder_writes_no_stack_fields():
+    decoder = load_experiment_config(STACK).model.decoder
+    assert config_from_yaml(config_to_yaml(decoder), DecoderConfig) == decoder
+    uniform = load_experiment_config(["model=llama_tiny"]).model.decoder
+    text = config_to_yaml(uniform)
+    assert "variants" not in text and "pattern" not in text  # its config text and digest are unchanged
+
+
+def test_kv_cache_decoding_of_a_stack_equals_the_full_forward():
+    config = load_experiment_config(STACK)
+    torch.manual_seed(0)
+    model = build_model(config, torch.device("cpu"))
+    tokens = torch.randint(0, config.model.vocab_size, (2, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        full = model(CausalLMInput(tokens)).logits
+        caches = model.allocate_kv_caches(2, 12, dtype=torch.float32, device=torch.device("cpu"), max_write=6)
+        assert [cache.window for cache in caches] == [4, 4, None] * 2  # a ring for each local layer
+        steps = [model(CausalLMInput(tokens[:, :6], kv_caches=caches)).logits]
+        for position in range(6, 12):
+            steps.append(
+                model(
+                    CausalLMInput(
+                        tokens[:, position : position + 1], positions=torch.full((2, 1), position), kv_caches=caches
+                    )
+                ).logits
+            )
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=2e-5, rtol=1e-4)
+
+
+def test_a_stack_checkpoint_keeps_layer_names_and_resumes_bit_identically(tmp_path, data_cache):
+    def trainer(run_dir):
+        overrides = [*STACK, "trainer.max_steps=4", "trainer.checkpoint_every=2", "trainer.eval_every=100"]
+        return Trainer(
+            load_experiment_config(
+                [
+                    "experiment=debug",
+                    f"run_dir={run_dir}",
+                    f"data.cache_dir={data_cache}",
+                    "trainer.progress_bar=false",
+                    "trainer.plot=false",
+                    *overrides,
+                ]
+            )
+        )
+
+    trainer(tmp_path / "straight").fit()
+    assert trainer(tmp_path / "resumed").fit(until_step=2).step == 2
+    assert trainer(tmp_path / "resumed").fit().step == 4
+    expected = read_model_tensors(tmp_path / "straight" / "checkpoints" / "step_00000004")
+    got = read_model_tensors(tmp_path / "resumed" / "checkpoints" / "step_00000004")
+    assert {name.split(".")[2] for name in got if name.startswith("decoder.layers.")} == {str(i) for i in range(6)}
+    assert expected.keys() == got.keys()
+    for name in expected:
+        assert torch.equal(expected[name], got[name]), name
