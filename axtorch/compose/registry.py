@@ -41,6 +41,7 @@ from axtorch.layers.position_embedding import LearnedPositionEmbeddingConfig
 from axtorch.layers.remat import FullRematConfig, SelectiveRematConfig
 from axtorch.layers.residual import PostNormResidualConfig, PreNormResidualConfig, SandwichNormResidualConfig
 from axtorch.models.float8 import RowwiseFloat8Config, TensorwiseFloat8Config
+from axtorch.models.lora import LoRAConfig
 from axtorch.train.experiment import ExperimentConfig
 
 SCHEMA_NAME = "train_schema"
@@ -123,6 +124,8 @@ CHOICES: dict[str, tuple[str, dict[str, Any]]] = {
             "rowwise": {"float8": RowwiseFloat8Config()},
         },
     ),
+    # Adapters on a frozen model (LoRA), applied by the trainer from outside the layers.
+    "model/adapter": ("model", {"none": {"adapter": None}, "lora": {"adapter": LoRAConfig()}}),
     "data/source": (
         "data.source",
         {

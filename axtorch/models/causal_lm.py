@@ -18,6 +18,7 @@ from axtorch.layers.kv_cache import KVCache
 from axtorch.layers.linear import LinearConfig
 from axtorch.layers.position_embedding import PositionEmbeddingConfig
 from axtorch.layers.transformer import DecoderConfig, DecoderInput, TransformerLayer
+from axtorch.models.adapter import AdapterConfig
 from axtorch.models.float8 import Float8Config
 from axtorch.models.transforms import ModelTransformConfig
 
@@ -40,6 +41,8 @@ class CausalLMConfig:
     lm_head: LinearConfig = field(default_factory=LinearConfig)
     #: Float8 training of the linears (``model/float8``): a model transform (see ``transforms``).
     float8: Optional[Float8Config] = None
+    #: Adapters on a frozen model (``model/adapter=lora``): a model transform (see ``transforms``).
+    adapter: Optional[AdapterConfig] = None
 
     def validate(self, key: str = "model") -> None:
         for name in ("vocab_size", "dim", "max_seq_len"):
@@ -52,13 +55,23 @@ class CausalLMConfig:
         self.decoder.validate(self.dim, f"{key}.decoder")
         if self.float8 is not None:
             self.float8.validate(f"{key}.float8")
+        if self.adapter is not None:
+            self.adapter.validate(f"{key}.adapter")
+            if self.float8 is not None:
+                raise ConfigError(
+                    f"{key}.float8",
+                    "(set)",
+                    "none with model.adapter",
+                    reason="float8 swaps out the linears that hold the adapters",
+                )
 
     def transforms(self) -> list[ModelTransformConfig]:
         """The transforms training applies to the built model (``axtorch.models.transforms``).
 
-        ``build()`` itself, and so inference, leaves them out.
+        ``build()`` itself, and so inference, leaves them out (a run's adapters reach inference
+        merged into the weights: ``axtorch.train.trained_model``).
         """
-        return [transform for transform in (self.float8,) if transform is not None]
+        return [transform for transform in (self.float8, self.adapter) if transform is not None]
 
     def build(self) -> CausalLM:
         return CausalLM(self)

@@ -229,17 +229,27 @@ def read_model_tensors(path: Path, prefix: str = MODEL) -> dict[str, torch.Tenso
     }
 
 
+def trained_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What a checkpoint holds of ``model``: its state less the frozen parameters.
+
+    A frozen base (``model/adapter``) is not saved with its adapters: it is what the run started
+    from, and the trainer state records its digest (``axtorch.train.adapters``).
+    """
+    frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
+    return {name: value for name, value in model.state_dict().items() if name not in frozen}
+
+
 def read_trainer_state(path: Path) -> dict[str, Any]:
     return json.loads((path / TRAINER_STATE_FILE).read_text())
 
 
 def load_model(path: Path, model: torch.nn.Module, whole_model: bool = True) -> None:
-    """Load parameters in place into ``model``'s (possibly sharded) layout; every name must match.
+    """Load parameters in place into ``model``'s (possibly sharded) layout; every trained name must match.
 
     A part of the model (a process's pipeline stages) loads its own names and leaves the rest.
     """
     index = read_index(path, MODEL)
-    state = model.state_dict()
+    state = trained_state(model)
     missing = sorted(set(state) - set(index))
     unexpected = sorted(set(index) - set(state)) if whole_model else []
     reshaped = [
@@ -337,7 +347,7 @@ class Checkpointer:
         self.wait()
         path = self.root / checkpoint_dir_name(step)
         pieces = {
-            MODEL: _pieces(model.state_dict(), self.collective),
+            MODEL: _pieces(trained_state(model), self.collective),
             OPTIMIZER: _pieces(optimizer_tensors(optimizer), self.collective),
         }
         if torch.cuda.is_available() and torch.cuda.is_initialized():

@@ -1,10 +1,14 @@
 """A trained run's model and tokenizer, from its ``config.yaml`` and a verified checkpoint.
 
-What ``axtorch-generate checkpoint=`` and ``axtorch-export checkpoint=`` read.
+What ``axtorch-generate checkpoint=`` and ``axtorch-export checkpoint=`` read. A run that trained
+adapters (``model/adapter``) saved only those: its base is rebuilt from where the run took it
+(``init_from``, or the seed), checked against the recorded digest, and the adapters are merged
+into it, so what comes back is a plain model of the configured architecture.
 """
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import torch
@@ -12,8 +16,18 @@ import torch
 from axtorch.config.errors import ConfigError
 from axtorch.config.serialize import config_from_yaml
 from axtorch.data.tokenizer import Tokenizer
+from axtorch.interop.pretrained import load_pretrained
+from axtorch.models.adapter import merge_adapters
 from axtorch.models.causal_lm import CausalLM
-from axtorch.train.checkpoint import checkpoint_problems, newest_valid_checkpoint, read_model_tensors
+from axtorch.parallel.single import SingleDeviceBackend
+from axtorch.train.adapters import base_digest, check_base
+from axtorch.train.checkpoint import (
+    checkpoint_problems,
+    load_model,
+    newest_valid_checkpoint,
+    read_model_tensors,
+    read_trainer_state,
+)
 from axtorch.train.checkpoint_manifest import CheckpointError
 from axtorch.train.experiment import ExperimentConfig
 from axtorch.train.run_layout import CHECKPOINTS_DIR, CONFIG_FILE, TOKENIZER_FILE
@@ -37,8 +51,24 @@ def load_trained_model(checkpoint: Path, device: torch.device) -> tuple[CausalLM
     """The trained model and its tokenizer, rebuilt from the run directory's config.yaml."""
     checkpoint, run_dir = resolve_checkpoint(checkpoint)
     config = config_from_yaml((run_dir / CONFIG_FILE).read_text(), ExperimentConfig)
-    with torch.device("meta"):
-        model = config.model.build()
-    model.load_state_dict(read_model_tensors(checkpoint), strict=True, assign=True)
+    if config.model.adapter is not None:
+        model = _adapted_base(config, checkpoint)
+    else:
+        with torch.device("meta"):
+            model = config.model.build()
+        model.load_state_dict(read_model_tensors(checkpoint), strict=True, assign=True)
     tokenizer = Tokenizer.load(run_dir / TOKENIZER_FILE, config.data.tokenizer.eos_token)
     return model.to(device).eval(), tokenizer
+
+
+def _adapted_base(config: ExperimentConfig, checkpoint: Path) -> CausalLM:
+    """The run's base with its checkpoint's adapters merged in, on the CPU."""
+    from axtorch.train.trainer import build_parallel_model  # the trainer's own way to build the start
+
+    check_base(read_trainer_state(checkpoint), base_digest(config), checkpoint)
+    with tempfile.TemporaryDirectory() as scratch:
+        pretrained = load_pretrained(config.init_from, Path(scratch)) if config.init_from else None
+        model = build_parallel_model(config, SingleDeviceBackend(torch.device("cpu")), pretrained)
+    load_model(checkpoint, model)  # the adapters: every parameter that trained
+    merge_adapters(model)
+    return model

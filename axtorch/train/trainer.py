@@ -39,6 +39,7 @@ from axtorch.models.transforms import apply_model_transforms
 from axtorch.parallel.backend import Backend, materialize
 from axtorch.parallel.factory import build_backend
 from axtorch.parallel.single import SingleDeviceBackend
+from axtorch.train.adapters import BASE_DIGEST_KEY, base_digest, check_base, with_fresh_adapters
 from axtorch.train.checkpoint import Checkpointer, list_checkpoints, read_trainer_state
 from axtorch.train.checkpoint_manifest import CheckpointError
 from axtorch.train.config import Precision, SaveErrorPolicy
@@ -102,12 +103,12 @@ def build_parallel_model(
     apply_model_transforms(transforms, whole)
     model = backend.parallelize(whole)  # ``whole`` itself, or this process's pipeline stages of it
     values: Iterable[tuple[str, torch.Tensor]]
+    torch.manual_seed(config.trainer.seed)
     if pretrained is not None:
         values = pretrained.model.state_dict().items()
     else:
-        torch.manual_seed(config.trainer.seed)
         values = initial_parameter_values(initial)  # the whole model's draws, so every stage gets its own
-    materialize(backend, model, values, whole_model=model is whole)
+    materialize(backend, model, with_fresh_adapters(values, whole), whole_model=model is whole)
     return model
 
 
@@ -139,7 +140,8 @@ class Trainer:
         random.seed(config.trainer.seed)
         self.pretrained = None
         if config.init_from:
-            if list_checkpoints(self.run_dir / CHECKPOINTS_DIR):  # resuming: the weights come from there
+            # Resuming: the weights come from the checkpoint, unless it holds only adapters.
+            if list_checkpoints(self.run_dir / CHECKPOINTS_DIR) and config.model.adapter is None:
                 config.data.tokenizer.path = str(pretrained_tokenizer_path(config.init_from, self.run_dir))
             else:
                 self.pretrained = load_pretrained(config.init_from, self.run_dir)
@@ -182,6 +184,7 @@ class Trainer:
         self._said_no_held_out_data = False
         self.config_text = config_to_yaml(config)
         self.model_digest = config_digest(config_to_yaml(config.model))
+        self.base_digest = base_digest(config)
 
     # ----------------------------------------------------------------------------------- setup
 
@@ -227,6 +230,7 @@ class Trainer:
             "rng": capture_rng_state(),
             "model_config_digest": self.model_digest,
             "config_digest": config_digest(self.config_text),
+            BASE_DIGEST_KEY: self.base_digest,
         }
 
     def resume(self, path: Path) -> None:
@@ -238,6 +242,7 @@ class Trainer:
                 f"the model config the checkpoint {path} was trained with",
                 reason="the run directory holds checkpoints of a different model; use a new run_dir",
             )
+        check_base(state, self.base_digest, path)
         self.checkpointer.load(path, self.model, self.optimizer, whole_model=self.backend.pipeline is None)
         self.step = state["step"]
         self.train_batches.load_state_dict(state["data"])
