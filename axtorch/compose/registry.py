@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from axtorch.config.errors import ConfigError
+from axtorch.data.chat import ChatSourceConfig
 from axtorch.data.parquet import ParquetSourceConfig
 from axtorch.data.shards import TokenizedSourceConfig
 from axtorch.data.sources import (
@@ -135,6 +136,7 @@ CHOICES: dict[str, tuple[str, dict[str, Any]]] = {
             "hf_dataset": HFDatasetSourceConfig(),
             "parquet": ParquetSourceConfig(),
             "tokenized": TokenizedSourceConfig(),
+            "chat": ChatSourceConfig(),
         },
     ),
 }

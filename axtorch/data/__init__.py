@@ -1,6 +1,7 @@
 """Data pipeline: document sources, tokenizer, packed token caches, streaming, and resumable batch loaders."""
 
 from axtorch.data.batches import DataModule, TrainBatches
+from axtorch.data.chat import ChatSourceConfig, ChatTemplate
 from axtorch.data.config import DataConfig
 from axtorch.data.loader import BatchIterator, PackedDataModule, build_data
 from axtorch.data.mixture import MixtureEntryConfig
@@ -20,6 +21,8 @@ from axtorch.data.tokenizer import Tokenizer, TokenizerConfig, load_or_train_tok
 
 __all__ = [
     "BatchIterator",
+    "ChatSourceConfig",
+    "ChatTemplate",
     "DataConfig",
     "DataModule",
     "DocumentSource",

@@ -9,15 +9,38 @@ from typing import Any, Optional, Protocol
 import numpy as np
 import torch
 
+from axtorch.data.document_tokens import DOCUMENT_START, NOT_TARGET, TOKEN_ID
 from axtorch.data.tokenizer import Tokenizer
 
 Batch = dict[str, torch.Tensor]
 
+#: The label of a token no loss is taken on (``loss.ignore_index``'s default).
+IGNORED_LABEL = -100
 
-def to_batch(windows: np.ndarray) -> Batch:
-    """Split ``[B, S + 1]`` windows into ``input_ids`` and next-token ``labels``, both ``[B, S]`` int64."""
+
+def to_batch(windows: np.ndarray, document_masking: bool = False) -> Batch:
+    """Split ``[B, S + 1]`` windows into ``input_ids`` and next-token ``labels``, both ``[B, S]`` int64.
+
+    Tokens flagged ``NOT_TARGET`` (``document_tokens``) get ``IGNORED_LABEL``. With
+    ``document_masking`` the batch also holds ``segment_ids`` (a row's documents, from its
+    ``DOCUMENT_START`` flags; the row's first token starts one) and ``positions`` that restart at 0
+    in each, and a document's last token predicts nothing (its label would be the next one's first).
+    """
     tokens = torch.from_numpy(np.ascontiguousarray(windows, dtype=np.int64))
-    return {"input_ids": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
+    ids = tokens & TOKEN_ID
+    labels = ids[:, 1:].clone()
+    untargeted = (tokens[:, 1:] & NOT_TARGET) != 0
+    batch = {"input_ids": ids[:, :-1].contiguous()}
+    if document_masking:
+        starts = (tokens[:, :-1] & DOCUMENT_START) != 0
+        starts[:, 0] = True
+        untargeted |= (tokens[:, 1:] & DOCUMENT_START) != 0
+        index = torch.arange(starts.shape[1]).expand_as(starts)
+        batch["segment_ids"] = starts.long().cumsum(1)
+        batch["positions"] = index - torch.where(starts, index, 0).cummax(1).values
+    labels[untargeted] = IGNORED_LABEL
+    batch["labels"] = labels
+    return batch
 
 
 def check_batch_size(batch_size: int) -> None:
@@ -35,7 +58,9 @@ class Windows(Protocol):
         ...
 
 
-def iter_validation_batches(windows: Windows, batch_size: int, max_batches: Optional[int] = None) -> Iterator[Batch]:
+def iter_validation_batches(
+    windows: Windows, batch_size: int, max_batches: Optional[int] = None, document_masking: bool = False
+) -> Iterator[Batch]:
     """Windows in order; the last partial batch is dropped unless it is the only one."""
     check_batch_size(batch_size)
     count = len(windows)
@@ -44,7 +69,7 @@ def iter_validation_batches(windows: Windows, batch_size: int, max_batches: Opti
         num_batches = min(num_batches, max_batches)
     for batch in range(num_batches):
         indices = np.arange(batch * batch_size, min((batch + 1) * batch_size, count))
-        yield to_batch(windows.gather(indices))
+        yield to_batch(windows.gather(indices), document_masking)
 
 
 class TrainBatches(Iterator[Batch], Protocol):

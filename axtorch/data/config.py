@@ -22,6 +22,8 @@ class DataConfig:
     streaming corpus is read as: fixed for a run, so that its batches do not depend on how many
     data-parallel ranks read them (it must be a multiple of that number and divide the batch size;
     null, the default, is one per row of the global batch, which fits any number of ranks).
+    ``document_masking`` keeps each packed document to itself: a token attends only within its
+    document, positions restart at 0 in each, and no loss crosses a boundary (``data=chat``'s default).
     """
 
     source: Optional[SourceConfig] = None
@@ -32,6 +34,7 @@ class DataConfig:
     seed: int = 0
     cache_dir: str = "~/.cache/axtorch/data"
     streams: Optional[int] = None
+    document_masking: bool = False
 
     def validate(self) -> None:
         """The checks that need no file: which corpus, and the numbers that cut it."""

@@ -14,8 +14,9 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from axtorch.data.batches import Batch, DataModule, check_batch_size, iter_validation_batches, to_batch
+from axtorch.data.batches import Batch, DataModule, Windows, check_batch_size, iter_validation_batches, to_batch
 from axtorch.data.config import DataConfig
+from axtorch.data.document_tokens import mark_starts_after
 from axtorch.data.packing import PackedSequences, prepare_corpus, validate_data_config
 from axtorch.data.streaming import build_streaming_data
 from axtorch.data.tokenizer import Tokenizer
@@ -31,7 +32,15 @@ class BatchIterator(Iterator[Batch]):
     permutation; rank ``r`` of ``R`` gathers only its ``B / R`` consecutive rows of it.
     """
 
-    def __init__(self, sequences: PackedSequences, batch_size: int, seed: int, rank: int = 0, ranks: int = 1):
+    def __init__(
+        self,
+        sequences: Windows,
+        batch_size: int,
+        seed: int,
+        rank: int = 0,
+        ranks: int = 1,
+        document_masking: bool = False,
+    ):
         check_batch_size(batch_size)
         if batch_size % ranks or not 0 <= rank < ranks:
             raise ValueError(f"rank {rank} of {ranks} cannot take an equal share of batch_size={batch_size}")
@@ -45,6 +54,7 @@ class BatchIterator(Iterator[Batch]):
         self._batch_size = batch_size
         self._rows = slice(rank * batch_size // ranks, (rank + 1) * batch_size // ranks)
         self._seed = seed
+        self._document_masking = document_masking
         self._epoch = 0
         self._index = 0
         self._permutation_epoch = -1
@@ -71,7 +81,7 @@ class BatchIterator(Iterator[Batch]):
         self._index += 1
         if self._index == self.batches_per_epoch:
             self._epoch, self._index = self._epoch + 1, 0
-        return to_batch(self._sequences.gather(indices))
+        return to_batch(self._sequences.gather(indices), self._document_masking)
 
     def state_dict(self) -> dict[str, int]:
         """The position of the next batch, JSON-serialisable (the same on every rank)."""
@@ -97,8 +107,27 @@ class BatchIterator(Iterator[Batch]):
         self._epoch, self._index = epoch, index
 
 
+class DocumentWindows:
+    """Windows of a cached token stream (plain ids) with their documents' starts flagged: each
+    document there ends with the end-of-sequence token (``Windows``)."""
+
+    def __init__(self, windows: Windows, eos_id: int):
+        self._windows = windows
+        self._eos_id = eos_id
+
+    def __len__(self) -> int:
+        return len(self._windows)
+
+    def gather(self, indices: np.ndarray) -> np.ndarray:
+        return mark_starts_after(self._windows.gather(indices), self._eos_id)
+
+
 class PackedDataModule:
-    """A corpus tokenized up front: memory-mapped token arrays cut into windows (``packing.py``)."""
+    """A corpus tokenized up front: memory-mapped token arrays cut into windows (``packing.py``).
+
+    With ``document_masking`` its documents are told apart by the end-of-sequence token that
+    ends each (``DocumentWindows``).
+    """
 
     def __init__(
         self,
@@ -107,12 +136,14 @@ class PackedDataModule:
         train: PackedSequences,
         val: PackedSequences,
         seed: int,
+        document_masking: bool = False,
     ):
         self.tokenizer = tokenizer
         self.tokenizer_path = tokenizer_path
-        self._train = train
-        self._val = val
+        self._train: Windows = DocumentWindows(train, tokenizer.eos_id) if document_masking else train
+        self._val: Windows = DocumentWindows(val, tokenizer.eos_id) if document_masking else val
         self._seed = seed
+        self._document_masking = document_masking
 
     @property
     def train_num_sequences(self) -> int:
@@ -125,10 +156,12 @@ class PackedDataModule:
     def train_batches(
         self, global_batch_size: int, data_parallel_rank: int = 0, data_parallel_size: int = 1
     ) -> BatchIterator:
-        return BatchIterator(self._train, global_batch_size, self._seed, data_parallel_rank, data_parallel_size)
+        return BatchIterator(
+            self._train, global_batch_size, self._seed, data_parallel_rank, data_parallel_size, self._document_masking
+        )
 
     def val_batches(self, batch_size: int, max_batches: Optional[int] = None) -> Iterator[Batch]:
-        return iter_validation_batches(self._val, batch_size, max_batches)
+        return iter_validation_batches(self._val, batch_size, max_batches, self._document_masking)
 
 
 def build_data(cfg: DataConfig) -> DataModule:
@@ -144,4 +177,5 @@ def build_data(cfg: DataConfig) -> DataModule:
         train=PackedSequences(corpus.train_tokens, cfg.seq_len, "train"),
         val=PackedSequences(corpus.val_tokens, cfg.seq_len, "validation"),
         seed=cfg.seed,
+        document_masking=cfg.document_masking,
     )

@@ -10,7 +10,14 @@ from typing import Any, Optional
 from omegaconf import MISSING
 
 from axtorch.config.errors import ConfigError
-from axtorch.data.sources import PartitionedSource, SourceConfig, files_fingerprint, resolve_globs
+from axtorch.data.sources import (
+    FieldToDocument,
+    PartitionedSource,
+    SourceConfig,
+    files_fingerprint,
+    require_text,
+    resolve_globs,
+)
 
 
 def _pyarrow_parquet() -> Any:
@@ -29,15 +36,16 @@ class ParquetSource(PartitionedSource):
     and reads only the group it stopped in. Memory is one row group's column, whatever the corpus.
     """
 
-    def __init__(self, files: list[Path], text_field: str):
+    def __init__(self, files: list[Path], text_field: str, document_of: FieldToDocument = require_text):
         parquet = _pyarrow_parquet()
         self.files = files
         self.text_field = text_field
+        self.document_of = document_of
         #: (file, row group in it, rows) of every row group, in order.
         self.row_groups: list[tuple[Path, int, int]] = []
         for path in files:
             metadata = parquet.ParquetFile(path).metadata
-            columns = metadata.schema.names
+            columns = metadata.schema.to_arrow_schema().names  # top-level: a column of messages is nested
             if text_field not in columns:
                 raise ConfigError("data.source.text_field", text_field, f"a column of {path}: {columns}")
             self.row_groups += [
@@ -53,13 +61,8 @@ class ParquetSource(PartitionedSource):
                 continue
             texts = parquet.ParquetFile(path).read_row_group(group, columns=[self.text_field]).column(0).to_pylist()
             for offset in range(max(position - consumed, 0), rows):
-                text = texts[offset]
-                if not isinstance(text, str):
-                    raise ValueError(
-                        f"{path}: row group {group}, row {offset}: column {self.text_field!r} is "
-                        f"{type(text).__name__}, not a string"
-                    )
-                yield text, consumed + offset + 1
+                where = f"{path}: row group {group}, row {offset}"
+                yield self.document_of(texts[offset], self.text_field, where), consumed + offset + 1
             consumed += rows
 
     def fingerprint(self) -> str:

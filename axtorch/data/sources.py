@@ -22,11 +22,16 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
-from typing import Any, BinaryIO, Optional
+from typing import TYPE_CHECKING, Any, BinaryIO, Optional
 
+import numpy as np
 from omegaconf import MISSING
 
 from axtorch.config.errors import ConfigError
+from axtorch.data.document_tokens import flag_document
+
+if TYPE_CHECKING:
+    from axtorch.data.tokenizer import Tokenizer
 
 _STDLIB_EXCLUDED_DIRS = frozenset({"site-packages", "test", "tests", "idlelib"})
 
@@ -84,6 +89,23 @@ class PartitionedSource(DocumentSource):
     def iter_documents(self) -> Iterator[str]:
         for text, _ in self.read_part(0, 1, 0):
             yield text
+
+    def encode_documents(self, documents: list[str], tokenizer: Tokenizer, mark_starts: bool) -> list[np.ndarray]:
+        """Each document's tokens as streaming packs them (``document_tokens``): its text's ids, then
+        EOS, every token a target; ``mark_starts``: ``DOCUMENT_START`` on the first."""
+        eos = tokenizer.eos_id
+        return [flag_document([*ids, eos], mark_start=mark_starts) for ids in tokenizer.encode_batch(documents)]
+
+
+def require_text(value: Any, field: str, where: str) -> str:
+    """A row's ``field`` as one document: it must be a string."""
+    if not isinstance(value, str):
+        raise ValueError(f"{where}: field {field!r} is {type(value).__name__}, not a string")
+    return value
+
+
+#: How a row's field becomes one document (``require_text``, or a chat's messages as JSON).
+FieldToDocument = Callable[[Any, str, str], str]
 
 
 @dataclass
@@ -201,9 +223,10 @@ class JsonlSource(PartitionedSource):
     nobody else's lines. A position is the bytes of the part consumed, always at a line start.
     """
 
-    def __init__(self, files: list[Path], text_field: str):
+    def __init__(self, files: list[Path], text_field: str, document_of: FieldToDocument = require_text):
         self.files = files
         self.text_field = text_field
+        self.document_of = document_of
         self._file_starts = [0]
         for path in files:
             self._file_starts.append(self._file_starts[-1] + path.stat().st_size)
@@ -244,10 +267,7 @@ class JsonlSource(PartitionedSource):
         if not isinstance(record, dict) or self.text_field not in record:
             fields = sorted(record) if isinstance(record, dict) else type(record).__name__
             raise ValueError(f"{where}: no field {self.text_field!r} (data.source.text_field); found {fields}")
-        text = record[self.text_field]
-        if not isinstance(text, str):
-            raise ValueError(f"{where}: field {self.text_field!r} is {type(text).__name__}, not a string")
-        return text
+        return self.document_of(record[self.text_field], self.text_field, where)
 
     def fingerprint(self) -> str:
         return files_fingerprint("jsonl", self.files, text_field=self.text_field)

@@ -48,7 +48,8 @@ class PackedStream:
     """One part of one source, tokenized as it is read and cut into windows of ``seq_len + 1`` tokens.
 
     ``held_out`` picks which documents it keeps (training: those not held out, read again and
-    again; validation: the held-out ones, read once).
+    again; validation: the held-out ones, read once). The source encodes its documents
+    (``PartitionedSource.encode_documents``); ``document_masking`` flags where each starts.
     """
 
     def __init__(
@@ -62,8 +63,10 @@ class PackedStream:
         val_fraction: float,
         seed: int,
         held_out: bool = False,
+        document_masking: bool = False,
     ):
         self.source, self.part, self.parts = source, part, parts
+        self.document_masking = document_masking
         self.tokenizer = tokenizer
         self.seq_len = seq_len
         self._val_fraction, self._seed, self._held_out = val_fraction, seed, held_out
@@ -97,10 +100,10 @@ class PackedStream:
         if self._documents is None:
             self._documents = self._read()
         documents = list(islice(self._documents, ENCODE_BATCH_DOCUMENTS))
-        eos = self.tokenizer.eos_id
-        for (_, epoch, after), ids in zip(documents, self.tokenizer.encode_batch([text for text, _, _ in documents])):
-            ids.append(eos)
-            self._pending.append((np.array(ids, dtype=np.int64), epoch, after))
+        texts = [text for text, _, _ in documents]
+        encoded = self.source.encode_documents(texts, self.tokenizer, self.document_masking)
+        for (_, epoch, after), tokens in zip(documents, encoded):
+            self._pending.append((tokens, epoch, after))
         return bool(documents)
 
     def take(self, count: int) -> np.ndarray:
@@ -149,9 +152,17 @@ class StreamingBatches(Iterator[Batch]):
     """
 
     def __init__(
-        self, streams: list[list[PackedStream]], shares: list[float], seed: int, batch_size: int, first: int, total: int
+        self,
+        streams: list[list[PackedStream]],
+        shares: list[float],
+        seed: int,
+        batch_size: int,
+        first: int,
+        total: int,
+        document_masking: bool = False,
     ):
         self._streams = streams
+        self._document_masking = document_masking
         self._shares = shares
         self._seed = seed
         self._batch_size = batch_size
@@ -171,7 +182,7 @@ class StreamingBatches(Iterator[Batch]):
             for row in range(stream * self._rows_per_stream, (stream + 1) * self._rows_per_stream):
                 windows.append(self._streams[sources[row]][owned].take(1))
         self._step += 1
-        return to_batch(np.concatenate(windows))
+        return to_batch(np.concatenate(windows), self._document_masking)
 
     def _layout(self) -> dict[str, int]:
         return {"format": _STATE_FORMAT, "streams": self._total, "sources": len(self._streams)}
@@ -244,6 +255,7 @@ class StreamingDataModule:
             val_fraction=cfg.val_fraction,
             seed=cfg.seed,
             held_out=held_out,
+            document_masking=cfg.document_masking,
         )
 
     def train_batches(
@@ -257,7 +269,9 @@ class StreamingDataModule:
             [self._stream(source, part, total) for part in range(first, first + owned)] for source, _ in self._sources
         ]
         shares = [share for _, share in self._sources]
-        return StreamingBatches(streams, shares, self._cfg.seed, global_batch_size, first, total)
+        return StreamingBatches(
+            streams, shares, self._cfg.seed, global_batch_size, first, total, self._cfg.document_masking
+        )
 
     def val_batches(self, batch_size: int, max_batches: Optional[int] = None) -> Iterator[Batch]:
         if max_batches is None:
@@ -271,7 +285,7 @@ class StreamingDataModule:
                     for source, share in self._sources
                 ]
             self._val[wanted] = HeldOutWindows(np.concatenate(rows))
-        return iter_validation_batches(self._val[wanted], batch_size, max_batches)
+        return iter_validation_batches(self._val[wanted], batch_size, max_batches, self._cfg.document_masking)
 
 
 def build_streaming_data(cfg: DataConfig) -> Optional[StreamingDataModule]:

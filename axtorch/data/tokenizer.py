@@ -21,6 +21,8 @@ from axtorch.config.errors import ConfigError
 from axtorch.data.sources import DocumentSource, stable_hash, write_file_atomically
 
 TOKENIZER_FILE = "tokenizer.json"
+#: Beside a tokenizer.json: its special tokens and chat template, as HF writes them.
+TOKENIZER_SETTINGS_FILE = "tokenizer_config.json"
 
 
 @dataclass
@@ -36,7 +38,7 @@ class TokenizerConfig:
 class Tokenizer:
     """Text <-> token ids, with the end-of-sequence id that separates packed documents."""
 
-    def __init__(self, inner: tokenizers.Tokenizer, eos_token: str):
+    def __init__(self, inner: tokenizers.Tokenizer, eos_token: str, settings: Optional[dict[str, Any]] = None):
         eos_id = inner.token_to_id(eos_token)
         if eos_id is None:
             raise ValueError(
@@ -45,10 +47,14 @@ class Tokenizer:
         self._inner = inner
         self._eos_id = eos_id
         self.eos_token = eos_token
+        #: The ``tokenizer_config.json`` beside the loaded file (special tokens, chat template), or {}.
+        self.settings: dict[str, Any] = settings or {}
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], eos_token: str) -> Tokenizer:
-        return cls(tokenizers.Tokenizer.from_file(str(path)), eos_token)
+        settings_file = Path(path).parent / TOKENIZER_SETTINGS_FILE
+        settings = json.loads(settings_file.read_text()) if settings_file.is_file() else {}
+        return cls(tokenizers.Tokenizer.from_file(str(path)), eos_token, settings)
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write atomically, so a crash never leaves a half-written file that a later run would load."""
@@ -65,6 +71,11 @@ class Tokenizer:
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [encoding.ids for encoding in self._inner.encode_batch(texts, add_special_tokens=False)]
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """The ids and each token's character span in ``text``."""
+        encoding = self._inner.encode(text, add_special_tokens=False)
+        return encoding.ids, encoding.offsets
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._inner.decode(list(ids), skip_special_tokens=False)

@@ -189,6 +189,22 @@ def chat_template(path: str | os.PathLike[str]) -> Optional[str]:
     return str(template) if template is not None else None
 
 
+def tokenizer_settings(path: str | os.PathLike[str]) -> dict[str, str]:
+    """What HF's ``tokenizer_config.json`` would hold for the GGUF's tokenizer: its chat template and
+    the text of its BOS and EOS tokens, as far as the file names them (``axtorch.data.chat`` reads it)."""
+    reader = _reader(path)
+    tokens = _metadata(reader, "tokenizer.ggml.tokens")
+    settings = {}
+    for name in ("bos", "eos"):
+        token_id = _metadata(reader, f"tokenizer.ggml.{name}_token_id", None)
+        if token_id is not None:
+            settings[f"{name}_token"] = str(tokens[int(token_id)])
+    template = _metadata(reader, "tokenizer.chat_template", None)
+    if template is not None:
+        settings["chat_template"] = str(template)
+    return settings
+
+
 def _metadata(reader: GGUFReader, key: str, default: Any = _REQUIRED) -> Any:
     field = reader.fields.get(key)
     if field is None:
