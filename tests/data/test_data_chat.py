@@ -17,7 +17,8 @@ from axtorch.data.tokenizer import TOKENIZER_SETTINGS_FILE, train_byte_level_bpe
 
 #: ChatML, as SmolLM2 and Qwen write it.
 CHATML = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 WORDS = ["red", "green", "blue", "cat", "dog", "sun", "moon", "tree", "river", "stone", "bird", "fish"]
@@ -147,8 +148,9 @@ def test_rows_that_are_not_conversations_are_named(corpus, tmp_path):
 
 def test_a_tokenizer_without_a_template_is_a_config_error(corpus, tmp_path):
     (tmp_path / "tokenizer.json").write_bytes((corpus / "tokenizer.json").read_bytes())
-    config = chat_config(corpus, tokenizer=TokenizerConfig(path=str(tmp_path / "tokenizer.json"), eos_token="<|im_end|>"))
-    with pytest.raises(ConfigError, match="data.source.template"):
+    tokenizer = TokenizerConfig(path=str(tmp_path / "tokenizer.json"), eos_token="<|im_end|>")
+    config = chat_config(corpus, tokenizer=tokenizer)
+    with pytest.raises(ConfigError, match=r"data\.source\.template"):
         next(build_data(config).train_batches(2, 0, 1))
     (tmp_path / "chatml.jinja").write_text(CHATML)
     config.source.template = str(tmp_path / "chatml.jinja")

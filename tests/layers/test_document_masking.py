@@ -102,7 +102,8 @@ def test_the_document_mask_is_the_configured_mask_within_each_document():
         [0, 0, 0, 0, 0, 1, 1],
     ]
     causal = DocumentMask(CausalMaskConfig().build())
-    assert causal.is_plain_causal and torch.equal(causal(positions, positions), CausalMaskConfig().build()(positions, positions))
+    assert causal.is_plain_causal
+    assert torch.equal(causal(positions, positions), CausalMaskConfig().build()(positions, positions))
 
 
 def test_unpacked_data_keeps_the_fused_causal_kernel(monkeypatch):
