@@ -9,12 +9,15 @@ comes with the weights: a GGUF's own, or the HF directory's ``tokenizer.json``.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from axtorch.config.errors import ConfigError
 from axtorch.config.serialize import config_to_dict
+from axtorch.data.sources import write_file_atomically
+from axtorch.data.tokenizer import TOKENIZER_SETTINGS_FILE
 from axtorch.models.causal_lm import CausalLM, CausalLMConfig
 
 #: Settings that do not change the network a checkpoint holds: initialisation, the maximum length,
@@ -59,11 +62,14 @@ def load_pretrained(source: str, scratch_dir: Path) -> Pretrained:
                 "init_from", source, "an HF directory with a tokenizer.json", reason=f"no {tokenizer_path}"
             )
         return Pretrained(model, config, tokenizer_path)
-    from axtorch.interop.gguf import from_gguf
+    from axtorch.interop.gguf import from_gguf, tokenizer_settings
 
     model, config, tokenizer = from_gguf(path)
     scratch_dir.mkdir(parents=True, exist_ok=True)
     tokenizer.save(tokenizer_path)
+    # Beside the tokenizer, where ``Tokenizer.load`` finds its chat template (``data=chat``).
+    settings = json.dumps(tokenizer_settings(path), indent=2).encode()
+    write_file_atomically(tokenizer_path.parent / TOKENIZER_SETTINGS_FILE, lambda file: file.write(settings))
     return Pretrained(model, config, tokenizer_path)
 
 
