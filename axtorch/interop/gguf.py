@@ -143,6 +143,14 @@ PRE_TOKENIZERS = {
     "deepseek-coder": lambda: _splits_then_digits(*DEEPSEEK_CODER_SPLITS),
 }
 
+#: The pre-tokenizers after which llama.cpp takes a pre-token that is in the vocabulary whole, as one
+#: token, before any merge (``ignore_merges`` in its ``llama-vocab.cpp``), as the model's own
+#: tokenizer.json does (``"ignore_merges": true`` in Llama 3's BPE model): Llama 3 encodes "Cửa Việt"
+#: as [34, 91163, 101798], its merges alone as [34, 91163, 11655, 26298, 83]. Of those rebuilt here
+#: only ``llama-bpe``; llama.cpp also sets it for ``tekken``, ``youtu``, ``minicpm5`` and
+#: ``granite-embed-multi-97m``, which ``PRE_TOKENIZERS`` does not rebuild.
+IGNORE_MERGES = frozenset({"llama-bpe"})
+
 _REQUIRED = object()
 
 
@@ -390,7 +398,8 @@ def _tokenizer(reader: GGUFReader) -> Tokenizer:
     types = _metadata(reader, "tokenizer.ggml.token_type", [TokenType.NORMAL] * len(tokens))
     merges = [tuple(merge.split(" ", 1)) for merge in _metadata(reader, "tokenizer.ggml.merges")]
 
-    inner = tokenizers.Tokenizer(models.BPE({token: i for i, token in enumerate(tokens)}, merges))
+    vocab = {token: i for i, token in enumerate(tokens)}
+    inner = tokenizers.Tokenizer(models.BPE(vocab, merges, ignore_merges=pre in IGNORE_MERGES))
     inner.pre_tokenizer = PRE_TOKENIZERS[pre]()
     inner.decoder = decoders.ByteLevel()
     # Control tokens (<|im_start|>, ...) must match whole in text, never be split by BPE.

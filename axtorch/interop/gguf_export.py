@@ -27,6 +27,7 @@ from axtorch.interop.families.llama_layout import axtorch_to_hf_state_dict
 from axtorch.interop.gguf import (
     BYTE_LEVEL_BPE_TOKENIZER,
     GLOBAL_NAMES,
+    IGNORE_MERGES,
     LAYER_NAMES,
     LLAMA3_ROPE_BANDS,
     PRE_TOKENIZERS,
@@ -173,7 +174,14 @@ def _tokenizer_fields(tokenizer: Tokenizer, vocab_size: int) -> dict[str, Any]:
             else TokenType.USER_DEFINED
         )
     merges = [merge if isinstance(merge, str) else " ".join(merge) for merge in model["merges"]]
-    return {"pre": _pre_tokenizer_name(pre), "tokens": tokens, "types": types, "merges": merges}
+    name = _pre_tokenizer_name(pre)
+    if bool(model.get("ignore_merges")) != (name in IGNORE_MERGES):
+        # A GGUF cannot say it: llama.cpp decides by the pre-tokenizer's name.
+        raise ValueError(
+            f"the tokenizer's BPE has ignore_merges={bool(model.get('ignore_merges'))}, but llama.cpp applies "
+            f"ignore_merges={name in IGNORE_MERGES} after pre-tokenizer {name!r}, so it would tokenize otherwise"
+        )
+    return {"pre": name, "tokens": tokens, "types": types, "merges": merges}
 
 
 def _pre_tokenizer_name(pre: dict[str, Any] | None) -> str:

@@ -127,14 +127,17 @@ def test_the_export_command_writes_gguf_and_hf_from_a_trained_run(tmp_path, data
     )
 
 
-def _with_pre_tokenizer(tokenizer, name):
-    """The same vocabulary and merges behind another of llama.cpp's pre-tokenizers."""
+def _with_pre_tokenizer(tokenizer, name, ignore_merges=None):
+    """The same vocabulary and merges behind another of llama.cpp's pre-tokenizers, merging as
+    llama.cpp does after it unless ``ignore_merges`` says otherwise."""
     from tokenizers import Tokenizer as Inner
 
     from axtorch.data.tokenizer import Tokenizer
-    from axtorch.interop.gguf import PRE_TOKENIZERS
+    from axtorch.interop.gguf import IGNORE_MERGES, PRE_TOKENIZERS
 
-    inner = Inner.from_str(json.dumps(tokenizer.description()))
+    description = tokenizer.description()
+    description["model"]["ignore_merges"] = name in IGNORE_MERGES if ignore_merges is None else ignore_merges
+    inner = Inner.from_str(json.dumps(description))
     inner.pre_tokenizer = PRE_TOKENIZERS[name]()
     return Tokenizer(inner, tokenizer.eos_token)
 
@@ -156,6 +159,15 @@ def test_each_pre_tokenizer_round_trips_and_transformers_splits_text_the_same_wa
     ends = {sum(len(p) for p in pieces[: i + 1]) for i in range(len(pieces))}
     # Llama 3 splits numbers into runs of three digits; Qwen2 and SmolLM into single digits.
     assert {"llama-bpe": {3, 6}, "qwen2": set(range(1, 8)), "smollm": set(range(1, 8))}.get(pre, set()) <= ends
+
+
+@pytest.mark.parametrize(("pre", "ignore_merges"), [("llama-bpe", False), ("qwen2", True)])
+def test_a_tokenizer_that_merges_otherwise_than_llama_cpp_would_is_refused(tmp_path, tokenizer, pre, ignore_merges):
+    # A GGUF has no ignore_merges flag: llama.cpp sets it by the pre-tokenizer's name (Llama 3's).
+    ours = _with_pre_tokenizer(tokenizer, pre, ignore_merges=ignore_merges)
+    with pytest.raises(ValueError, match=f"ignore_merges={ignore_merges}, but llama.cpp applies ignore_merges="):
+        to_gguf(_model(tokenizer), ours, tmp_path / "model.gguf", "f32")
+    assert not (tmp_path / "model.gguf").exists()
 
 
 def test_a_qwen3_model_exports_as_the_qwen3_architecture(tmp_path, tokenizer):

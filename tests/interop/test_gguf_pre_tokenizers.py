@@ -222,8 +222,8 @@ def llama_cpp_ids(text, kind, vocab, ranks, single_digits=False):
     return ids
 
 
-def _trained_gguf(kind, path):
-    """A byte-level BPE trained with this pre-tokenizer, written as a vocabulary-only GGUF as llama.cpp reads it."""
+def _trained(kind):
+    """A byte-level BPE trained with this pre-tokenizer: (vocabulary, merges)."""
     inner = tokenizers.Tokenizer(models.BPE())
     inner.pre_tokenizer = PRE_TOKENIZERS[kind]()
     trainer = trainers.BpeTrainer(
@@ -234,19 +234,30 @@ def _trained_gguf(kind, path):
     )
     inner.train_from_iterator(TEXTS * 5, trainer=trainer)
     model = json.loads(inner.to_str())["model"]
-    tokens = sorted(model["vocab"], key=model["vocab"].get)
+    return model["vocab"], [tuple(merge) for merge in model["merges"]]
+
+
+def _write_gguf(path, kind, vocab, merges):
+    """A vocabulary-only GGUF as llama.cpp reads it."""
+    tokens = sorted(vocab, key=vocab.get)
     writer = gguf.GGUFWriter(path, "llama")
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(kind)
     writer.add_token_list(tokens)
     writer.add_token_types([gguf.TokenType.CONTROL if t == SPECIAL else gguf.TokenType.NORMAL for t in tokens])
-    writer.add_token_merges([" ".join(merge) for merge in model["merges"]])
-    writer.add_eos_token_id(model["vocab"][SPECIAL])
+    writer.add_token_merges([" ".join(merge) for merge in merges])
+    writer.add_eos_token_id(vocab[SPECIAL])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return model["vocab"], {tuple(merge): rank for rank, merge in enumerate(model["merges"])}
+
+
+def _trained_gguf(kind, path):
+    """A byte-level BPE trained with this pre-tokenizer, written as a GGUF: (vocabulary, merge ranks)."""
+    vocab, merges = _trained(kind)
+    _write_gguf(path, kind, vocab, merges)
+    return vocab, {merge: rank for rank, merge in enumerate(merges)}
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -263,3 +274,60 @@ def test_a_gguf_with_this_pre_tokenizer_encodes_as_llama_cpp(tmp_path, kind):
         if regex.search(r"(?![0-9])\p{N}", text) is None:
             assert ids == llama_cpp_ids(text, kind, vocab, ranks), text
     assert any(len(token) > 1 and not token.startswith("<") for token in vocab)  # merges were exercised
+
+
+#: Pre-tokens put into the vocabulary whole, which the trained merges do not reach.
+WHOLE_WORDS = ["Cửa", " Việt", " Nẵng", " Huế", " Đà"]
+
+
+def _byte_level(text):
+    return "".join(BYTE_CHARS[byte] for byte in text.encode("utf-8"))
+
+
+def _reference(kind, vocab, merges, ignore_merges):
+    """HF ``tokenizers``' own BPE over this vocabulary, with or without ``ignore_merges``."""
+    inner = tokenizers.Tokenizer(models.BPE(vocab, merges, ignore_merges=ignore_merges))
+    inner.pre_tokenizer = PRE_TOKENIZERS[kind]()
+    inner.add_special_tokens([tokenizers.AddedToken(SPECIAL, special=True, normalized=False)])
+    return inner
+
+
+def llama_cpp_ignore_merges_ids(text, kind, vocab, ranks):
+    """llama.cpp with ``ignore_merges``: a pre-token in the vocabulary is one token, any other is merged."""
+    ids = []
+    for i, fragment in enumerate(text.split(SPECIAL)):
+        ids += [vocab[SPECIAL]] if i else []
+        for piece in axtorch_pieces(kind, fragment):
+            whole = _byte_level(piece)
+            ids += [vocab[whole]] if whole in vocab else [vocab[part] for part in _bpe(piece, ranks)]
+    return ids
+
+
+def test_llama_bpe_takes_a_pre_token_in_the_vocabulary_whole_as_llama_3_does(tmp_path):
+    vocab, merges = _trained("llama-bpe")
+    for word in WHOLE_WORDS:
+        assert _byte_level(word) not in vocab
+        vocab[_byte_level(word)] = len(vocab)
+    _write_gguf(tmp_path / "llama3.gguf", "llama-bpe", vocab, merges)
+    back = tokenizer_from_gguf(tmp_path / "llama3.gguf")
+    whole, merged = (_reference("llama-bpe", vocab, merges, flag) for flag in (True, False))
+    ranks = {merge: rank for rank, merge in enumerate(merges)}
+    texts = [*TEXTS, "Cửa Việt", f"Đà Nẵng{SPECIAL} Cửa Việt Huế Huế\n Việt"]
+    for text in texts:
+        ids = back.encode(text)
+        assert ids == whole.encode(text).ids == llama_cpp_ignore_merges_ids(text, "llama-bpe", vocab, ranks), text
+        assert back.decode(ids) == text
+    assert back.encode("Cửa Việt") == [vocab[_byte_level("Cửa")], vocab[_byte_level(" Việt")]]
+    assert len(merged.encode("Cửa Việt").ids) > 2  # the merges alone cut the words up, as transformers' conversion does
+
+
+@pytest.mark.parametrize("kind", ["gpt-2", "qwen2", *KINDS])
+def test_other_pre_tokenizers_merge_as_llama_cpp_does_for_them(tmp_path, kind):
+    vocab, merges = _trained("llama-bpe")
+    for word in WHOLE_WORDS:
+        vocab[_byte_level(word)] = len(vocab)
+    _write_gguf(tmp_path / f"{kind}.gguf", kind, vocab, merges)
+    back = tokenizer_from_gguf(tmp_path / f"{kind}.gguf")
+    merged = _reference(kind, vocab, merges, ignore_merges=False)
+    for text in [*TEXTS, "Cửa Việt Đà Nẵng Huế"]:
+        assert back.encode(text) == merged.encode(text).ids, text
