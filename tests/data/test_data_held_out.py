@@ -5,7 +5,6 @@ import json
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 from axtorch.cli.tokenize import main as tokenize_main
 from axtorch.data import DataConfig, JsonlSourceConfig, TextFilesSourceConfig, TokenizerConfig, build_data
@@ -151,11 +150,10 @@ def test_a_corpus_split_by_tokens_is_split_alike_up_front_and_in_shards(tmp_path
     )  # the by-document shards are gone
 
 
-@pytest.mark.parametrize("fraction", [0.0])
-def test_no_held_out_fraction_holds_out_nothing_anywhere(tmp_path, fraction):
+def test_no_held_out_fraction_holds_out_nothing_anywhere(tmp_path):
     root = write_corpus(tmp_path, DOCUMENTS[:10])
-    data, train, val, how = up_front(root, SEED, fraction)
+    data, train, val, how = up_front(root, SEED, 0.0)
     assert val.size == 0 and how == "documents"
-    shard_train, shard_val, _ = tokenized(root, data.tokenizer_path, SEED, fraction)
+    shard_train, shard_val, _ = tokenized(root, data.tokenizer_path, SEED, 0.0)
     assert shard_val.size == 0
     np.testing.assert_array_equal(shard_train, train)
