@@ -122,7 +122,8 @@ class XlaBackend:
         """Send ``value`` to the devices split by its spec, so that each device receives only its block."""
         module_name, _, param_name = name.rpartition(".")
         data = self._send_sharded(value, _xla_spec(self.parameter_specs[name]))
-        model.get_submodule(module_name).register_parameter(param_name, nn.Parameter(data))
+        frozen = not model.get_parameter(name).requires_grad  # a frozen base (model/adapter) stays frozen
+        model.get_submodule(module_name).register_parameter(param_name, nn.Parameter(data, requires_grad=not frozen))
 
     def _send_sharded(self, value: torch.Tensor, spec: tuple, minibatch: bool = False) -> torch.Tensor:
         """``value`` on the devices split by ``spec``, each device receiving only its block when it can.

@@ -1,0 +1,62 @@
+"""LoRA on a sharded frozen base: FSDP2 (native backend, 2 gloo processes) and XLA SPMD (fsdp=2).
+
+FSDP2 shards the frozen base with the adapters; only the adapters get gradients and optimizer
+state. The losses and the saved adapters equal one device's run of the same experiment, under
+both backends.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from debug_runs import STEPS, debug_overrides, train_losses, train_on_one_device
+from torchrun_runs import run_torchrun
+from xla_runs import needs_xla, run_worker
+
+from axtorch.train.checkpoint import read_index, read_model_tensors
+
+WORKER = Path(__file__).with_name("native_worker.py")
+LORA = ("model/adapter=lora", "model.adapter.target='(q|v|down)_proj'")
+
+
+@pytest.mark.slow
+def test_lora_under_fsdp_trains_as_one_device_does(tmp_path):
+    cache = tmp_path / "cache"
+    train_on_one_device(tmp_path / "single", cache, *LORA)
+    out = tmp_path / "fsdp2"
+    overrides = debug_overrides(out, cache, "backend=native", "mesh.fsdp=2", "sharding=fsdp", *LORA)
+    run_torchrun(2, str(WORKER), str(out), str(STEPS), *overrides)
+    reports = [json.loads(out.with_name(f"fsdp2.rank{r}.json").read_text()) for r in range(2)]
+    assert [report["step"] for report in reports] == [STEPS, STEPS]
+    for report in reports:  # each rank holds half of the base and of the adapters, and their moments only
+        assert report["params_local"] * 2 == pytest.approx(report["params_total"], rel=0.02)
+        assert report["optim_local"] * 2 == pytest.approx(report["optim_total"], rel=0.02)
+
+    _assert_same_adapters(tmp_path / "single", out)
+
+
+@pytest.mark.slow
+@needs_xla
+def test_lora_under_xla_fsdp_trains_as_one_device_does(tmp_path):
+    cache = tmp_path / "cache"
+    train_on_one_device(tmp_path / "single", cache, *LORA)
+    out = tmp_path / "xla"
+    run_worker(2, tmp_path / "xla.json", STEPS, debug_overrides(out, cache, "mesh.fsdp=2", "sharding=fsdp", *LORA))
+    _assert_same_adapters(tmp_path / "single", out)
+
+
+def _assert_same_adapters(single_run: Path, run: Path) -> None:
+    """The same losses as ``single_run``, and a checkpoint of the same adapters and their moments only."""
+    single, distributed = train_losses(single_run), train_losses(run)
+    assert len(single) == len(distributed) == STEPS
+    torch.testing.assert_close(torch.tensor(distributed), torch.tensor(single), rtol=1e-5, atol=1e-5)
+    name = f"step_{STEPS:08d}"
+    expected = read_model_tensors(single_run / "checkpoints" / name)
+    got = read_model_tensors(run / "checkpoints" / name)
+    assert sorted(got) == sorted(expected)
+    assert all(".adapter.lora_" in key for key in got) and len(got) == 3 * 2 * 2  # q, v, down; A, B; 2 layers
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], rtol=1e-4, atol=1e-6, msg=key)
+    moments = {name.rsplit("/", 1)[0] for name in read_index(run / "checkpoints" / name, "optimizer")}
+    assert moments == set(got)
