@@ -1,0 +1,54 @@
+"""Document masking (``data.document_masking=true``) gives the same training losses on one device,
+under the native backend (FSDP over 2 gloo processes) and under the xla backend (2 CPU devices)."""
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from debug_runs import STEPS, debug_overrides, train_losses, train_on_one_device
+from torchrun_runs import run_torchrun
+from xla_runs import needs_xla, run_worker
+
+NATIVE_WORKER = Path(__file__).with_name("native_worker.py")
+MASKED = "data.document_masking=true"
+WORDS = ["def", "return", "class", "import", "self", "value", "index", "alpha", "beta", "gamma"]
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory) -> tuple[Path, Path, list[str], list[float]]:
+    """(root, data cache, the data overrides, one device's losses with document masking)."""
+    root = tmp_path_factory.mktemp("document_masking")
+    rng = random.Random(0)  # documents of 3 to 30 words: several in each row of 64 tokens
+    texts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 30))) for _ in range(400)]
+    (root / "docs.jsonl").write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+    data = ("data=jsonl", f"data.source.paths=[{root / 'docs.jsonl'}]")
+    cache = root / "cache"
+    train_on_one_device(root / "single", cache, *data, MASKED)
+    train_on_one_device(root / "unmasked", cache, *data)
+    masked, unmasked = train_losses(root / "single"), train_losses(root / "unmasked")
+    assert len(masked) == STEPS and max(abs(a - b) for a, b in zip(masked, unmasked)) > 1e-3  # masking is on
+    return root, cache, [*data, MASKED], masked
+
+
+def assert_same_losses(run_dir: Path, expected: list[float]) -> None:
+    losses = train_losses(run_dir)
+    print(f"{run_dir.name}: max |loss - one device's| = {max(abs(a - b) for a, b in zip(losses, expected)):.3g}")
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=1e-5)
+
+
+def test_native_fsdp2_matches_one_device(single):
+    root, cache, data, expected = single
+    overrides = debug_overrides(root / "native", cache, "backend=native", "mesh.fsdp=2", *data)
+    run_torchrun(2, str(NATIVE_WORKER), str(root / "native"), str(STEPS), *overrides)
+    assert_same_losses(root / "native", expected)
+
+
+@needs_xla
+def test_xla_fsdp2_matches_one_device(single):
+    root, cache, data, expected = single
+    run_worker(2, root / "xla.json", STEPS, debug_overrides(root / "xla", cache, "mesh.fsdp=2", "sharding=fsdp", *data))
+    assert_same_losses(root / "xla", expected)
