@@ -151,7 +151,8 @@ class DecoderConfig:
                 )
             self.variant(name, key).validate(dim, f"{key}.variants.{name}")
         if self.remat is not None:
-            self.remat.validate(f"{key}.remat", self.layer.activation_widths(dim))
+            widths = [layer.activation_widths(dim) for layer in self.keyed_layer_configs(key).values()]
+            self.remat.validate(f"{key}.remat", combine_widths(*widths))
 
     def variant(self, name: str, key: str = "model.decoder") -> TransformerLayerConfig:
         """``layer`` with variant ``name``'s fields merged over it; ``key`` names this config in errors."""
@@ -165,6 +166,13 @@ class DecoderConfig:
             allowed = f"the fields of {schema.__name__}: {[f.name for f in dataclasses.fields(schema)]}"
             raise ConfigError(field_key, overrides, allowed, str(error).splitlines()[0]) from error
         return to_object(merged, TransformerLayerConfig)
+
+    def keyed_layer_configs(self, key: str = "model.decoder") -> dict[str, TransformerLayerConfig]:
+        """Each distinct layer config under the key that defines it, for checks that name it:
+        ``{key}.layer`` for a uniform stack, else ``{key}.variants.<name>`` for each variant."""
+        if not self.pattern:
+            return {f"{key}.layer": self.layer}
+        return {f"{key}.variants.{name}": self.variant(name, key) for name in self.variants}
 
     def period(self) -> int:
         """How many consecutive layers the pattern repeats: 1 for a uniform stack."""

@@ -1,14 +1,17 @@
 """Scanned decoder layers on the xla backend (``execution.layer_runner=scan``): compile time flat in depth.
 
-A scan compiles one layer and loops it over the layers' weights stacked on a leading dimension.
+A scan compiles one step and loops it over weights stacked on a leading dimension. A step is one
+repeated group of layers: one layer for a uniform stack, one period of the pattern for a
+heterogeneous one (``DecoderConfig.period()``: local, local, global), whose layers differ but
+whose groups do not. Layers left over after the last whole group run unrolled.
 What else in a training step touches every layer's parameters separately would still grow the
 programs with depth, so this module keeps those out of them too:
 
 * the gradients stay stacked: the gradient norm reads the stacked weights' gradients (a few
   reductions, not one per layer), and the step's program writes no per-layer gradient out;
-* the optimizer updates one layer at a time, the same program for every layer, compiled once:
-  it takes the layer's gradient from the stacked one at an index held on the device (a slice at
-  a Python index would be baked into each layer's program, making them all different).
+* the optimizer updates one group at a time, the same program for every group, compiled once:
+  it takes the group's gradient from the stacked one at an index held on the device (a slice at
+  a Python index would be baked into each group's program, making them all different).
 
 Imported only by the xla backend: it needs torch_xla.
 """
@@ -19,6 +22,7 @@ import copy
 import functools
 import math
 import operator
+from collections.abc import Iterable
 from typing import Optional
 
 import torch
@@ -29,37 +33,41 @@ from torch_xla.experimental.scan import scan
 
 from axtorch.layers.transformer import Decoder, DecoderInput, TransformerLayerInput, add_aux_loss, run_layers_unrolled
 
-#: A stacked weight: (its decoder's id, the parameter's name within a layer).
+#: A stacked weight: (its decoder's id, the parameter's name within a group, ``layers.{j}.<name>``).
 StackKey = tuple[int, str]
-#: Where a scanned layer's parameter sits: (decoder, stacked name, layer index).
+#: Where a scanned layer's parameter sits: (decoder, stacked name, group index).
 Slot = tuple[int, str, int]
 
 
 class _ScanStep(nn.Module):
-    """One decoder layer as a function of the scan carry ``(hidden_states, positions, aux_loss)``.
+    """One group of consecutive decoder layers as a function of the scan carry
+    ``(hidden_states, positions, aux_loss)``.
 
     Positions travel as float32 (exact below 2**24), since scan's carry must be differentiable.
     """
 
-    def __init__(self, layer: nn.Module):
+    def __init__(self, layers: Iterable[nn.Module]):
         super().__init__()
-        self.layer = layer
+        self.layers = nn.ModuleList(layers)
 
     def forward(
         self, hidden_states: torch.Tensor, positions: torch.Tensor, aux_loss: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        out = self.layer(TransformerLayerInput(hidden_states, positions.long()))
-        return out.hidden_states, positions.clone(), add_aux_loss(aux_loss, out.aux_loss)
+        long_positions = positions.long()
+        for layer in self.layers:
+            out = layer(TransformerLayerInput(hidden_states, long_positions))
+            hidden_states, aux_loss = out.hidden_states, add_aux_loss(aux_loss, out.aux_loss)
+        return hidden_states, positions.clone(), aux_loss
 
 
 class LayerScan:
     """The ``LayerRunner`` the xla backend fills decoders' seam with, its gradient norm and update.
 
-    It stacks every layer of a decoder, which all share one config. (A decoder whose layers follow
-    a pattern of configs would scan each repeated group of the pattern as one step instead.)
+    It stacks a decoder's repeated groups of layers (``DecoderConfig.period()`` layers each, with
+    the same configs in the same order), so one group is traced and compiled whatever the depth.
 
     Each training forward's stacked weights keep their gradients (``retain_grad``): summed over
-    the step's micro-batches, they are the layers' gradients, stacked.
+    the step's micro-batches, they are the groups' gradients, stacked.
     """
 
     def __init__(self) -> None:
@@ -67,13 +75,14 @@ class LayerScan:
         self.slots: dict[nn.Parameter, Slot] = {}  # the scanned layers' parameters
         self._templates: dict[int, _ScanStep] = {}  # per decoder: the layer the scan traces
         self._stacked_grads: dict[StackKey, torch.Tensor] = {}  # clipped, until the update
-        self._indices: dict[int, torch.Tensor] = {}  # layer index -> the same on the device
+        self._indices: dict[int, torch.Tensor] = {}  # group index -> the same on the device
 
     def __call__(self, decoder: Decoder, inputs: DecoderInput) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Run ``decoder``'s layers as one compiled loop over their stacked weights.
+        """Run ``decoder``'s groups of layers as one compiled loop over their stacked weights,
+        then the layers after the last whole group one by one.
 
         The decoder's remat policy becomes AOTAutograd's min-cut rematerialisation of the scanned
-        layer (``torch.utils.checkpoint`` does not apply inside a traced scan body). A decode step
+        group (``torch.utils.checkpoint`` does not apply inside a traced scan body). A decode step
         with KV caches runs unrolled: the scan's carry holds no per-layer caches.
         """
         if inputs.segment_ids is not None:
@@ -81,31 +90,36 @@ class LayerScan:
                 "execution.layer_runner=scan carries no segment ids: document masking (packed documents) "
                 "runs with the unrolled layer runner"
             )
-        if inputs.kv_caches is not None:
+        period = decoder.config.period()
+        num_groups = len(decoder.layers) // period
+        if inputs.kv_caches is not None or num_groups == 0:
             return run_layers_unrolled(decoder, inputs)
         hidden_states, positions = inputs.hidden_states, inputs.positions
-        layers = [_ScanStep(layer) for layer in decoder.layers]
-        parameters = [dict(layer.named_parameters()) for layer in layers]
-        buffers = [dict(layer.named_buffers()) for layer in layers]
+        groups = [_ScanStep(decoder.layers[g * period : (g + 1) * period]) for g in range(num_groups)]
+        parameters = [dict(group.named_parameters()) for group in groups]
+        buffers = [dict(group.named_buffers()) for group in groups]
         stacked = {name: torch.stack([p[name] for p in parameters]) for name in parameters[0]}
         stacked_buffers = {name: torch.stack([b[name] for b in buffers]) for name in buffers[0]}
         if torch.is_grad_enabled():
             for tensor in stacked.values():
                 tensor.retain_grad()
             self.stacks.append({(id(decoder), name): tensor for name, tensor in stacked.items()})
-            for index, layer in enumerate(parameters):
-                self.slots.update((param, (id(decoder), name, index)) for name, param in layer.items())
+            for index, group in enumerate(parameters):
+                self.slots.update((param, (id(decoder), name, index)) for name, param in group.items())
         if id(decoder) not in self._templates:  # a copy: tracing swaps its weights for the stacked slices
-            self._templates[id(decoder)] = _ScanStep(copy.deepcopy(decoder.layers[0]))
+            self._templates[id(decoder)] = _ScanStep(copy.deepcopy(decoder.layers[:period]))
         template = self._templates[id(decoder)]
 
-        def one_layer(carry, weights):
+        def one_group(carry, weights):
             return torch.func.functional_call(template, weights, carry, strict=True), None
 
         partition = default_partition if decoder.remat is None else min_cut_rematerialization_partition
         aux_loss = torch.zeros((), dtype=torch.float32, device=hidden_states.device)
         carry = (hidden_states, positions.float(), aux_loss)
-        (hidden_states, _, aux_loss), _ = scan(one_layer, carry, (stacked, stacked_buffers), partition_fn=partition)
+        (hidden_states, _, aux_loss), _ = scan(one_group, carry, (stacked, stacked_buffers), partition_fn=partition)
+        for layer in decoder.layers[num_groups * period :]:
+            out = decoder.run_layer(layer, TransformerLayerInput(hidden_states, positions))
+            hidden_states, aux_loss = out.hidden_states, add_aux_loss(aux_loss, out.aux_loss)
         return hidden_states, aux_loss
 
     def clip_grad_norm(self, parameters: list[nn.Parameter], max_norm: Optional[float]) -> torch.Tensor:
@@ -130,11 +144,11 @@ class LayerScan:
         return norm
 
     def step_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """One update program for the parameters outside the scanned layers, then one per layer.
+        """One update program for the parameters outside the scanned groups, then one per group.
 
         An update of every parameter in one program grows with depth (it dominated a deep model's
-        compile). Every layer's update is the same program (same shapes, shardings, and its
-        gradients sliced at a device-held index), compiled once and run once per layer.
+        compile). Every group's update is the same program (same shapes, shardings, and its
+        gradients sliced at a device-held index), compiled once and run once per group.
         """
         groups = optimizer.param_groups
         whole = [(group["params"], group["names"]) for group in groups]
@@ -154,7 +168,7 @@ class LayerScan:
             self._stacked_grads = {}
 
     def _part(self, param: nn.Parameter) -> tuple[int, int]:
-        """The update a parameter belongs to: its decoder and layer, or (-1, -1) outside the scans."""
+        """The update a parameter belongs to: its decoder and group, or (-1, -1) outside the scans."""
         if param not in self.slots:
             return -1, -1
         decoder, _, index = self.slots[param]

@@ -139,12 +139,11 @@ def activation_bytes(model: CausalLMConfig, batch: int, seq: int, tensor_paralle
     value_bytes = precision.dtype.itemsize
     s, b, h, t = seq, batch, model.dim, tensor_parallel
     per_layer = value_bytes * s * b * h * (5 + 12 / t)
-    layers = model.decoder.num_layers
+    layers = model.decoder.layer_configs()
     remat = model.decoder.remat
     if remat is None:
-        return round(layers * per_layer)
-    saved: Iterable[str] = getattr(remat, "save", ())
-    # The layers' own declaration (a name a layer does not give keeps nothing of it).
-    named = model.decoder.layer.activation_widths(h, t)
-    kept_width = h + sum(named.get(name, 0.0) for name in saved)
-    return round(layers * value_bytes * s * b * kept_width + per_layer)
+        return round(len(layers) * per_layer)
+    saved: Iterable[str] = list(getattr(remat, "save", ()))
+    # Each layer's own declaration (a name a layer does not give keeps nothing of it).
+    kept_width = sum(h + sum(layer.activation_widths(h, t).get(name, 0.0) for name in saved) for layer in layers)
+    return round(value_bytes * s * b * kept_width + per_layer)

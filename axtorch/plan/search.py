@@ -66,22 +66,23 @@ def _meshes(devices: int, config: ExperimentConfig, seq_len: int, stages: bool) 
     """Meshes axtorch can run for this model on ``devices`` (its pipeline and axis limits applied;
     pipeline stages only where ``stages``)."""
     model = config.model
-    attention = model.decoder.layer.attention
-    feed_forward = model.decoder.layer.feed_forward
-    num_experts = getattr(feed_forward, "num_experts", 1)
+    layers = model.decoder.keyed_layer_configs().values()  # every variant of a stack must fit the mesh
+    kv_heads = [layer.attention.resolved_kv_heads() for layer in layers]
+    num_experts = [getattr(layer.feed_forward, "num_experts", 1) for layer in layers]
+    mixes_tokens = any(layer.feed_forward.mixes_tokens for layer in layers)
     meshes = []
     for model_axis in _divisors(devices):
-        if model_axis > 16 or attention.resolved_kv_heads() % model_axis:
+        if model_axis > 16 or any(heads % model_axis for heads in kv_heads):
             continue
         for expert in _divisors(devices // model_axis):
-            if num_experts % expert or (expert > 1 and model_axis > 1):
+            if any(experts % expert for experts in num_experts) or (expert > 1 and model_axis > 1):
                 continue
             for seq in (1, 2, 4, 8):
                 rest = devices // (model_axis * expert)
                 if rest % seq or seq_len % (2 * seq):
                     continue
                 for pipe in _divisors(rest // seq):
-                    if pipe > 1 and (not stages or seq > 1 or feed_forward.mixes_tokens or model.tie_embeddings):
+                    if pipe > 1 and (not stages or seq > 1 or mixes_tokens or model.tie_embeddings):
                         continue
                     if pipe > model.decoder.num_layers:
                         continue

@@ -18,8 +18,9 @@ upper-bound-ish: it is for ranking meshes, not for promising throughput.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 
+from axtorch.layers.transformer import TransformerLayerConfig
 from axtorch.parallel.pipeline_config import PipelineConfig
 from axtorch.parallel.rules import PartitionSpec
 from axtorch.plan.cluster import Cluster
@@ -135,12 +136,17 @@ class StepTimeModel:
             volumes["tensor parallel"] = self._tensor_parallel_bytes(mesh, specs, local, stage_layers)
         if mesh["seq"] > 1:  # keys and values gathered forward, their gradients reduced backward
             c = mesh["seq"]
-            attention = model.decoder.layer.attention
-            kv_width = 2 * attention.resolved_kv_heads() * attention.resolved_head_dim(width)
+            kv_width = _mean_over_layers(
+                model.decoder.layer_configs(),
+                lambda layer: 2 * layer.attention.resolved_kv_heads() * layer.attention.resolved_head_dim(width),
+            )
             volumes["context parallel"] = stage_layers * 3 * local * c * kv_width * self.activation_bytes * (c - 1) / c
         if mesh["expert"] > 1:  # dispatch and combine, forward and backward
             e = mesh["expert"]
-            top_k = getattr(getattr(model.decoder.layer.feed_forward, "router", None), "top_k", 1)
+            top_k = _mean_over_layers(
+                model.decoder.layer_configs(),
+                lambda layer: getattr(getattr(layer.feed_forward, "router", None), "top_k", 1),
+            )
             volumes["expert all-to-all"] = (
                 stage_layers * 4 * local * top_k * width * self.activation_bytes * (e - 1) / e
             )
@@ -181,3 +187,10 @@ class StepTimeModel:
                 gathered = vocab * dim * weight_bytes
         t = mesh["model"]
         return (2 * all_reduced + gathered) * (t - 1) / t
+
+
+def _mean_over_layers(
+    layers: Sequence[TransformerLayerConfig], value: Callable[[TransformerLayerConfig], float]
+) -> float:
+    """A per-layer quantity averaged over a stack's layers (its variants may differ in it)."""
+    return sum(value(layer) for layer in layers) / len(layers)

@@ -14,6 +14,7 @@ from typing import Optional
 
 from axtorch.config.errors import ConfigError
 from axtorch.data.config import DataConfig
+from axtorch.layers.transformer import TransformerLayerConfig
 from axtorch.models.causal_lm import CausalLMConfig
 from axtorch.parallel.execution import ExecutionConfig, LayerRunnerKind
 from axtorch.parallel.factory import BackendKind
@@ -80,8 +81,36 @@ class ExperimentConfig:
         self._validate_parallelism()
 
     def _validate_parallelism(self) -> None:
+        for layer in self.model.decoder.keyed_layer_configs("model.decoder").values():
+            self._validate_layer_parallelism(layer)
+        # Native context parallelism gives each process two of 2 x mesh.seq chunks, balancing
+        # causal attention's work; XLA splits the sequence dimension evenly.
+        chunks = self.mesh.seq * (2 if self.backend is BackendKind.native else 1)
+        if self.mesh.seq > 1 and self.data.seq_len % chunks:
+            raise ConfigError(
+                "data.seq_len",
+                self.data.seq_len,
+                f"a multiple of {chunks} with mesh.seq={self.mesh.seq} and backend={self.backend.value}",
+                reason=f"context parallelism cuts each sequence into {chunks} equal chunks",
+            )
+        if self.mesh.pipe > 1:
+            self._validate_pipeline()
+        if self.model.float8 is not None:
+            self._validate_float8(self.model.float8.recipe)
+        if self.execution.layer_runner is LayerRunnerKind.scan and self.backend is not BackendKind.xla:
+            raise ConfigError(
+                "execution.layer_runner",
+                "scan",
+                "unrolled unless backend=xla",
+                reason=f"backend={self.backend.value} has no compiled loop over layers (torch_xla's scan)",
+            )
+        if self.backend is BackendKind.single:
+            self.mesh.resolve(1, "mesh")  # distributed backends check the mesh against their world size
+
+    def _validate_layer_parallelism(self, layer: TransformerLayerConfig) -> None:
+        """The mesh against one of the decoder's layer configs (each variant of a stack has its own)."""
         tensor_parallel = self.mesh.model
-        attention = self.model.decoder.layer.attention
+        attention = layer.attention
         kv_heads = attention.resolved_kv_heads()
         if tensor_parallel > 1 and kv_heads % tensor_parallel:
             raise ConfigError(
@@ -101,17 +130,7 @@ class ExperimentConfig:
                 reason=f"{type(position).__name__} treats each attention head differently, and native tensor "
                 "parallelism gives each rank a subset of heads it cannot identify",
             )
-        # Native context parallelism gives each process two of 2 x mesh.seq chunks, balancing
-        # causal attention's work; XLA splits the sequence dimension evenly.
-        chunks = self.mesh.seq * (2 if self.backend is BackendKind.native else 1)
-        if self.mesh.seq > 1 and self.data.seq_len % chunks:
-            raise ConfigError(
-                "data.seq_len",
-                self.data.seq_len,
-                f"a multiple of {chunks} with mesh.seq={self.mesh.seq} and backend={self.backend.value}",
-                reason=f"context parallelism cuts each sequence into {chunks} equal chunks",
-            )
-        feed_forward = self.model.decoder.layer.feed_forward
+        feed_forward = layer.feed_forward
         if self.mesh.seq > 1 and self.backend is BackendKind.native and feed_forward.mixes_tokens:
             raise ConfigError(
                 "mesh.seq",
@@ -120,19 +139,6 @@ class ExperimentConfig:
                 reason="native context parallelism would run it on a slice of each sequence, and its "
                 "tokens' outputs depend on each other (e.g. a router's capacity or load-balancing loss)",
             )
-        if self.mesh.pipe > 1:
-            self._validate_pipeline()
-        if self.model.float8 is not None:
-            self._validate_float8(self.model.float8.recipe)
-        if self.execution.layer_runner is LayerRunnerKind.scan and self.backend is not BackendKind.xla:
-            raise ConfigError(
-                "execution.layer_runner",
-                "scan",
-                "unrolled unless backend=xla",
-                reason=f"backend={self.backend.value} has no compiled loop over layers (torch_xla's scan)",
-            )
-        if self.backend is BackendKind.single:
-            self.mesh.resolve(1, "mesh")  # distributed backends check the mesh against their world size
 
     def _validate_float8(self, recipe: str) -> None:
         if self.backend is BackendKind.xla:
@@ -153,7 +159,11 @@ class ExperimentConfig:
 
     def _validate_pipeline(self) -> None:
         pipe = self.mesh.pipe
-        feed_forward = self.model.decoder.layer.feed_forward
+        layers = self.model.decoder.keyed_layer_configs("model.decoder").items()
+        feed_forward_key, feed_forward = next(
+            ((f"{key}.feed_forward", layer.feed_forward) for key, layer in layers if layer.feed_forward.mixes_tokens),
+            ("model.decoder.layer.feed_forward", self.model.decoder.layer.feed_forward),
+        )
         limits = [
             (self.backend is BackendKind.native, "backend", self.backend.value, "native", "only torchrun runs stages"),
             (
@@ -173,7 +183,7 @@ class ExperimentConfig:
             ),
             (
                 not feed_forward.mixes_tokens,
-                "model.decoder.layer.feed_forward",
+                feed_forward_key,
                 type(feed_forward).__name__,
                 "a dense feed-forward",
                 "auxiliary losses (a mixture of experts') do not cross stages yet",

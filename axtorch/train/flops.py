@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Optional
+from collections.abc import Iterable, Sequence
+from typing import Optional, cast
 
 import torch
 from torch import nn
 
-from axtorch.models.causal_lm import CausalLMConfig
+from axtorch.layers.transformer import TransformerLayer
+from axtorch.models.causal_lm import CausalLM, CausalLMConfig
 
 
 def active_parameters(module: nn.Module) -> int:
@@ -47,13 +49,16 @@ def transformer_flops_per_token(
     seq_len: int,
     vocab_size: int,
     tied: bool,
+    attended_keys: Optional[Sequence[int]] = None,
 ) -> float:
     """Training FLOPs (forward + backward) per token of a decoder-only transformer.
 
     Follows the PaLM paper, appendix B: ``6 * N + 12 * num_layers * dim * seq_len``, where ``N``
     counts the weights of every matmul including the output head, and the second term is the
     attention scores and weighted values over the full ``seq_len`` (causal masking is not
-    discounted, so numbers compare with published MFU figures).
+    discounted, so numbers compare with published MFU figures). ``attended_keys``, one entry per
+    layer, replaces ``seq_len`` layer by layer (``12 * dim * sum(attended_keys)``): a
+    sliding-window layer scores only its window (``attended_keys_per_layer``).
 
     ``num_params_non_embedding`` is every parameter a token uses except the input token-embedding
     table and a learned position table (``active_non_embedding_parameters``: a mixture of experts
@@ -71,12 +76,23 @@ def transformer_flops_per_token(
     ):
         if value <= 0:
             raise ValueError(f"{name} must be positive, got {value}")
+    keys = [seq_len] * num_layers if attended_keys is None else list(attended_keys)
+    if len(keys) != num_layers or min(keys) <= 0:
+        raise ValueError(f"attended_keys must be {num_layers} positive counts, one per layer, got {keys}")
     matmul_params = num_params_non_embedding + (vocab_size * dim if tied else 0)
-    return float(6 * matmul_params + 12 * num_layers * dim * seq_len)
+    return float(6 * matmul_params + 12 * dim * sum(keys))
+
+
+def attended_keys_per_layer(decoder: nn.Module, seq_len: int) -> list[int]:
+    """Keys each layer's queries score in a ``seq_len`` sequence, causality not discounted:
+    ``seq_len``, or a shorter sliding window (the layer's ``attention.mask.window``)."""
+    layers = cast(Iterable[TransformerLayer], decoder.layers)
+    return [min(seq_len, layer.attention.mask.window or seq_len) for layer in layers]
 
 
 def model_flops_per_token(config: CausalLMConfig, seq_len: int, network: Optional[nn.Module] = None) -> float:
-    """``transformer_flops_per_token`` of the whole model ``config`` describes.
+    """``transformer_flops_per_token`` of the whole model ``config`` describes, summed layer by
+    layer (a stack's sliding-window layers score fewer keys than its global ones).
 
     Counted on ``network`` (that model, built) or on a copy built on the meta device: a process
     whose model is a part of it (pipeline stages) still reports the whole model's FLOPs.
@@ -91,6 +107,7 @@ def model_flops_per_token(config: CausalLMConfig, seq_len: int, network: Optiona
         seq_len,
         config.vocab_size,
         config.tie_embeddings,
+        attended_keys_per_layer(cast(CausalLM, network).decoder, seq_len),
     )
 
 

@@ -12,7 +12,10 @@ from axtorch.layers.attention_mask import CausalMaskConfig, SlidingWindowMaskCon
 from axtorch.layers.position import RotaryEmbeddingConfig
 from axtorch.layers.transformer import DecoderConfig, DecoderInput, TransformerLayerInput
 from axtorch.models.causal_lm import CausalLMInput
+from axtorch.plan.memory import activation_bytes
 from axtorch.train.checkpoint import read_model_tensors
+from axtorch.train.config import Precision
+from axtorch.train.flops import model_flops_per_token
 from axtorch.train.trainer import Trainer, build_model
 
 #: The preset with a window short enough for a 12-token sequence to cross it.
@@ -28,6 +31,17 @@ def test_the_preset_resolves_to_local_and_global_layers_with_their_own_rope_base
     ] + [SlidingWindowMaskConfig(window=4)] * 2 + [CausalMaskConfig()]
     assert [layer.attention.position.theta for layer in layers] == [1e4, 1e4, 1e6] * 2
     assert all(layer.feed_forward == decoder.layer.feed_forward for layer in layers)
+
+
+#: The same stack at the debug experiment's size, for training runs.
+SMALL_STACK = [
+    *STACK,
+    "model.vocab_size=512",
+    "model.dim=64",
+    "model.decoder.num_layers=4",
+    "model.decoder.layer.attention.num_heads=4",
+    "model.decoder.layer.feed_forward.hidden_dim=128",
+]
 
 
 def test_a_stack_equals_its_layers_built_by_hand_and_run_one_by_one():
@@ -131,9 +145,10 @@ def test_kv_cache_decoding_of_a_stack_equals_the_full_forward():
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_a_stack_checkpoint_keeps_layer_names_and_resumes_bit_identically(tmp_path, data_cache):
     def trainer(run_dir):
-        overrides = [*STACK, "trainer.max_steps=4", "trainer.checkpoint_every=2", "trainer.eval_every=100"]
+        overrides = [*SMALL_STACK, "trainer.max_steps=4", "trainer.checkpoint_every=2", "trainer.eval_every=100"]
         return Trainer(
             load_experiment_config(
                 [
@@ -152,7 +167,37 @@ def test_a_stack_checkpoint_keeps_layer_names_and_resumes_bit_identically(tmp_pa
     assert trainer(tmp_path / "resumed").fit().step == 4
     expected = read_model_tensors(tmp_path / "straight" / "checkpoints" / "step_00000004")
     got = read_model_tensors(tmp_path / "resumed" / "checkpoints" / "step_00000004")
-    assert {name.split(".")[2] for name in got if name.startswith("decoder.layers.")} == {str(i) for i in range(6)}
+    assert {name.split(".")[2] for name in got if name.startswith("decoder.layers.")} == {str(i) for i in range(4)}
     assert expected.keys() == got.keys()
     for name in expected:
         assert torch.equal(expected[name], got[name]), name
+
+
+def _model(*overrides):
+    return load_experiment_config([*STACK, *overrides]).model
+
+
+def test_flops_of_a_stack_are_the_sum_of_its_layers_flops_and_a_window_scores_fewer_keys():
+    only = {"local": "~model.decoder.variants.global", "global": "~model.decoder.variants.local"}
+
+    def flops(variant, layers, seq_len):
+        config = _model(f"model.decoder.pattern=[{variant}]", only[variant], f"model.decoder.num_layers={layers}")
+        return model_flops_per_token(config, seq_len)
+
+    for seq_len, local_is_cheaper in ((64, True), (4, False)):  # beyond and within the window of 4
+        outside = 2 * flops("local", 1, seq_len) - flops("local", 2, seq_len)  # embedding, head, final norm
+        local, global_ = flops("local", 1, seq_len) - outside, flops("global", 1, seq_len) - outside
+        assert (local < global_) == local_is_cheaper
+        stack = model_flops_per_token(_model(), seq_len)  # local, local, global, twice
+        assert stack == pytest.approx(outside + 4 * local + 2 * global_, rel=1e-12)
+
+
+def test_planner_activation_memory_of_a_stack_sums_each_layers_kept_activations():
+    """Selective remat keeps the names each layer declares: a stack whose variants differ keeps each one's."""
+    precision = Precision.fp32
+    overrides = ["model/remat=selective", "+model.decoder.variants.global.feed_forward.hidden_dim=1024"]
+    stack = activation_bytes(_model(*overrides), 2, 64, 1, precision)
+    wide = activation_bytes(_model(*overrides, "model.decoder.layer.feed_forward.hidden_dim=1024"), 2, 64, 1, precision)
+    narrow = activation_bytes(_model(overrides[0]), 2, 64, 1, precision)
+    assert narrow < stack < wide
+    assert stack - narrow == pytest.approx((wide - narrow) / 3, rel=1e-9)  # 2 of the 6 layers are wide
