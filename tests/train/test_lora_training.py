@@ -3,7 +3,7 @@
 The base never changes and is never saved; the optimizer and the checkpoints hold only the
 adapters, and the trainer state names the base. A resume is bit-identical to an uninterrupted
 run and refuses another base; ``init_from`` starts from the imported weights with adapters that
-change nothing yet (B = 0); the export merges the adapters into the weights.
+change nothing yet (B = 0); the export merges the adapters into the weights (HF and GGUF).
 """
 
 import json
@@ -19,6 +19,7 @@ from axtorch.cli.export import main as export_main
 from axtorch.compose.experiment import load_experiment_config
 from axtorch.config.errors import ConfigError
 from axtorch.interop import from_hf
+from axtorch.interop.gguf import from_gguf
 from axtorch.models import CausalLMInput
 from axtorch.train.checkpoint import read_index, read_model_tensors
 from axtorch.train.trained_model import load_trained_model
@@ -110,6 +111,9 @@ def test_init_from_adds_fresh_adapters_and_export_merges_them(tmp_path, hf_dir, 
         assert export_main([f"checkpoint={run}", f"to=hf:{tmp_path / 'exported'}"]) == 0
         exported, _ = from_hf(tmp_path / "exported")
         torch.testing.assert_close(exported(CausalLMInput(ids)).logits, adapted, rtol=1e-5, atol=1e-5)
+        gguf = tmp_path / "exported.gguf"
+        assert export_main([f"checkpoint={run}", f"to=gguf:{gguf}", "dtype=f32"]) == 0
+        torch.testing.assert_close(from_gguf(gguf)[0](CausalLMInput(ids)).logits, adapted, rtol=1e-5, atol=1e-5)
 
     with (hf_dir / "config.json").open("a") as config:  # another base than the adapters were trained on
         config.write("\n")
