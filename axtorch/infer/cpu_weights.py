@@ -10,6 +10,8 @@ quarter of the bytes, at a cost in accuracy. Mixture-of-experts weights, stored 
 than as linear layers, keep their format. Both are for inference only: the rewritten model has no
 gradients and no state dict of its linear weights. ``packed_linears`` packs for the duration of a
 ``with`` block and puts the model's own modules back afterwards: what ``generate`` does by default.
+It keeps each packed copy while its module lives and reuses it while the weight is unchanged: packing
+reads and writes every weight once, which a short ``generate`` call would otherwise pay again each time.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Optional
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from axtorch.layers.linear import Linear
 from axtorch.models.causal_lm import CausalLM
@@ -95,6 +98,24 @@ def _replace_linears(
     return replaced
 
 
+#: ``packed_linears``'s copies: weight -> (the weight's and bias's addresses and versions when
+#: packed, the packed module). Weak keys: a copy goes when its weight does.
+_PACKED = WeakIdKeyDictionary()
+
+
+def _cached_pack(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> PackedLinear:
+    """``PackedLinear(weight, bias)``, reused from an earlier call while ``weight`` and ``bias`` are
+    the same tensors, unmodified: an optimizer step or a load bumps their versions, a new tensor
+    has another address, and either packs afresh."""
+    stamp = tuple(v for t in (weight, bias) if t is not None for v in (t.data_ptr(), t._version))
+    cached = _PACKED.get(weight)
+    if cached is not None and cached[0] == stamp:
+        return cached[1]
+    packed = PackedLinear(weight, bias)
+    _PACKED[weight] = (stamp, packed)
+    return packed
+
+
 def can_pack(model: CausalLM) -> bool:
     """Whether ``packed_linears`` applies: float32 weights on a CPU with oneDNN."""
     parameter = next(model.parameters())
@@ -104,10 +125,11 @@ def can_pack(model: CausalLM) -> bool:
 @contextlib.contextmanager
 def packed_linears(model: CausalLM) -> Iterator[CausalLM]:
     """``pack_linears`` for the duration of a ``with`` block; the model's own modules are put back
-    afterwards, so the caller's model still trains and saves (its weights are re-packed next time)."""
+    afterwards, so the caller's model still trains and saves. The packed copies stay for the next
+    block (``_cached_pack``): a weight changed in between is packed again."""
     _on_the_cpu(model, "oneDNN packing")
     with torch.no_grad():
-        replaced = _replace_linears(model, PackedLinear, skip=())
+        replaced = _replace_linears(model, _cached_pack, skip=())
     try:
         yield model
     finally:

@@ -309,3 +309,19 @@ def test_generate_command_continues_prompts_from_a_trained_run(tmp_path, data_ca
     assert no_template.returncode == 2 and "has no chat template" in no_template.stderr
     two_sources = _generate_command(run, "gguf=model.gguf", "prompt=x")
     assert two_sources.returncode == 2 and "exactly one of checkpoint=DIR, gguf=FILE or hf=DIR" in two_sources.stderr
+
+
+def test_library_generate_calls_reuse_the_packed_weights_until_a_weight_changes(monkeypatch):
+    model = _model(MODELS["dense"])
+    packings = []
+    init = PackedLinear.__init__
+    monkeypatch.setattr(PackedLinear, "__init__", lambda self, w, b: packings.append(1) or init(self, w, b))
+    first = generate_ids(model, PROMPTS, 6)
+    per_call = len(packings)
+    assert per_call == len(model.decoder.layers) * 7 + 1  # q k v o, gate up down, and the head
+    assert generate_ids(model, PROMPTS, 6) == first and len(packings) == per_call  # nothing packed again
+    with torch.no_grad():
+        model.decoder.layers[-1].feed_forward.down_proj.weight.mul_(-50.0)  # in place, as an optimizer step
+    changed = generate_ids(model, PROMPTS, 6)
+    assert len(packings) == per_call + 1  # that weight alone
+    assert changed == generate_ids(model, PROMPTS, 6, pack=False) != first
