@@ -1,4 +1,5 @@
-"""What the trainer needs from a backend: a device, the data-parallel slice, and reductions.
+"""What the trainer needs from a backend: a device, the data-parallel slice, reductions, and how a
+step's micro-batches run (``StepRunner``: through the whole model, or through pipeline stages).
 
 The trainer is written once against this interface; ``single`` implements it trivially and the
 distributed backends implement it over a device mesh. Layers never see a backend.
@@ -6,9 +7,10 @@ distributed backends implement it over a device mesh. Layers never see a backend
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Protocol
+from typing import Any, Optional, Protocol
 
 import torch
 from torch import nn
@@ -17,8 +19,67 @@ from axtorch.models.causal_lm import CausalLM
 from axtorch.parallel.side_channel import Coordinator, GlooSideChannel
 from axtorch.parallel.tensor_shards import Piece, copy_into_local_block, owned_pieces
 
-if TYPE_CHECKING:  # torch.distributed.pipelining only where a pipeline runs
-    from axtorch.parallel.pipeline import Pipeline
+#: A micro-batch on the device: ``input_ids`` and ``labels`` [b, S], and what the loader adds
+#: (``positions``, ``segment_ids``).
+MicroBatch = dict[str, torch.Tensor]
+
+#: ``(logits [b, S, V], labels [b, S]) -> (loss to differentiate, cross-entropy sum, target count)``.
+MicroBatchLoss = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+class MicroBatchSteps(Protocol):
+    """The trainer's work on micro-batches, in the forms a ``StepRunner`` chooses from."""
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The mixed-precision context of the forwards."""
+
+    def train_whole_model(self, micro_batches: list[MicroBatch], num_targets: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of every micro-batch through the whole model; their cross-entropy, summed.
+
+        ``num_targets`` is the global batch's target count, which every micro-batch's loss divides by.
+        """
+
+    def evaluate_whole_model(self, micro_batch: MicroBatch) -> torch.Tensor:
+        """``[cross-entropy sum, tokens]`` (float64) of one held-out micro-batch through the whole model."""
+
+    def stage_loss(self, num_targets: Optional[torch.Tensor]) -> MicroBatchLoss:
+        """The loss that a last pipeline stage takes of its logits (``num_targets``: None in evaluation)."""
+
+
+class StepRunner(Protocol):
+    """How this process runs a step's micro-batches: the trainer's one seam for pipeline parallelism.
+
+    The default, ``WholeModel``, hands them to the trainer's whole-model steps; a pipeline
+    (``axtorch.parallel.pipeline.Pipeline``, ``mesh.pipe > 1``) runs them through this process's
+    stages on its schedule, with the trainer's loss on the last stage.
+    """
+
+    #: Whether this process trains the whole model (False: only its pipeline stages' modules).
+    holds_whole_model: bool
+
+    def prepare(self, rows_per_replica: int) -> None:
+        """Get ready for steps of ``rows_per_replica`` rows per data-parallel replica."""
+
+    def train(self, micro_batches: list[MicroBatch], num_targets: torch.Tensor, steps: MicroBatchSteps) -> torch.Tensor:
+        """Forward and backward of a step's micro-batches; this replica's cross-entropy, summed."""
+
+    def evaluate(self, micro_batch: MicroBatch, steps: MicroBatchSteps) -> Optional[torch.Tensor]:
+        """``[cross-entropy sum, tokens]`` of one held-out micro-batch; None: one this runner cannot run."""
+
+
+class WholeModel:
+    """The ``StepRunner`` of a process that holds the whole model: the trainer's own steps, unchanged."""
+
+    holds_whole_model = True
+
+    def prepare(self, rows_per_replica: int) -> None:
+        pass
+
+    def train(self, micro_batches: list[MicroBatch], num_targets: torch.Tensor, steps: MicroBatchSteps) -> torch.Tensor:
+        return steps.train_whole_model(micro_batches, num_targets)
+
+    def evaluate(self, micro_batch: MicroBatch, steps: MicroBatchSteps) -> Optional[torch.Tensor]:
+        return steps.evaluate_whole_model(micro_batch)
 
 
 class Backend(Protocol):
@@ -37,9 +98,8 @@ class Backend(Protocol):
     is_main_process: bool
     #: How many of the step's devices (``num_devices``) each process drives.
     devices_per_process: int
-    #: Runs the training and evaluation micro-batches through this process's pipeline stages
-    #: (``mesh.pipe > 1``); None: the trainer runs the model itself.
-    pipeline: Optional[Pipeline]
+    #: Runs a step's micro-batches: ``WholeModel``, or this process's pipeline stages (``mesh.pipe > 1``).
+    runner: StepRunner
 
     # Read-only (an implementation may derive them), so declared as properties.
     @property
@@ -153,7 +213,7 @@ class HostFedBackend:
     rank: int
     world_size: int
     devices_per_process = 1
-    pipeline: Optional[Pipeline] = None
+    runner: StepRunner = WholeModel()
 
     @property
     def device_name(self) -> str:

@@ -49,7 +49,7 @@ from axtorch.layers.embedding import Embedding
 from axtorch.layers.mixture_of_experts import ExpertCompute
 from axtorch.layers.seams import fill_seams, modules_with_seam
 from axtorch.models.causal_lm import CausalLM
-from axtorch.parallel.backend import HostFedBackend
+from axtorch.parallel.backend import HostFedBackend, StepRunner, WholeModel
 from axtorch.parallel.context import GatheredSequence, split_sequence
 from axtorch.parallel.experts import ExpertParallelCompute
 from axtorch.parallel.mesh import MeshConfig
@@ -109,7 +109,7 @@ class NativeBackend(HostFedBackend):
         self.pipeline_config = pipeline or PipelineConfig()
         # Parameters stay fp32 in their shards (the optimizer's); FSDP casts what it gathers.
         self.mixed_precision = MixedPrecisionPolicy(param_dtype=gather_dtype, reduce_dtype=reduce_dtype)
-        self.pipeline: Optional[Pipeline] = None
+        self.runner: StepRunner = WholeModel()  # a Pipeline once ``parallelize`` keeps this process's stages
         #: Placed by expert parallelism; FSDP leaves them alone.
         self._expert_parameters: set[nn.Parameter] = set()
         self.gradient_divisor = 1
@@ -144,7 +144,7 @@ class NativeBackend(HostFedBackend):
         model = model.to_empty(device=self.device)
         if pipe > 1:
             group = self.mesh["pipe"].get_group()
-            self.pipeline = Pipeline(model, self.pipeline_config, ranges, stages, group, self.device)
+            self.runner = Pipeline(model, self.pipeline_config, ranges, stages, group, self.device)
         return model
 
     def _apply_tensor_parallel(self, model: CausalLM, specs: dict[str, PartitionSpec]) -> None:

@@ -10,7 +10,7 @@ several stages, ``stages_per_process``), and the last stage takes the loss.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any, Optional, cast
 
 import torch
@@ -20,6 +20,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from axtorch.layers.transformer import TransformerLayerInput
 from axtorch.models.causal_lm import CausalLM, default_positions
+from axtorch.parallel.backend import MicroBatch, MicroBatchLoss, MicroBatchSteps
 from axtorch.parallel.pipeline_config import PipelineConfig
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
@@ -85,12 +86,14 @@ class StageModule(nn.Module):
         return self.model.project(decoder.final_norm(hidden)) if self.last else hidden
 
 
-#: ``(logits [b, S, V], labels [b, S]) -> (loss to differentiate, cross-entropy sum, target count)``.
-MicroBatchLoss = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-
-
 class Pipeline:
-    """Runs one process's stages through a schedule, for training steps and for evaluation."""
+    """Runs one process's stages through a schedule, for training steps and for evaluation.
+
+    The ``StepRunner`` of a backend with ``mesh.pipe > 1``: a step is one micro-batch list that
+    the schedule splits, and the trainer's loss runs on the last stage.
+    """
+
+    holds_whole_model = False
 
     def __init__(
         self,
@@ -126,6 +129,22 @@ class Pipeline:
         # for backward once it has run without (newer torch re-prepares it at every switch).
         self.training_schedule = self._schedule()
         self.evaluation_schedule = self._schedule()
+
+    def train(self, micro_batches: list[MicroBatch], num_targets: torch.Tensor, steps: MicroBatchSteps) -> torch.Tensor:
+        """The schedule runs the forwards and backwards of the step's rows (one micro-batch list)."""
+        (micro_batch,) = micro_batches
+        if "segment_ids" in micro_batch:
+            raise ValueError("pipeline stages take no segment ids: document masking needs mesh pipe=1")
+        with steps.autocast():
+            sums = self.run(micro_batch["input_ids"], micro_batch["labels"], steps.stage_loss(num_targets), train=True)
+        return sums[0].float()
+
+    def evaluate(self, micro_batch: MicroBatch, steps: MicroBatchSteps) -> Optional[torch.Tensor]:
+        """None for a short last batch, which the schedule's micro-batches cannot split."""
+        if len(micro_batch["input_ids"]) % self.microbatches:
+            return None
+        with steps.autocast():
+            return self.run(micro_batch["input_ids"], micro_batch["labels"], steps.stage_loss(None), train=False)
 
     def _schedule(self) -> Any:
         stages = [

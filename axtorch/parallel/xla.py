@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -29,16 +29,13 @@ from axtorch.config.errors import ConfigError
 from axtorch.layers.seams import fill_seams
 from axtorch.layers.transformer import LayerRunner
 from axtorch.models.causal_lm import CausalLM
-from axtorch.parallel.backend import ec2_instance_type
+from axtorch.parallel.backend import StepRunner, WholeModel, ec2_instance_type
 from axtorch.parallel.execution import ExecutionConfig, LayerRunnerKind
 from axtorch.parallel.mesh import MeshConfig
 from axtorch.parallel.rules import PartitionSpec, ShardingConfig, resolve_activation_specs, resolve_parameter_specs
 from axtorch.parallel.side_channel import Coordinator, GlooSideChannel
 from axtorch.parallel.tensor_shards import Piece
 from axtorch.parallel.xla_hosts import xla_hosts
-
-if TYPE_CHECKING:
-    from axtorch.parallel.pipeline import Pipeline
 
 try:
     import torch_xla
@@ -61,7 +58,7 @@ def _xla_spec(spec: PartitionSpec) -> tuple:
 
 class XlaBackend:
     gradient_divisor = 1  # one global program: the loss is already the global mean
-    pipeline: Optional[Pipeline] = None  # no stages: the config refuses mesh.pipe > 1 with backend=xla
+    runner: StepRunner = WholeModel()  # no stages: the config refuses mesh.pipe > 1 with backend=xla
 
     def __init__(self, mesh: MeshConfig, sharding: ShardingConfig, execution: ExecutionConfig):
         xr.use_spmd()

@@ -7,6 +7,8 @@ layers the model is made of.
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import functools
 import hashlib
 import math
@@ -17,9 +19,9 @@ import shutil
 import time
 import warnings
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, TypeVar
+from typing import Any, Optional, TypeVar
 
 import torch
 from tqdm.auto import tqdm
@@ -36,17 +38,17 @@ from axtorch.interop.pretrained import (
 from axtorch.layers.init import initial_parameter_values
 from axtorch.models.causal_lm import CausalLM
 from axtorch.models.transforms import apply_model_transforms
-from axtorch.parallel.backend import Backend, materialize
+from axtorch.parallel.backend import Backend, MicroBatchLoss, materialize
 from axtorch.parallel.factory import build_backend
 from axtorch.parallel.single import SingleDeviceBackend
 from axtorch.train.adapters import BASE_DIGEST_KEY, base_digest, check_base, with_fresh_adapters
 from axtorch.train.checkpoint import Checkpointer, list_checkpoints, read_trainer_state
 from axtorch.train.checkpoint_manifest import CheckpointError
-from axtorch.train.config import Precision, SaveErrorPolicy
+from axtorch.train.config import Precision, SaveErrorPolicy, TrainerConfig
 from axtorch.train.experiment import ExperimentConfig
 from axtorch.train.flops import mfu, model_flops_per_token
 from axtorch.train.goodput import GoodputRecorder
-from axtorch.train.loss import LossInput, forward_with_loss
+from axtorch.train.loss import LossInput, LossOutput, forward_with_loss
 from axtorch.train.metrics import MetricsLogger
 from axtorch.train.numerics import NonFiniteError, NonFiniteGuard
 from axtorch.train.optimizer import build_optimizer
@@ -57,9 +59,6 @@ from axtorch.train.rng import capture_rng_state, restore_rng_state
 from axtorch.train.run_layout import CHECKPOINTS_DIR, CONFIG_FILE, LOSS_PLOT_FILE, TOKENIZER_FILE
 from axtorch.train.schedule import learning_rate
 from axtorch.train.watchdog import Watchdog
-
-if TYPE_CHECKING:  # torch.distributed.pipelining only where a pipeline runs
-    from axtorch.parallel.pipeline import MicroBatchLoss
 
 T = TypeVar("T")
 
@@ -102,76 +101,106 @@ def build_parallel_model(
         initial = config.model.build() if transforms else whole
     apply_model_transforms(transforms, whole)
     model = backend.parallelize(whole)  # ``whole`` itself, or this process's pipeline stages of it
-    values: Iterable[tuple[str, torch.Tensor]]
     torch.manual_seed(config.trainer.seed)
-    if pretrained is not None:
-        values = pretrained.model.state_dict().items()
-    else:
-        values = initial_parameter_values(initial)  # the whole model's draws, so every stage gets its own
+    # The seeded draws are the whole model's, so every pipeline stage gets its own.
+    values: Iterable[tuple[str, torch.Tensor]] = (
+        initial_parameter_values(initial) if pretrained is None else pretrained.model.state_dict().items()
+    )
     materialize(backend, model, with_fresh_adapters(values, whole), whole_model=model is whole)
     return model
 
 
+def _build_backend(config: ExperimentConfig) -> Backend:
+    """The configured backend; under bf16 it gathers parameters in bf16 and reduces in ``trainer.reduce_precision``."""
+    bf16 = config.trainer.precision is Precision.bf16
+    return build_backend(
+        config.backend,
+        config.mesh,
+        config.sharding,
+        config.trainer.device,
+        config.pipeline,
+        gather_dtype=torch.bfloat16 if bf16 else None,
+        reduce_dtype=config.trainer.reduce_precision.dtype if bf16 else None,
+        execution=config.execution,
+    )
+
+
+def _rows_per_replica(trainer: TrainerConfig, replicas: int) -> int:
+    """This data-parallel replica's rows of a step, which ``grad_accum_steps`` micro-batches split evenly."""
+    if trainer.batch_size % (replicas * trainer.grad_accum_steps):
+        raise ConfigError(
+            "trainer.batch_size",
+            trainer.batch_size,
+            f"a multiple of {replicas} data-parallel replicas x {trainer.grad_accum_steps} accumulation steps",
+        )
+    return trainer.batch_size // replicas
+
+
+def _pretrained_start(config: ExperimentConfig, run_dir: Path) -> tuple[Optional[Pretrained], Optional[Path]]:
+    """The imported weights a run starts from (``init_from``) and their tokenizer's path; (None, None) without.
+
+    Resuming, the weights come from the checkpoint (unless it holds only adapters): only the
+    tokenizer's path is returned then.
+    """
+    if not config.init_from:
+        return None, None
+    if list_checkpoints(run_dir / CHECKPOINTS_DIR) and config.model.adapter is None:
+        return None, pretrained_tokenizer_path(config.init_from, run_dir)
+    pretrained = load_pretrained(config.init_from, run_dir)
+    check_same_architecture(config.model, pretrained.config, config.init_from)
+    return pretrained, pretrained.tokenizer_path
+
+
+def _with_tokenizer(config: ExperimentConfig, tokenizer_path: Optional[Path]) -> ExperimentConfig:
+    """A copy of ``config`` whose data reads ``tokenizer_path``; ``config`` itself when None."""
+    if tokenizer_path is None:
+        return config
+    tokenizer = dataclasses.replace(config.data.tokenizer, path=str(tokenizer_path))
+    resolved = copy.copy(config)  # not ``dataclasses.replace``: that would apply deprecated settings again
+    resolved.data = dataclasses.replace(config.data, tokenizer=tokenizer)
+    return resolved
+
+
+def _check_vocabulary(model_vocab_size: int, tokenizer_vocab_size: int) -> None:
+    if tokenizer_vocab_size > model_vocab_size:
+        raise ConfigError(
+            "model.vocab_size",
+            model_vocab_size,
+            f"at least the tokenizer's {tokenizer_vocab_size}",
+            reason="token ids would index past the embedding table",
+        )
+
+
 class Trainer:
+    """Data, model, optimizer and checkpoints of one run directory, and the loop (``fit``) over them."""
+
     def __init__(self, config: ExperimentConfig, backend: Optional[Backend] = None):
-        self.config = config
         self.run_dir = Path(config.run_dir)
         self.goodput = GoodputRecorder(self.run_dir, enabled=False)  # starts the clock; enabled in fit()
-        bf16 = config.trainer.precision is Precision.bf16
-        self.backend = backend or build_backend(
-            config.backend,
-            config.mesh,
-            config.sharding,
-            config.trainer.device,
-            config.pipeline,
-            gather_dtype=torch.bfloat16 if bf16 else None,
-            reduce_dtype=config.trainer.reduce_precision.dtype if bf16 else None,
-            execution=config.execution,
-        )
+        self.backend = backend or _build_backend(config)
         self.device = self.backend.device
-        replicas = self.backend.data_parallel_size
-        if config.trainer.batch_size % (replicas * config.trainer.grad_accum_steps):
-            raise ConfigError(
-                "trainer.batch_size",
-                config.trainer.batch_size,
-                f"a multiple of {replicas} data-parallel replicas "
-                f"x {config.trainer.grad_accum_steps} accumulation steps",
-            )
+        self.local_batch_size = _rows_per_replica(config.trainer, self.backend.data_parallel_size)
+        self.micro_batch_size = self.local_batch_size // config.trainer.grad_accum_steps
         random.seed(config.trainer.seed)
-        self.pretrained = None
-        if config.init_from:
-            # Resuming: the weights come from the checkpoint, unless it holds only adapters.
-            if list_checkpoints(self.run_dir / CHECKPOINTS_DIR) and config.model.adapter is None:
-                config.data.tokenizer.path = str(pretrained_tokenizer_path(config.init_from, self.run_dir))
-            else:
-                self.pretrained = load_pretrained(config.init_from, self.run_dir)
-                check_same_architecture(config.model, self.pretrained.config, config.init_from)
-                config.data.tokenizer.path = str(self.pretrained.tokenizer_path)
+        self.pretrained, tokenizer_path = _pretrained_start(config, self.run_dir)
+        #: The run's config: the caller's, with the imported tokenizer's path when ``init_from`` brings one.
+        self.config = config = _with_tokenizer(config, tokenizer_path)
         self.data = self._build_data_once()
-        if self.data.tokenizer.vocab_size > config.model.vocab_size:
-            raise ConfigError(
-                "model.vocab_size",
-                config.model.vocab_size,
-                f"at least the tokenizer's {self.data.tokenizer.vocab_size}",
-                reason="token ids would index past the embedding table",
-            )
+        _check_vocabulary(config.model.vocab_size, self.data.tokenizer.vocab_size)
         self.model = build_parallel_model(config, self.backend, self.pretrained)
         self.pretrained = None  # free the imported copy
         self.loss_fn = config.loss.build()
         self.optimizer = build_optimizer(self.model, config.optim)
         self.backend.prepare_optimizer(self.optimizer)
+        trainer = config.trainer
         self.checkpointer = Checkpointer(
             self.run_dir / CHECKPOINTS_DIR,
-            config.trainer.keep_checkpoints,
-            config.trainer.async_checkpoint,
+            trainer.keep_checkpoints,
+            trainer.async_checkpoint,
             collective=self.backend,
-            keep_every=config.trainer.keep_every,
+            keep_every=trainer.keep_every,
         )
-        trainer = config.trainer
-        self.local_batch_size = trainer.batch_size // replicas
-        self.micro_batch_size = self.local_batch_size // trainer.grad_accum_steps
-        if self.backend.pipeline is not None:
-            self.backend.pipeline.prepare(self.local_batch_size)
+        self.backend.runner.prepare(self.local_batch_size)
         self.train_batches = self.data.train_batches(
             trainer.batch_size, self.backend.data_parallel_rank, self.backend.data_parallel_size
         )
@@ -199,7 +228,7 @@ class Trainer:
 
     def _flops_per_token(self) -> float:
         """The whole model's, counted again on the meta device when this process holds pipeline stages."""
-        whole = self.model if self.backend.pipeline is None else None
+        whole = self.model if self.backend.runner.holds_whole_model else None
         return model_flops_per_token(self.config.model, self.config.data.seq_len, whole)
 
     def _resolve_peak_flops(self) -> Optional[float]:
@@ -209,7 +238,8 @@ class Trainer:
             self.config.trainer.peak_flops, backend.device_name, dtype, backend.num_devices, backend.devices_per_process
         )
 
-    def _autocast(self) -> contextlib.AbstractContextManager:
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """bf16 autocast of the forwards under ``trainer.precision=bf16``; nothing under fp32."""
         enabled = self.config.trainer.precision is Precision.bf16
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=enabled)
 
@@ -243,7 +273,7 @@ class Trainer:
                 reason="the run directory holds checkpoints of a different model; use a new run_dir",
             )
         check_base(state, self.base_digest, path)
-        self.checkpointer.load(path, self.model, self.optimizer, whole_model=self.backend.pipeline is None)
+        self.checkpointer.load(path, self.model, self.optimizer, whole_model=self.backend.runner.holds_whole_model)
         self.step = state["step"]
         self.train_batches.load_state_dict(state["data"])
         restore_rng_state(state["rng"])
@@ -295,40 +325,14 @@ class Trainer:
 
         Every micro-batch's summed loss is divided by the target count of the whole global batch,
         so accumulation and data parallelism weigh every token the same as one big batch would.
+        The backend's runner runs the micro-batches (``train_whole_model``, or pipeline stages).
         """
         micro_batches = self._micro_batches(batch)
         local_targets = functools.reduce(
             operator.add, ((mb["labels"] != self.config.loss.ignore_index).sum() for mb in micro_batches)
         )
         num_targets = self.backend.all_reduce_sum(local_targets)
-        total_loss = torch.zeros((), device=self.device)
-        pipeline = self.backend.pipeline
-        for mb in micro_batches if pipeline is None else ():
-            with self._autocast():
-                loss, aux_loss = forward_with_loss(
-                    self.model,
-                    self.loss_fn,
-                    mb["input_ids"],
-                    mb["labels"],
-                    num_targets,
-                    mb.get("positions"),
-                    mb.get("segment_ids"),
-                )
-                objective = loss.loss
-                if aux_loss is not None:
-                    # A mean over this replica's tokens, unlike the loss (its share of a global sum):
-                    # divided by the replicas that the gradient averaging below sums over, the
-                    # replicas' aux losses enter as their mean.
-                    objective = objective + aux_loss / (len(micro_batches) * self.backend.gradient_divisor)
-            (objective * self.backend.gradient_divisor).backward()
-            total_loss += loss.cross_entropy.detach()
-        if pipeline is not None:  # the schedule runs the forwards and backwards (one micro-batch list)
-            (mb,) = micro_batches
-            if "segment_ids" in mb:
-                raise ValueError("pipeline stages take no segment ids: document masking needs mesh pipe=1")
-            with self._autocast():
-                sums = pipeline.run(mb["input_ids"], mb["labels"], self._stage_loss(num_targets), train=True)
-            total_loss += sums[0].float()
+        total_loss = self.backend.runner.train(micro_batches, num_targets, self)
         grad_norm = self.backend.clip_grad_norm(list(self.model.parameters()), self.config.optim.grad_clip_norm)
         loss_sum = self.backend.all_reduce_sum(total_loss)
         self.backend.run_traced()  # forward, backward and clipping as one program, before the reads below
@@ -348,8 +352,46 @@ class Trainer:
             metrics["train/skipped_update"] = 1.0
         return metrics
 
-    def _stage_loss(self, num_targets: Optional[torch.Tensor] = None) -> MicroBatchLoss:
-        """The last pipeline stage's loss of a micro-batch, as ``train_step`` and ``evaluate`` take it."""
+    # The trainer's ``MicroBatchSteps``: what the backend's runner runs for a step or an evaluation.
+
+    def train_whole_model(self, micro_batches: list[Batch], num_targets: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of each micro-batch through the model; their cross-entropy shares, summed."""
+        total_loss = torch.zeros((), device=self.device)
+        for mb in micro_batches:
+            with self.autocast():
+                loss, aux_loss = self._forward(mb, num_targets)
+                objective = loss.loss
+                if aux_loss is not None:
+                    # A mean over this replica's tokens, unlike the loss (its share of a global sum):
+                    # divided by the replicas that the gradient averaging below sums over, the
+                    # replicas' aux losses enter as their mean.
+                    objective = objective + aux_loss / (len(micro_batches) * self.backend.gradient_divisor)
+            (objective * self.backend.gradient_divisor).backward()
+            total_loss += loss.cross_entropy.detach()
+        return total_loss
+
+    def evaluate_whole_model(self, micro_batch: Batch) -> torch.Tensor:
+        """``[cross-entropy sum, tokens]`` of one held-out micro-batch (per-token means, weighed by their count)."""
+        with self.autocast():
+            loss, _ = self._forward(micro_batch)
+        return torch.stack([loss.cross_entropy.double() * loss.num_tokens, loss.num_tokens.double()])
+
+    def _forward(
+        self, micro_batch: Batch, num_targets: Optional[torch.Tensor] = None
+    ) -> tuple[LossOutput, Optional[torch.Tensor]]:
+        """The model's forward and loss of a micro-batch (``forward_with_loss``)."""
+        return forward_with_loss(
+            self.model,
+            self.loss_fn,
+            micro_batch["input_ids"],
+            micro_batch["labels"],
+            num_targets,
+            micro_batch.get("positions"),
+            micro_batch.get("segment_ids"),
+        )
+
+    def stage_loss(self, num_targets: Optional[torch.Tensor]) -> MicroBatchLoss:
+        """The last pipeline stage's loss of a micro-batch, for a training step or (``num_targets`` None) evaluation."""
 
         def loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             out = self.loss_fn(LossInput(logits, labels, num_targets))
@@ -364,24 +406,11 @@ class Trainer:
         """Token-weighted cross-entropy over the held-out split; empty when there is no held-out data."""
         self.model.eval()
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # (loss sum, tokens)
-        pipeline = self.backend.pipeline
         for batch in self.data.val_batches(self.config.trainer.batch_size, self.config.trainer.eval_batches):
             for mb in self._micro_batches(self._replica_rows(batch)):
-                if pipeline is not None:
-                    if len(mb["input_ids"]) % pipeline.microbatches == 0:  # a short last batch: not pipelined
-                        with self._autocast():
-                            sums += pipeline.run(mb["input_ids"], mb["labels"], self._stage_loss(), train=False)
-                    continue
-                with self._autocast():
-                    loss, _ = forward_with_loss(
-                        self.model,
-                        self.loss_fn,
-                        mb["input_ids"],
-                        mb["labels"],
-                        positions=mb.get("positions"),
-                        segment_ids=mb.get("segment_ids"),
-                    )
-                sums += torch.stack([loss.cross_entropy.double() * loss.num_tokens, loss.num_tokens.double()])
+                micro_batch_sums = self.backend.runner.evaluate(mb, self)
+                if micro_batch_sums is not None:  # None: a short last batch a pipeline cannot split
+                    sums += micro_batch_sums
                 self.backend.run_traced()  # one batch's program, the same for every batch
         self.model.train()
         total, tokens = self.backend.all_reduce_sum(sums).tolist()
@@ -400,17 +429,11 @@ class Trainer:
         """
         trainer = self.config.trainer
         stop = trainer.max_steps if until_step is None else min(until_step, trainer.max_steps)
-        latest = self.checkpointer.latest_valid()
-        if latest is not None:
-            self.resume(latest)  # first: a refused resume must leave the run directory untouched
-            if self.backend.is_main_process:
-                print(f"resumed from {latest} at step {self.step}")
+        last_checkpoint = self._resume_latest()
         self._prepare_run_dir()
-        goodput = self.goodput
-        goodput.enabled = self.backend.is_main_process
-        initial_eval = final_eval = None
-        last_checkpoint = latest
         main = self.backend.is_main_process
+        self.goodput.enabled = main
+        initial_eval = final_eval = None
         metrics_logger = MetricsLogger(self.run_dir, enable_tensorboard=trainer.tensorboard) if main else None
         preempted_by = None
         watchdog = Watchdog(trainer.watchdog_seconds, trainer.watchdog_action, self.run_dir, self.backend.rank)
@@ -424,55 +447,17 @@ class Trainer:
                 initial_eval = self._evaluate_and_log(metrics, print)
             if main:  # measured (on a CPU) before the clock for steps starts: part of start-up
                 self.peak_flops = _best_effort("finding the devices' peak FLOP/s", self._resolve_peak_flops)
-            goodput.start_training()
-            progress = tqdm(
-                total=stop,
-                initial=self.step,
-                disable=not (trainer.progress_bar and main),
-                desc="train",
-                unit="step",
-                dynamic_ncols=True,
-            )
-            window: list[dict[str, float]] = []
-            window_time = 0.0
+            self.goodput.start_training()
+            progress = self._progress_bar(stop)
+            window = _MetricsWindow()
             self.model.train()
             while self.step < stop:
                 fetched = time.perf_counter()
-                set_aside = goodput.seconds["eval"] + goodput.seconds["checkpoint"]
-                batch = next(self.train_batches)
-                started = time.perf_counter()
-                try:
-                    result = self.train_step(batch)
-                except NonFiniteError as error:
-                    self._log_event(metrics, {"nonfinite/stopped": 1.0})
-                    self.save_checkpoint()  # the last good state: the bad update was not applied
-                    self.checkpointer.wait()
-                    raise NonFiniteError(f"{error}; saved the last good state at step {self.step}") from error
-                window_time += time.perf_counter() - started
+                set_aside = self._set_aside_seconds()
+                result, seconds = self._timed_train_step(next(self.train_batches), metrics)
                 watchdog.step_done()
                 self._settle_saves(block=False)  # a background save that failed stops the run now
-                if result.get("train/skipped_update"):
-                    self._log_event(
-                        metrics,
-                        {
-                            "nonfinite/skipped_update": 1.0,
-                            "nonfinite/loss": result["train/loss"],
-                            "nonfinite/grad_norm": result["train/grad_norm"],
-                        },
-                    )
-                else:
-                    window.append(result)
-                # Only the main process has a logger (``metrics`` is None on the others).
-                if metrics is not None and window and (self.step % trainer.log_every == 0 or self.step == stop):
-                    logged = _best_effort("computing train metrics", self._window_metrics, window, window_time)
-                    if logged:
-                        logged.update(_best_effort("recording goodput", goodput.write) or {})
-                        _best_effort("logging metrics", metrics.log, self.step, logged)
-                        progress.set_postfix(
-                            loss=f"{logged['train/loss']:.3f}", tok_s=f"{logged['train/tokens_per_s']:.0f}"
-                        )
-                if self.step % trainer.log_every == 0:
-                    window, window_time = [], 0.0
+                self._record_step(result, seconds, window, metrics, stop, progress)
                 progress.update(1)
                 if self.step % trainer.eval_every == 0 or self.step == trainer.max_steps:
                     final_eval = self._evaluate_and_log(metrics, progress.write)
@@ -480,8 +465,8 @@ class Trainer:
                 if saved_now:
                     last_checkpoint = self.save_checkpoint() or last_checkpoint
                 # The step's wall time, logging included, less its evaluation and checkpoint.
-                set_aside = goodput.seconds["eval"] + goodput.seconds["checkpoint"] - set_aside
-                goodput.step_done(self.step, time.perf_counter() - fetched - set_aside)
+                set_aside = self._set_aside_seconds() - set_aside
+                self.goodput.step_done(self.step, time.perf_counter() - fetched - set_aside)
                 if preempted_by := preemption.agreed(self.backend):
                     if not saved_now:
                         last_checkpoint = self.save_checkpoint() or last_checkpoint
@@ -489,13 +474,79 @@ class Trainer:
             progress.close()
         if final_eval is None and preempted_by is None:  # resumed at (or past) the last step: report it
             final_eval = self.evaluate().get("eval/loss")
+        self._wrap_up(plot=preempted_by is None)
+        return TrainResult(self.run_dir, self.step, initial_eval, final_eval, last_checkpoint, preempted_by)
+
+    def _resume_latest(self) -> Optional[Path]:
+        """Resume from the newest valid checkpoint of the run directory, if there is one; return it."""
+        latest = self.checkpointer.latest_valid()
+        if latest is not None:
+            self.resume(latest)  # first: a refused resume must leave the run directory untouched
+            if self.backend.is_main_process:
+                print(f"resumed from {latest} at step {self.step}")
+        return latest
+
+    def _progress_bar(self, stop: int) -> tqdm:
+        show = self.config.trainer.progress_bar and self.backend.is_main_process
+        return tqdm(total=stop, initial=self.step, disable=not show, desc="train", unit="step", dynamic_ncols=True)
+
+    def _set_aside_seconds(self) -> float:
+        """Seconds spent on evaluation and checkpoints so far: not part of any step's time."""
+        return self.goodput.seconds["eval"] + self.goodput.seconds["checkpoint"]
+
+    def _timed_train_step(self, batch: Batch, metrics: Optional[MetricsLogger]) -> tuple[dict[str, float], float]:
+        """``train_step`` and its seconds; a non-finite loss ends the run, after saving the last good state."""
+        started = time.perf_counter()
+        try:
+            result = self.train_step(batch)
+        except NonFiniteError as error:
+            self._log_event(metrics, {"nonfinite/stopped": 1.0})
+            self.save_checkpoint()  # the last good state: the bad update was not applied
+            self.checkpointer.wait()
+            raise NonFiniteError(f"{error}; saved the last good state at step {self.step}") from error
+        return result, time.perf_counter() - started
+
+    def _record_step(
+        self,
+        result: dict[str, float],
+        seconds: float,
+        window: _MetricsWindow,
+        metrics: Optional[MetricsLogger],
+        stop: int,
+        progress: tqdm,
+    ) -> None:
+        """Add a step to the metrics window (a skipped update is logged as an event instead); log it when due."""
+        window.seconds += seconds
+        if result.get("train/skipped_update"):
+            self._log_event(
+                metrics,
+                {
+                    "nonfinite/skipped_update": 1.0,
+                    "nonfinite/loss": result["train/loss"],
+                    "nonfinite/grad_norm": result["train/grad_norm"],
+                },
+            )
+        else:
+            window.results.append(result)
+        log_every = self.config.trainer.log_every
+        # Only the main process has a logger (``metrics`` is None on the others).
+        if metrics is not None and window.results and (self.step % log_every == 0 or self.step == stop):
+            logged = _best_effort("computing train metrics", self._window_metrics, window.results, window.seconds)
+            if logged:
+                logged.update(_best_effort("recording goodput", self.goodput.write) or {})
+                _best_effort("logging metrics", metrics.log, self.step, logged)
+                progress.set_postfix(loss=f"{logged['train/loss']:.3f}", tok_s=f"{logged['train/tokens_per_s']:.0f}")
+        if self.step % log_every == 0:
+            window.results, window.seconds = [], 0.0
+
+    def _wrap_up(self, plot: bool) -> None:
+        """Settle the last background save, record goodput, and (``plot``) draw the loss curves."""
         waiting = time.perf_counter()
         self._settle_saves(block=True)
-        goodput.add("checkpoint", time.perf_counter() - waiting)
-        _best_effort("recording goodput", goodput.write)
-        if trainer.plot and main and preempted_by is None:
+        self.goodput.add("checkpoint", time.perf_counter() - waiting)
+        _best_effort("recording goodput", self.goodput.write)
+        if plot and self.config.trainer.plot and self.backend.is_main_process:
             _best_effort(f"plotting {LOSS_PLOT_FILE}", plot_runs, [self.run_dir], self.run_dir / LOSS_PLOT_FILE)
-        return TrainResult(self.run_dir, self.step, initial_eval, final_eval, last_checkpoint, preempted_by)
 
     def _log_event(self, metrics: Optional[MetricsLogger], event: dict[str, float]) -> None:
         """Record an event of this step in metrics.jsonl (main process only)."""
@@ -531,6 +582,14 @@ class Trainer:
         if self.peak_flops is not None:
             logged["train/mfu"] = mfu(tokens_per_s, self.flops_per_token, self.peak_flops)
         return logged
+
+
+@dataclass
+class _MetricsWindow:
+    """The steps since train metrics were last logged: their results (skipped updates left out) and seconds."""
+
+    results: list[dict[str, float]] = field(default_factory=list)
+    seconds: float = 0.0
 
 
 def _best_effort(what: str, function: Callable[..., T], *args: Any) -> Optional[T]:
