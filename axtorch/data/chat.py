@@ -36,9 +36,9 @@ import numpy as np
 from omegaconf import MISSING
 
 from axtorch.config.errors import ConfigError
+from axtorch.data import parquet as _parquet  # noqa: F401 (registers the Parquet row reader)
 from axtorch.data.document_tokens import flag_document
-from axtorch.data.parquet import ParquetSource
-from axtorch.data.sources import JsonlSource, PartitionedSource, SourceConfig, resolve_globs
+from axtorch.data.sources import PartitionedSource, SourceConfig, read_rows, resolve_globs
 from axtorch.data.tokenizer import TOKENIZER_SETTINGS_FILE, Tokenizer
 
 Message = dict[str, str]
@@ -250,15 +250,7 @@ class ChatSourceConfig(SourceConfig):
 
     def build(self) -> ChatSource:
         files = resolve_globs(self.paths, "data.source.paths")
-        parquet = [file for file in files if file.suffix == ".parquet"]
-        if parquet and len(parquet) != len(files):
-            raise ConfigError("data.source.paths", self.paths, "all JSONL or all Parquet files, not both")
-        reader: PartitionedSource = (
-            ParquetSource(files, self.messages_field, messages_document)
-            if parquet
-            else JsonlSource(files, self.messages_field, messages_document)
-        )
-        return ChatSource(reader, self.template)
+        return ChatSource(read_rows(files, self.messages_field, messages_document), self.template)
 
     def build_streaming(self) -> ChatSource:
         return self.build()

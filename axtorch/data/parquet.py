@@ -11,6 +11,7 @@ from omegaconf import MISSING
 
 from axtorch.config.errors import ConfigError
 from axtorch.data.sources import (
+    ROW_READERS,
     FieldToDocument,
     PartitionedSource,
     SourceConfig,
@@ -67,6 +68,9 @@ class ParquetSource(PartitionedSource):
 
     def fingerprint(self) -> str:
         return files_fingerprint("parquet", self.files, text_field=self.text_field)
+
+
+ROW_READERS[".parquet"] = ParquetSource
 
 
 @dataclass

@@ -288,6 +288,20 @@ class JsonlSourceConfig(SourceConfig):
         return self.build() if self.streaming else None
 
 
+#: How files of rows are read, by suffix: ``(files, field, document_of) -> source`` (Parquet
+#: registers itself in ``parquet.py``); any other suffix is JSON lines.
+ROW_READERS: dict[str, Callable[[list[Path], str, FieldToDocument], PartitionedSource]] = {}
+
+
+def read_rows(files: list[Path], field: str, document_of: FieldToDocument) -> PartitionedSource:
+    """The rows of ``files`` (all of one format, by suffix), each row's ``field`` one document."""
+    readers = {ROW_READERS.get(file.suffix, JsonlSource) for file in files}
+    if len(readers) > 1:
+        raise ConfigError("data.source.paths", [str(file) for file in files], "files of one format (by suffix)")
+    (reader,) = readers
+    return reader(files, field, document_of)
+
+
 class HFDatasetSource(PartitionedSource):
     """One column of a Hugging Face ``datasets`` split, in the dataset's row order.
 

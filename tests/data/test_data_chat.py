@@ -161,3 +161,10 @@ def test_data_chat_composes_with_document_masking():
     config = load_experiment_config(["data=chat", "data.source.paths=[chat.jsonl]"])
     assert isinstance(config.data.source, ChatSourceConfig) and config.data.document_masking
     assert config.data.source.paths == ["chat.jsonl"]
+
+
+def test_jsonl_and_parquet_together_are_refused(corpus, tmp_path):
+    (tmp_path / "rows.parquet").write_bytes(b"")
+    source = ChatSourceConfig(paths=[str(corpus / "chat.jsonl"), str(tmp_path / "rows.parquet")])
+    with pytest.raises(ConfigError, match="files of one format"):
+        source.build()
