@@ -201,3 +201,20 @@ def test_planner_activation_memory_of_a_stack_sums_each_layers_kept_activations(
     narrow = activation_bytes(_model(overrides[0]), 2, 64, 1, precision)
     assert narrow < stack < wide
     assert stack - narrow == pytest.approx((wide - narrow) / 3, rel=1e-9)  # 2 of the 6 layers are wide
+
+
+def test_remat_applies_to_every_layer_of_a_stack_and_keeps_its_gradients():
+    tokens = torch.randint(0, 4096, (2, 12), generator=torch.Generator().manual_seed(3))
+    gradients = {}
+    for remat in ("none", "full"):
+        config = load_experiment_config([*STACK, f"model/remat={remat}"])
+        torch.manual_seed(0)
+        model = build_model(config, torch.device("cpu"))
+        calls = []
+        if model.decoder.remat is not None:
+            model.decoder.remat.register_forward_pre_hook(lambda module, args, calls=calls: calls.append(args[0]))
+        model(CausalLMInput(tokens)).logits.square().mean().backward()
+        assert calls == ([] if remat == "none" else list(model.decoder.layers))
+        gradients[remat] = {name: p.grad for name, p in model.named_parameters()}
+    for name, grad in gradients["none"].items():
+        torch.testing.assert_close(gradients["full"][name], grad, atol=1e-7, rtol=1e-5)
