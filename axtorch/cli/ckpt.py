@@ -1,19 +1,40 @@
 """``axtorch-ckpt``: inspect a run's checkpoints offline.
 
-axtorch-ckpt list RUN_DIR                 steps, sizes, validity and config digest of each checkpoint
-axtorch-ckpt verify RUN_DIR|CKPT_DIR      check every file against its manifest; exit 1 if any fails
+axtorch-ckpt action=list path=RUN_DIR              steps, sizes, validity and config digest of each checkpoint
+axtorch-ckpt action=verify path=RUN_DIR|CKPT_DIR   check every file against its manifest; exit 1 if any fails
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
+from axtorch.cli.key_values import OldStyle, read_config
+from axtorch.config.errors import ConfigError
 from axtorch.train.checkpoint import TRAINER_STATE_FILE, checkpoint_problems, list_checkpoints
 from axtorch.train.checkpoint_manifest import MANIFEST_FILE
 from axtorch.train.run_layout import CHECKPOINTS_DIR
+
+
+@dataclass
+class CkptConfig:
+    #: list: one line per checkpoint; verify: check every file against its manifest, exit 1 if any fails.
+    action: str = "list"
+    #: A run directory, or (verify) one checkpoint directory.
+    path: Optional[str] = None
+
+    def validate(self) -> None:
+        if self.action not in ("list", "verify"):
+            raise ConfigError("action", self.action, "list or verify")
+        if not self.path:
+            raise ConfigError("path", self.path, "a run directory or a checkpoints/step_* directory")
+
+
+#: ``axtorch-ckpt list RUN_DIR`` as it was typed before key=value.
+_OLD_STYLE = OldStyle(positional=("action", "path"))
 
 
 def _checkpoints(path: Path) -> list[Path]:
@@ -35,11 +56,14 @@ def _config_digest(path: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="axtorch-ckpt", description="Inspect checkpoints offline.")
-    parser.add_argument("action", choices=("list", "verify"))
-    parser.add_argument("path", type=Path, help="a run directory, or (verify) one checkpoint directory")
-    args = parser.parse_args(argv)
-    checkpoints = _checkpoints(args.path)
+    try:
+        args = read_config("axtorch-ckpt", argv, CkptConfig, __doc__ or "", _OLD_STYLE)
+    except ConfigError as error:
+        print(f"axtorch-ckpt: {error}", file=sys.stderr)
+        return 2
+    if args is None:
+        return 0
+    checkpoints = _checkpoints(Path(str(args.path)))
     if not checkpoints:
         print(f"axtorch-ckpt: no checkpoints under {args.path}", file=sys.stderr)
         return 2

@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from axtorch.cli.key_values import parse_key_values
+from axtorch.cli.key_values import read_config
 from axtorch.config.errors import ConfigError
 from axtorch.interop.gguf_export import GGUF_DTYPES, to_gguf
 from axtorch.interop.hf import save_hf_tokenizer, to_hf
@@ -30,6 +30,7 @@ _HF_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16
 
 @dataclass
 class ExportConfig:
+    #: A run directory (its newest valid checkpoint) or one checkpoint directory.
     checkpoint: Optional[str] = None
     #: ``gguf:FILE`` or ``hf:DIR``.
     to: Optional[str] = None
@@ -49,8 +50,9 @@ class ExportConfig:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        config = parse_key_values(sys.argv[1:] if argv is None else argv, ExportConfig)
-        config.validate()
+        config = read_config("axtorch-export", argv, ExportConfig, __doc__ or "")
+        if config is None:
+            return 0
         model, tokenizer = load_trained_model(Path(str(config.checkpoint)), torch.device("cpu"))
         kind, _, target = str(config.to).partition(":")
         if kind == "gguf":

@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from axtorch.cli.key_values import parse_key_values
+from axtorch.cli.key_values import read_config
 from axtorch.config.errors import ConfigError
 from axtorch.data.tokenizer import Tokenizer
 from axtorch.infer import generate
@@ -35,11 +35,15 @@ from axtorch.train.trained_model import load_trained_model
 class GenerateConfig:
     #: Exactly one source: an axtorch run or checkpoint directory, a GGUF file, or an HF directory.
     checkpoint: Optional[str] = None
+    #: A GGUF file (llama.cpp's format) to load instead.
     gguf: Optional[str] = None
+    #: An HF checkpoint directory (config.json, safetensors, tokenizer) to load instead.
     hf: Optional[str] = None
     #: One prompt, or a file of prompts, one per line, decoded together as one batch.
     prompt: Optional[str] = None
+    #: A file of prompts, one per line (instead of prompt).
     prompts_file: Optional[str] = None
+    #: Tokens to decode after each prompt, at most.
     max_new_tokens: int = 64
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     #: Strings that end a row (its text is cut before them), besides the end-of-sequence token.
@@ -54,6 +58,7 @@ class GenerateConfig:
     pack: bool = True
     #: Compile the decode step (torch.compile; CUDA graphs on a GPU): slow to start, faster per token.
     compile: bool = False
+    #: Row i samples with seed + i.
     seed: int = 0
     #: auto, cpu, cuda[:N], or xla: this host's XLA device, each decode step one compiled program.
     device: str = "auto"
@@ -111,15 +116,11 @@ def render_chat(template: Optional[str], prompt: str, tokenizer: Tokenizer) -> s
     )
 
 
-def parse_args(argv: list[str]) -> GenerateConfig:
-    config = parse_key_values(argv, GenerateConfig)
-    config.validate()
-    return config
-
-
 def main(argv: list[str] | None = None) -> int:
     try:
-        config = parse_args(sys.argv[1:] if argv is None else argv)
+        config = read_config("axtorch-generate", argv, GenerateConfig, __doc__ or "")
+        if config is None:
+            return 0
         prompts = [config.prompt] if config.prompt is not None else _read_prompts(Path(str(config.prompts_file)))
         step_boundary = None
         if config.device == "xla":

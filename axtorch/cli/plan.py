@@ -28,10 +28,11 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
+from axtorch.cli.key_values import asks_for_help, format_help, parse_key_values, split_own_keys
 from axtorch.cli.train import split_arguments
 from axtorch.config.errors import ConfigError
 from axtorch.plan import Planner, cluster_for, format_candidates, format_plan, load_plan_inputs, plan
@@ -41,66 +42,50 @@ from axtorch.plan import Planner, cluster_for, format_candidates, format_plan, l
 class PlanOptions:
     """The command-line options that size the plan but are not part of the experiment config."""
 
+    #: Sequences per device (per micro-batch under mesh.pipe).
     batch: int = 1
+    #: Tokens per sequence (default: data.seq_len).
     seq_len: Optional[int] = None
+    #: The device count, needed only when a mesh axis is -1 (default: the product of the mesh axes).
     devices: Optional[int] = None
     #: Search meshes for this cluster (``gpu-H100-8x32``, ``tpu-v5p-512``, ``trn2-64x4``) instead of planning one.
     hardware: Optional[str] = None
-    #: GiB per device: overrides the cluster's, or with ``devices`` alone searches an H100-class cluster.
+    #: GiB per device (``80`` or ``80GiB``): overrides the cluster's,
+    #: or with ``devices`` alone searches an H100-class cluster.
     device_memory: Optional[float] = None
     #: Sequences per step for the search (default: one per device).
     global_batch: Optional[int] = None
+    #: How many of the best meshes the search prints.
     top: int = 5
 
-
-def _positive_int(key: str) -> Callable[[str], int]:
-    def parse(value: str) -> int:
-        if not value.isdigit() or int(value) <= 0:
-            raise ConfigError(key, value, "a positive integer")
-        return int(value)
-
-    return parse
-
-
-def _gibibytes(value: str) -> float:
-    number = value.removesuffix("GiB").removesuffix("GB")
-    try:
-        parsed = float(number)
-    except ValueError:
-        parsed = 0.0
-    if parsed <= 0:
-        raise ConfigError("device_memory", value, "a positive size in GiB, e.g. 80GiB")
-    return parsed
-
-
-_OPTION_PARSERS: dict[str, Callable[[str], Any]] = {
-    "batch": _positive_int("batch"),
-    "seq_len": _positive_int("seq_len"),
-    "devices": _positive_int("devices"),
-    "hardware": str,
-    "device_memory": _gibibytes,
-    "global_batch": _positive_int("global_batch"),
-    "top": _positive_int("top"),
-}
+    def validate(self) -> None:
+        for key in ("batch", "seq_len", "devices", "global_batch", "top"):
+            value = getattr(self, key)
+            if value is not None and value <= 0:
+                raise ConfigError(key, value, "a positive integer")
+        if self.device_memory is not None and self.device_memory <= 0:
+            raise ConfigError("device_memory", self.device_memory, "a positive size in GiB, e.g. 80GiB")
 
 
 def split_plan_options(argv: Sequence[str]) -> tuple[list[str], PlanOptions]:
-    """Separate the plan-only ``key=value`` options from the config overrides."""
-    overrides, options = [], PlanOptions()
-    for arg in argv:
-        key, _, value = arg.partition("=")
-        if key in _OPTION_PARSERS:
-            setattr(options, key, _OPTION_PARSERS[key](value))
-        else:
-            overrides.append(arg)
+    """Separate the plan-only ``key=value`` options (checked) from the config overrides."""
+    own, overrides = split_own_keys(argv, PlanOptions)
+    # device_memory=80GiB: the unit is optional, GiB either way.
+    own = [arg.removesuffix("GiB").removesuffix("GB") if arg.startswith("device_memory=") else arg for arg in own]
+    options = parse_key_values(own, PlanOptions)
+    options.validate()
     return overrides, options
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point of ``axtorch-plan``; returns 2 on a configuration error."""
     argv = sys.argv[1:] if argv is None else argv
-    if any(arg in ("-h", "--help") for arg in argv):
-        print(__doc__)
+    if asks_for_help(argv):
+        print(
+            format_help(
+                "axtorch-plan", __doc__ or "", PlanOptions, "[--config-dir DIR] TRAIN_OVERRIDE... key=value ..."
+            )
+        )
         return 0
     try:
         arguments, config_dirs = split_arguments(argv)

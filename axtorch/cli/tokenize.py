@@ -4,50 +4,67 @@
     axtorch-train data=tokenized data.source.path=~/corpus-tokens
 
 The data overrides are ``axtorch-train``'s (source, tokenizer, ``val_fraction``, ``seed``); a
-tokenizer is trained as training would train it unless ``data.tokenizer.path`` names one. Options:
-``out=`` (required, a new or empty directory), ``workers=`` (processes that encode, default the
-CPU count) and ``shard_tokens=`` (tokens per shard, default 2**28). Memory stays that of a few
-batches of documents, whatever the corpus size (``axtorch.data.shards``).
+tokenizer is trained as training would train it unless ``data.tokenizer.path`` names one; ``out=``
+is required. Memory stays that of a few batches of documents, whatever the corpus size
+(``axtorch.data.shards``).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from axtorch.cli.key_values import asks_for_help, format_help, parse_key_values, split_own_keys
+from axtorch.cli.train import split_arguments
 from axtorch.compose.experiment import load_experiment_config
 from axtorch.config.errors import ConfigError
 from axtorch.data.packing import validate_data_config
 from axtorch.data.shards import MANIFEST_FILE, write_shards
 from axtorch.data.tokenizer import load_or_train_tokenizer
 
-_OPTIONS = ("out", "workers", "shard_tokens")
 
+@dataclass
+class TokenizeOptions:
+    """The options of the tokenizing itself; the data settings are training's ``data.*`` overrides."""
 
-def _positive(key: str, value: str) -> int:
-    if not value.isdigit() or int(value) < 1:
-        raise ConfigError(key, value, "a positive integer")
-    return int(value)
+    #: The directory to write the token shards to: new or empty.
+    out: Optional[str] = None
+    #: Processes that encode (default: the CPU count).
+    workers: Optional[int] = None
+    #: Tokens per shard.
+    shard_tokens: int = 1 << 28
+
+    def validate(self) -> None:
+        if not self.out:
+            raise ConfigError("out", None, "the directory to write the token shards to")
+        out = Path(self.out).expanduser()
+        if out.exists() and any(out.iterdir()):
+            raise ConfigError("out", str(out), "a new or empty directory", reason="it holds files already")
+        for key in ("workers", "shard_tokens"):
+            if (value := getattr(self, key)) is not None and value < 1:
+                raise ConfigError(key, value, "a positive integer")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if any(arg in ("-h", "--help") for arg in argv):
-        print(__doc__)
+    if asks_for_help(argv):
+        print(
+            format_help(
+                "axtorch-tokenize", __doc__ or "", TokenizeOptions, "[--config-dir DIR] DATA_OVERRIDE... key=value ..."
+            )
+        )
         return 0
-    options = {arg.partition("=")[0]: arg.partition("=")[2] for arg in argv if arg.partition("=")[0] in _OPTIONS}
-    overrides = [arg for arg in argv if arg.partition("=")[0] not in _OPTIONS]
     try:
-        if not options.get("out"):
-            raise ConfigError("out", None, "the directory to write the token shards to")
-        out = Path(options["out"]).expanduser()
-        if out.exists() and any(out.iterdir()):
-            raise ConfigError("out", str(out), "a new or empty directory", reason="it holds files already")
-        workers = _positive("workers", options.get("workers", str(os.cpu_count() or 1)))
-        shard_tokens = _positive("shard_tokens", options.get("shard_tokens", str(1 << 28)))
-        data = load_experiment_config(overrides).data
+        arguments, config_dirs = split_arguments(argv)
+        own, overrides = split_own_keys(arguments, TokenizeOptions)
+        options = parse_key_values(own, TokenizeOptions)
+        options.validate()
+        out = Path(str(options.out)).expanduser()
+        workers = options.workers or os.cpu_count() or 1
+        data = load_experiment_config(overrides, config_dirs).data
         validate_data_config(data)
         if data.source is None:
             raise ConfigError("data.mixture", "(set)", "one data.source: axtorch-tokenize writes one corpus")
@@ -61,7 +78,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             val_fraction=data.val_fraction,
             seed=data.seed,
             workers=workers,
-            shard_tokens=shard_tokens,
+            shard_tokens=options.shard_tokens,
         )
     except ConfigError as error:
         print(f"axtorch-tokenize: {error}", file=sys.stderr)

@@ -17,6 +17,7 @@ import hydra
 import torch.distributed as dist
 from omegaconf import DictConfig
 
+from axtorch.cli.key_values import HELP_FLAGS
 from axtorch.compose.experiment import (
     CONFIG_MODULE,
     PRIMARY_CONFIG,
@@ -103,7 +104,8 @@ def main() -> None:
     register_configs()
     overrides, config_dirs = split_arguments(sys.argv[1:])
     try:
-        if "-m" not in sys.argv and "--multirun" not in sys.argv:
+        # --help: Hydra's, listing the config groups and every key of the composed config.
+        if not {"-m", "--multirun", *HELP_FLAGS} & set(sys.argv):
             # Strict keys and clear errors before Hydra runs; then the mesh rule's overrides join the
             # command line, so that the config Hydra composes is the one checked here.
             composed = compose_experiment_config(overrides, config_dirs, apply_mesh_rules=False)

@@ -2,7 +2,7 @@
 
 A changed default anywhere in the tree shows up as a diff in review, as AXLearn's golden configs
 do. axtorch keeps snapshots of its own ``conf/`` (``tests/golden``); users keep snapshots of their
-own config directories with the same tool: ``axtorch-golden check --config-dir ~/my_conf``.
+own config directories with the same tool: ``axtorch-golden action=check --config-dir ~/my_conf``.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ TENSORBOARD_DIR = "tensorboard"
 CHECKPOINTS_DIR = "checkpoints"
 #: The loss curves, drawn at the end of a run and by ``axtorch-plot``.
 LOSS_PLOT_FILE = "loss.png"
-#: The wall-time breakdown ``axtorch-plot --goodput`` draws.
+#: The wall-time breakdown ``axtorch-plot goodput=true`` draws.
 GOODPUT_PLOT_FILE = "goodput.png"
 
 #: What the trainer prints that a run directory holds.

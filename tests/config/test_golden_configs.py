@@ -1,6 +1,6 @@
 """Every experiment's and every model preset's resolved config, snapshotted as text: a changed default shows as a diff.
 
-Regenerate after an intended change with ``axtorch-golden write --golden-dir tests/golden``.
+Regenerate after an intended change with ``axtorch-golden action=write golden_dir=tests/golden``.
 """
 
 from pathlib import Path
@@ -17,9 +17,9 @@ OPTIONS = [(group, option) for group in ("experiment", "model") for option in gr
 @pytest.mark.parametrize(("group", "option"), OPTIONS)
 def test_config_matches_golden(group, option):
     golden = GOLDEN_DIR / group / f"{option}.yaml"
-    assert golden.is_file(), f"no golden config {golden}: run axtorch-golden write --golden-dir tests/golden"
+    assert golden.is_file(), f"no golden config {golden}: run axtorch-golden action=write golden_dir=tests/golden"
     assert snapshot(group, option) == golden.read_text(), (
-        f"{golden} changed; run axtorch-golden write --golden-dir tests/golden if intended"
+        f"{golden} changed; run axtorch-golden action=write golden_dir=tests/golden if intended"
     )
 
 

@@ -31,7 +31,7 @@ ALLOWED = {
     "plan": {"config", "layers", "models", "data", "parallel", "interop", "train", "compose"},
     "cli": {"config", "layers", "models", "data", "parallel", "interop", "train", "infer", "compose", "plan"},
 }
-ENTRY_POINT_SHIMS = {"generate.py", "plot.py"}
+ENTRY_POINT_SHIMS = {"ckpt.py", "export.py", "generate.py", "golden.py", "plot.py", "tokenize.py"}
 
 
 def _package_of(module: str) -> str | None:
