@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import functools
 import re
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional
@@ -34,6 +35,9 @@ from axtorch.train.experiment import ExperimentConfig
 CONFIG_MODULE = "axtorch.conf"
 PRIMARY_CONFIG = "train"
 _CHOICE_PREFIXES = ("++", "+", "~")
+#: Group options under their old names, composed as the new ones (an alias file in ``conf/``) with a
+#: warning, until the next release.
+RENAMED_OPTIONS = {"mesh_rules=golden": "mesh_rules=by_hardware"}
 
 
 def search_path_override(config_dirs: Sequence[str | Path]) -> list[str]:
@@ -236,6 +240,13 @@ def _quoted(value: str) -> str:
 
 def _compose_checked(overrides: Sequence[str]) -> DictConfig:
     """``_compose``, with Hydra's and OmegaConf's errors turned into ConfigErrors that name the key."""
+    for override in overrides:
+        if override in RENAMED_OPTIONS:
+            warnings.warn(
+                f"{override} is deprecated and will be removed in the next release: use {RENAMED_OPTIONS[override]}",
+                FutureWarning,
+                stacklevel=2,
+            )
     try:
         try:
             composed = _compose(overrides)

@@ -13,11 +13,11 @@ from axtorch.parallel import hardware as hardware_module
 from axtorch.parallel.hardware import detect_hardware_id, device_count
 from axtorch.train.config import Precision
 
-GOLDEN = ["experiment=debug", "mesh_rules=golden"]
+BY_HARDWARE = ["experiment=debug", "mesh_rules=by_hardware"]
 
 
 def _config(hardware, *overrides):
-    return load_experiment_config([*GOLDEN, f"mesh_rules.hardware={hardware}", *overrides])
+    return load_experiment_config([*BY_HARDWARE, f"mesh_rules.hardware={hardware}", *overrides])
 
 
 def test_this_machine_is_identified_by_its_cores_and_hosts(monkeypatch):
@@ -122,7 +122,7 @@ def test_the_training_command_prints_and_records_the_rule(tmp_path, data_cache):
         sys.executable,
         "-m",
         "axtorch.train",
-        *GOLDEN,
+        *BY_HARDWARE,
         f"run_dir={tmp_path / 'run'}",
         f"data.cache_dir={data_cache}",
         "trainer.max_steps=1",
@@ -137,7 +137,20 @@ def test_the_training_command_prints_and_records_the_rule(tmp_path, data_cache):
 
 
 def test_the_planner_sizes_a_simulated_cluster_from_its_id():
-    command = [sys.executable, "-m", "axtorch.plan", "model=llama3_8b", *GOLDEN[1:], "mesh_rules.hardware=gpu-H100-8x4"]
+    command = [
+        sys.executable,
+        "-m",
+        "axtorch.plan",
+        "model=llama3_8b",
+        *BY_HARDWARE[1:],
+        "mesh_rules.hardware=gpu-H100-8x4",
+    ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "mesh: pipe=1 data=1 fsdp=32 seq=1 expert=1 model=1 (32 devices)" in result.stdout
+
+
+def test_the_old_name_golden_composes_the_same_rules_with_a_deprecation_warning():
+    with pytest.warns(FutureWarning, match="mesh_rules=golden is deprecated .* use mesh_rules=by_hardware"):
+        old = load_experiment_config(["experiment=debug", "mesh_rules=golden", "mesh_rules.hardware=tpu-v5p-512"])
+    assert old == _config("tpu-v5p-512")
