@@ -105,27 +105,28 @@ class AttentionConfig:
 
 @runtime_checkable
 class SequenceExchange(Protocol):
-    """The keys and values that this process's queries attend to, with the keys' positions.
+    """The keys and values that this process's queries attend to, with the keys' positions and
+    documents (segment ids; None when the rows are not packed documents).
 
     When the sequence is split over processes (context parallelism), a backend fills this seam
-    with one that gathers the other processes' keys and values with their absolute positions,
-    which the mask then compares. The default, ``local_sequence``, keeps this process's own.
+    with one that gathers the other processes' keys and values with their positions and
+    documents, which the mask then compares. The default, ``local_sequence``, keeps this process's own.
     """
 
     def __call__(
-        self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+        self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, segment_ids: Optional[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]: ...
 
 
 def local_sequence(
-    keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, segment_ids: Optional[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """The default ``SequenceExchange``: the whole sequence is here.
 
     The key positions are the queries' very tensor, which tells ``forward`` that a fusing kernel
     may apply a plain causal mask itself.
     """
-    return keys, values, positions
+    return keys, values, positions, segment_ids
 
 
 @dataclass
@@ -204,14 +205,9 @@ class GroupedQueryAttention(nn.Module):
             if segments is not None:
                 raise ValueError("KV-cache decoding reads one document per row: pass no segment ids")
             k, v = inputs.kv_cache.update(k, v, inputs.positions)
-            key_positions = inputs.kv_cache.key_positions()
+            key_positions, key_segments = inputs.kv_cache.key_positions(), None
         else:
-            k, v, key_positions = self.sequence_exchange(k, v, inputs.positions)
-            if segments is not None and key_positions.shape[-1] != segments.shape[-1]:
-                raise ValueError(
-                    "document masking (segment ids) does not run with context parallelism (mesh seq > 1): "
-                    "the sequence exchange gathers the keys' positions but not their documents"
-                )
+            k, v, key_positions, key_segments = self.sequence_exchange(k, v, inputs.positions, segments)
         bias = self.position.score_bias(inputs.positions, key_positions, self.num_heads)
         if bias is not None and bias.shape[1] != q.shape[1]:
             raise ValueError(
@@ -228,7 +224,7 @@ class GroupedQueryAttention(nn.Module):
         )
         mask: Optional[torch.Tensor] = None
         if not fused_causal:
-            allowed = self.mask(inputs.positions, key_positions, segments, segments)
+            allowed = self.mask(inputs.positions, key_positions, segments, key_segments)
             # With a bias, an additive float mask: the bias where allowed, -inf elsewhere.
             mask = allowed if bias is None else bias.to(q.dtype).masked_fill(~allowed, float("-inf"))
         with activation_name("attention_context"):

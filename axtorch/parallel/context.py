@@ -4,7 +4,9 @@ Each process of a ``seq`` group holds a slice of every sequence's tokens and run
 on them; attention alone needs the other slices, and gets them by gathering keys and values
 (with their absolute positions) from the group (``GatheredSequence``). The mask compares
 positions, so rotary embeddings, causal and sliding-window masks and ALiBi see global positions
-and the losses equal one device's.
+and the losses equal one device's. Packed documents (``data.document_masking``) keep their own
+positions, which restart in each document, and their segment ids are gathered with the keys: within
+a document, positions order the tokens as the sequence does, so the masks stay exact.
 
 Causal attention gives late tokens more keys than early ones. So that every process does the
 same work, the sequence is cut into ``2 x seq`` chunks and process ``r`` takes chunks ``r`` and
@@ -30,11 +32,13 @@ def zigzag_indices(seq_len: int, parts: int, part: int) -> torch.Tensor:
 
 
 def split_sequence(batch: dict[str, torch.Tensor], parts: int, part: int) -> dict[str, torch.Tensor]:
-    """This part's tokens of every [B, S] tensor of ``batch``, plus their absolute ``positions``."""
+    """This part's tokens of every [B, S] tensor of ``batch``, with their ``positions``: the batch's
+    own (packed documents), else their absolute indices."""
     rows, seq_len = batch["input_ids"].shape
     indices = zigzag_indices(seq_len, parts, part)
     local = {key: tensor[:, indices] for key, tensor in batch.items()}
-    local["positions"] = indices.expand(rows, -1).clone()
+    if "positions" not in batch:
+        local["positions"] = indices.expand(rows, -1).clone()
     return local
 
 
@@ -63,26 +67,31 @@ class _GatherAlongSequence(torch.autograd.Function):
 
 
 class GatheredSequence:
-    """A ``SequenceExchange`` (attention's seam): every process's keys, values and key positions, in group order.
+    """A ``SequenceExchange`` (attention's seam): every process's keys, values, key positions and
+    key segment ids, in group order.
 
-    Every layer of a forward gets the same positions tensor, so its gathered key positions are
-    kept and reused: one exchange of positions per forward, not one per layer.
+    Every layer of a forward gets the same positions (and segment ids) tensor, so what is gathered
+    of it is kept and reused: one exchange of positions per forward, not one per layer.
     """
 
     def __init__(self, group: dist.ProcessGroup):
         self.group = group
-        self._positions: Optional[torch.Tensor] = None
-        self._key_positions: Optional[torch.Tensor] = None
+        self._gathered: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # kind -> (local, gathered)
 
     def __call__(
-        self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, segment_ids: Optional[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         gather = _GatherAlongSequence.apply
-        return gather(keys, self.group), gather(values, self.group), self._gathered_positions(positions)
+        key_segments = None if segment_ids is None else self._gather_once("segment_ids", segment_ids)
+        key_positions = self._gather_once("positions", positions)
+        return gather(keys, self.group), gather(values, self.group), key_positions, key_segments
 
-    def _gathered_positions(self, positions: torch.Tensor) -> torch.Tensor:
-        if positions is not self._positions or self._key_positions is None:
-            parts = [torch.empty_like(positions) for _ in range(dist.get_world_size(self.group))]
-            dist.all_gather(parts, positions.contiguous(), group=self.group)
-            self._positions, self._key_positions = positions, torch.cat(parts, dim=1)
-        return self._key_positions
+    def _gather_once(self, kind: str, local: torch.Tensor) -> torch.Tensor:
+        """``local`` [B, S_local] gathered along the sequence, once per tensor."""
+        kept = self._gathered.get(kind)
+        if kept is None or kept[0] is not local:
+            parts = [torch.empty_like(local) for _ in range(dist.get_world_size(self.group))]
+            dist.all_gather(parts, local.contiguous(), group=self.group)
+            kept = (local, torch.cat(parts, dim=1))
+            self._gathered[kind] = kept
+        return kept[1]

@@ -125,7 +125,7 @@ def test_unpacked_data_keeps_the_fused_causal_kernel(monkeypatch):
     assert set(calls) == {(False, False)}
 
 
-def test_decoding_and_context_parallelism_refuse_segment_ids():
+def test_decoding_refuses_segment_ids():
     model = model_for("llama_tiny")
     attention = model.decoder.layers[0].attention
     x = torch.randn(1, 4, model.config.dim, dtype=torch.float64)
@@ -133,10 +133,3 @@ def test_decoding_and_context_parallelism_refuse_segment_ids():
     cache = attention.allocate_kv_cache(1, 8, dtype=torch.float64, device=torch.device("cpu"))
     with pytest.raises(ValueError, match="KV-cache decoding reads one document"):
         attention(AttentionInput(x, positions, cache, segments))
-
-    def gathered(keys, values, key_positions):  # as a sequence exchange over two processes would give
-        return torch.cat([keys, keys], 2), torch.cat([values, values], 2), torch.cat([key_positions, key_positions], 1)
-
-    attention.sequence_exchange = gathered
-    with pytest.raises(ValueError, match="context parallelism"):
-        attention(AttentionInput(x, positions, None, segments))

@@ -1,5 +1,6 @@
 """Document masking (``data.document_masking=true``) gives the same training losses on one device,
-under the native backend (FSDP over 2 gloo processes) and under the xla backend (2 CPU devices)."""
+under the native backend (FSDP over 2 gloo processes; and with each sequence split over 2 more,
+context parallelism gathering the keys' documents) and under the xla backend (2 CPU devices)."""
 
 import json
 import random
@@ -45,6 +46,13 @@ def test_native_fsdp2_matches_one_device(single):
     overrides = debug_overrides(root / "native", cache, "backend=native", "mesh.fsdp=2", *data)
     run_torchrun(2, str(NATIVE_WORKER), str(root / "native"), str(STEPS), *overrides)
     assert_same_losses(root / "native", expected)
+
+
+def test_native_context_parallel_matches_one_device(single):
+    root, cache, data, expected = single
+    overrides = debug_overrides(root / "native_seq2", cache, "backend=native", "mesh.fsdp=2", "mesh.seq=2", *data)
+    run_torchrun(4, str(NATIVE_WORKER), str(root / "native_seq2"), str(STEPS), *overrides)
+    assert_same_losses(root / "native_seq2", expected)
 
 
 @needs_xla
