@@ -114,9 +114,10 @@ def _hint_of(schema: type, key: str) -> Any:
     """The declared type of the dotted ``key`` in ``schema``, or None if there is no such key."""
     hint: Any = schema
     for part in key.split("."):
-        if not dataclasses.is_dataclass(hint) or part not in _field_types(hint):
+        types = _field_types(hint) if isinstance(hint, type) and dataclasses.is_dataclass(hint) else {}
+        if part not in types:
             return None
-        hint = _field_types(hint)[part]
+        hint = types[part]
     return hint
 
 
