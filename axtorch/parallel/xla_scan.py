@@ -100,12 +100,15 @@ class LayerScan:
         buffers = [dict(group.named_buffers()) for group in groups]
         stacked = {name: torch.stack([p[name] for p in parameters]) for name in parameters[0]}
         stacked_buffers = {name: torch.stack([b[name] for b in buffers]) for name in buffers[0]}
-        if torch.is_grad_enabled():
-            for tensor in stacked.values():
+        if torch.is_grad_enabled():  # a frozen weight (the base under model/adapter) has no gradient to keep
+            trained = {name: tensor for name, tensor in stacked.items() if tensor.requires_grad}
+            for tensor in trained.values():
                 tensor.retain_grad()
-            self.stacks.append({(id(decoder), name): tensor for name, tensor in stacked.items()})
+            self.stacks.append({(id(decoder), name): tensor for name, tensor in trained.items()})
             for index, group in enumerate(parameters):
-                self.slots.update((param, (id(decoder), name, index)) for name, param in group.items())
+                self.slots.update(
+                    (param, (id(decoder), name, index)) for name, param in group.items() if name in trained
+                )
         if id(decoder) not in self._templates:  # a copy: tracing swaps its weights for the stacked slices
             self._templates[id(decoder)] = _ScanStep(copy.deepcopy(decoder.layers[:period]))
         template = self._templates[id(decoder)]

@@ -38,11 +38,14 @@ def test_lora_under_fsdp_trains_as_one_device_does(tmp_path):
 
 @pytest.mark.slow
 @needs_xla
-def test_lora_under_xla_fsdp_trains_as_one_device_does(tmp_path):
+@pytest.mark.parametrize("runner", ["unrolled", "scan"])
+def test_lora_under_xla_fsdp_trains_as_one_device_does(tmp_path, runner):
+    """Unrolled, and scanned over stacked layers (whose frozen stacks keep no gradients)."""
     cache = tmp_path / "cache"
     train_on_one_device(tmp_path / "single", cache, *LORA)
     out = tmp_path / "xla"
-    run_worker(2, tmp_path / "xla.json", STEPS, debug_overrides(out, cache, "mesh.fsdp=2", "sharding=fsdp", *LORA))
+    overrides = debug_overrides(out, cache, "mesh.fsdp=2", "sharding=fsdp", f"execution.layer_runner={runner}", *LORA)
+    run_worker(2, tmp_path / "xla.json", STEPS, overrides)
     _assert_same_adapters(tmp_path / "single", out)
 
 
