@@ -2,26 +2,17 @@
 
 from __future__ import annotations
 
-import enum
 from typing import Optional
 
 import torch
 
 from axtorch.parallel.backend import Backend
+from axtorch.parallel.backend_kind import BackendKind
 from axtorch.parallel.execution import ExecutionConfig
 from axtorch.parallel.mesh import MeshConfig
 from axtorch.parallel.pipeline_config import PipelineConfig
 from axtorch.parallel.rules import ShardingConfig
 from axtorch.parallel.single import SingleDeviceBackend, device_name, resolve_device
-
-
-class BackendKind(enum.Enum):
-    #: One device (CPU or one CUDA GPU), no sharding.
-    single = "single"
-    #: torch.distributed under torchrun: FSDP2 and DTensor tensor parallelism over the mesh.
-    native = "native"
-    #: torch_xla SPMD: TPU, torch-neuronx, or CPU virtual devices.
-    xla = "xla"
 
 
 def build_backend(

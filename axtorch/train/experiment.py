@@ -16,8 +16,8 @@ from axtorch.config.errors import ConfigError
 from axtorch.data.config import DataConfig
 from axtorch.layers.transformer import TransformerLayerConfig
 from axtorch.models.causal_lm import CausalLMConfig
+from axtorch.parallel.backend_kind import BackendKind
 from axtorch.parallel.execution import ExecutionConfig, LayerRunnerKind
-from axtorch.parallel.factory import BackendKind
 from axtorch.parallel.mesh import MeshConfig
 from axtorch.parallel.mesh_rules import MeshRulesConfig
 from axtorch.parallel.pipeline_config import PipelineConfig
