@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Optional
 
@@ -131,7 +132,9 @@ class ChatTemplate:
             return cls.from_settings(settings, str(file))
         return cls.from_settings(json.loads(file.read_text()), str(file))
 
+    @cached_property
     def _compiled(self) -> tuple[jinja2.Template, _GenerationSpans]:
+        """Compiled once per template: a conversation renders once per assistant turn, twice."""
         environment = jinja2.sandbox.ImmutableSandboxedEnvironment(
             trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationSpans, jinja2.ext.loopcontrols]
         )
@@ -144,7 +147,7 @@ class ChatTemplate:
 
     def render(self, messages: list[Message], add_generation_prompt: bool = False) -> tuple[str, list[Span]]:
         """The conversation as text, and the spans its ``{% generation %}`` blocks rendered."""
-        template, tracker = self._compiled()
+        template, tracker = self._compiled
         rendered: list[str] = []
         spans: list[Span] = []
         variables = {**self.special_tokens, "messages": messages, "add_generation_prompt": add_generation_prompt}
