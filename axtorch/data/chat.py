@@ -253,7 +253,8 @@ class ChatSourceConfig(SourceConfig):
 
     def build(self) -> ChatSource:
         files = resolve_globs(self.paths, "data.source.paths")
-        return ChatSource(read_rows(files, self.messages_field, messages_document), self.template)
+        rows = read_rows(files, self.messages_field, messages_document, "data.source.messages_field")
+        return ChatSource(rows, self.template)
 
     def build_streaming(self) -> ChatSource:
         return self.build()

@@ -37,7 +37,13 @@ class ParquetSource(PartitionedSource):
     and reads only the group it stopped in. Memory is one row group's column, whatever the corpus.
     """
 
-    def __init__(self, files: list[Path], text_field: str, document_of: FieldToDocument = require_text):
+    def __init__(
+        self,
+        files: list[Path],
+        text_field: str,
+        document_of: FieldToDocument = require_text,
+        field_key: str = "data.source.text_field",
+    ):
         parquet = _pyarrow_parquet()
         self.files = files
         self.text_field = text_field
@@ -48,7 +54,7 @@ class ParquetSource(PartitionedSource):
             metadata = parquet.ParquetFile(path).metadata
             columns = metadata.schema.to_arrow_schema().names  # top-level: a column of messages is nested
             if text_field not in columns:
-                raise ConfigError("data.source.text_field", text_field, f"a column of {path}: {columns}")
+                raise ConfigError(field_key, text_field, f"a column of {path}: {columns}")
             self.row_groups += [
                 (path, group, metadata.row_group(group).num_rows) for group in range(metadata.num_row_groups)
             ]

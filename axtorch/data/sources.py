@@ -223,10 +223,17 @@ class JsonlSource(PartitionedSource):
     nobody else's lines. A position is the bytes of the part consumed, always at a line start.
     """
 
-    def __init__(self, files: list[Path], text_field: str, document_of: FieldToDocument = require_text):
+    def __init__(
+        self,
+        files: list[Path],
+        text_field: str,
+        document_of: FieldToDocument = require_text,
+        field_key: str = "data.source.text_field",
+    ):
         self.files = files
         self.text_field = text_field
         self.document_of = document_of
+        self.field_key = field_key
         self._file_starts = [0]
         for path in files:
             self._file_starts.append(self._file_starts[-1] + path.stat().st_size)
@@ -266,7 +273,7 @@ class JsonlSource(PartitionedSource):
             raise ValueError(f"{where}: not valid JSON ({error.msg})") from error
         if not isinstance(record, dict) or self.text_field not in record:
             fields = sorted(record) if isinstance(record, dict) else type(record).__name__
-            raise ValueError(f"{where}: no field {self.text_field!r} (data.source.text_field); found {fields}")
+            raise ValueError(f"{where}: no field {self.text_field!r} ({self.field_key}); found {fields}")
         return self.document_of(record[self.text_field], self.text_field, where)
 
     def fingerprint(self) -> str:
@@ -290,16 +297,17 @@ class JsonlSourceConfig(SourceConfig):
 
 #: How files of rows are read, by suffix: ``(files, field, document_of) -> source`` (Parquet
 #: registers itself in ``parquet.py``); any other suffix is JSON lines.
-ROW_READERS: dict[str, Callable[[list[Path], str, FieldToDocument], PartitionedSource]] = {}
+ROW_READERS: dict[str, Callable[[list[Path], str, FieldToDocument, str], PartitionedSource]] = {}
 
 
-def read_rows(files: list[Path], field: str, document_of: FieldToDocument) -> PartitionedSource:
-    """The rows of ``files`` (all of one format, by suffix), each row's ``field`` one document."""
+def read_rows(files: list[Path], field: str, document_of: FieldToDocument, field_key: str) -> PartitionedSource:
+    """The rows of ``files`` (all of one format, by suffix), each row's ``field`` (config key
+    ``field_key``) one document."""
     readers = {ROW_READERS.get(file.suffix, JsonlSource) for file in files}
     if len(readers) > 1:
         raise ConfigError("data.source.paths", [str(file) for file in files], "files of one format (by suffix)")
     (reader,) = readers
-    return reader(files, field, document_of)
+    return reader(files, field, document_of, field_key)
 
 
 class HFDatasetSource(PartitionedSource):

@@ -168,3 +168,10 @@ def test_jsonl_and_parquet_together_are_refused(corpus, tmp_path):
     source = ChatSourceConfig(paths=[str(corpus / "chat.jsonl"), str(tmp_path / "rows.parquet")])
     with pytest.raises(ConfigError, match="files of one format"):
         source.build()
+
+
+def test_rows_without_messages_name_the_messages_field(corpus, tmp_path):
+    (tmp_path / "text.jsonl").write_text(json.dumps({"text": "no messages here"}) + "\n")
+    built = build_data(chat_config(corpus, source=ChatSourceConfig(paths=[str(tmp_path / "text.jsonl")])))
+    with pytest.raises(ValueError, match=r"no field 'messages' \(data\.source\.messages_field\)"):
+        next(built.train_batches(2, 0, 1))
