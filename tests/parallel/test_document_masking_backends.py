@@ -1,6 +1,7 @@
 """Document masking (``data.document_masking=true``) gives the same training losses on one device,
 under the native backend (FSDP over 2 gloo processes; and with each sequence split over 2 more,
-context parallelism gathering the keys' documents) and under the xla backend (2 CPU devices)."""
+context parallelism gathering the keys' documents) and under the xla backend (2 CPU devices, and
+4 with each sequence split over 2)."""
 
 import json
 import random
@@ -56,7 +57,12 @@ def test_native_context_parallel_matches_one_device(single):
 
 
 @needs_xla
-def test_xla_fsdp2_matches_one_device(single):
+@pytest.mark.parametrize(
+    "name, devices, mesh",
+    [("xla_fsdp2", 2, ("mesh.fsdp=2",)), ("xla_fsdp2_seq2", 4, ("mesh.fsdp=2", "mesh.seq=2"))],
+)
+def test_xla_matches_one_device(single, name, devices, mesh):
     root, cache, data, expected = single
-    run_worker(2, root / "xla.json", STEPS, debug_overrides(root / "xla", cache, "mesh.fsdp=2", "sharding=fsdp", *data))
-    assert_same_losses(root / "xla", expected)
+    overrides = debug_overrides(root / name, cache, *mesh, "sharding=fsdp", *data)
+    run_worker(devices, root / f"{name}.json", STEPS, overrides)
+    assert_same_losses(root / name, expected)
