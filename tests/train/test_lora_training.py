@@ -6,6 +6,7 @@ run and refuses another base; ``init_from`` starts from the imported weights wit
 change nothing yet (B = 0); the export merges the adapters into the weights (HF and GGUF).
 """
 
+import hashlib
 import json
 
 import pytest
@@ -21,6 +22,7 @@ from axtorch.config.errors import ConfigError
 from axtorch.interop import from_hf
 from axtorch.interop.gguf import from_gguf
 from axtorch.models import CausalLMInput
+from axtorch.train.adapters import base_digest
 from axtorch.train.checkpoint import read_index, read_model_tensors
 from axtorch.train.trained_model import load_trained_model
 from axtorch.train.trainer import Trainer, build_model
@@ -119,3 +121,12 @@ def test_init_from_adds_fresh_adapters_and_export_merges_them(tmp_path, hf_dir, 
         config.write("\n")
     with pytest.raises(ConfigError, match=r"init_from.*sha256"):
         load_trained_model(run, torch.device("cpu"))
+
+
+def test_the_base_digest_names_the_imported_file_or_the_seed(tmp_path, data_cache):
+    gguf = tmp_path / "base.gguf"
+    gguf.write_bytes(b"GGUF and some weights")
+    config = _config(tmp_path / "run", data_cache, f"init_from=gguf:{gguf}")
+    assert base_digest(config) == "sha256:" + hashlib.sha256(gguf.name.encode() + gguf.read_bytes()).hexdigest()
+    assert base_digest(_config(tmp_path / "run", data_cache, "trainer.seed=7")) == "seed:7"
+    assert base_digest(_config(tmp_path / "run", data_cache, f"init_from=gguf:{gguf}", adapter="none")) is None
