@@ -86,6 +86,12 @@ class StageModule(nn.Module):
         return self.model.project(decoder.final_norm(hidden)) if self.last else hidden
 
 
+def _check_one_document_per_row(micro_batch: MicroBatch) -> None:
+    """The stages pass hidden states only: packed documents' segment ids would be dropped."""
+    if "segment_ids" in micro_batch:
+        raise ValueError("pipeline stages take no segment ids: document masking needs mesh pipe=1")
+
+
 class Pipeline:
     """Runs one process's stages through a schedule, for training steps and for evaluation.
 
@@ -133,14 +139,14 @@ class Pipeline:
     def train(self, micro_batches: list[MicroBatch], num_targets: torch.Tensor, steps: MicroBatchSteps) -> torch.Tensor:
         """The schedule runs the forwards and backwards of the step's rows (one micro-batch list)."""
         (micro_batch,) = micro_batches
-        if "segment_ids" in micro_batch:
-            raise ValueError("pipeline stages take no segment ids: document masking needs mesh pipe=1")
+        _check_one_document_per_row(micro_batch)
         with steps.autocast():
             sums = self.run(micro_batch["input_ids"], micro_batch["labels"], steps.stage_loss(num_targets), train=True)
         return sums[0].float()
 
     def evaluate(self, micro_batch: MicroBatch, steps: MicroBatchSteps) -> Optional[torch.Tensor]:
         """None for a short last batch, which the schedule's micro-batches cannot split."""
+        _check_one_document_per_row(micro_batch)
         if len(micro_batch["input_ids"]) % self.microbatches:
             return None
         with steps.autocast():

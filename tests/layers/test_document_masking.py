@@ -13,6 +13,7 @@ from axtorch.layers.attention import AttentionInput
 from axtorch.layers.attention_kernel import SdpaKernel
 from axtorch.layers.attention_mask import CausalMaskConfig, DocumentMask, SlidingWindowMaskConfig
 from axtorch.models.causal_lm import CausalLMInput
+from axtorch.parallel.pipeline import Pipeline
 
 EOS = 0
 LENGTHS = (7, 12, 5, 9)  # EOS included: 33 tokens, one row of 32 inputs
@@ -133,3 +134,11 @@ def test_decoding_refuses_segment_ids():
     cache = attention.allocate_kv_cache(1, 8, dtype=torch.float64, device=torch.device("cpu"))
     with pytest.raises(ValueError, match="KV-cache decoding reads one document"):
         attention(AttentionInput(x, positions, cache, segments))
+
+
+def test_pipeline_stages_refuse_segment_ids():
+    batch = packed_batch(documents(50))  # the guard runs before any stage is touched
+    with pytest.raises(ValueError, match="document masking needs mesh pipe=1"):
+        Pipeline.train(None, [batch], torch.tensor(1), None)
+    with pytest.raises(ValueError, match="document masking needs mesh pipe=1"):
+        Pipeline.evaluate(None, batch, None)
