@@ -29,7 +29,12 @@ def float64_hf_rmsnorm(monkeypatch):
         models.qwen3.modeling_qwen3.Qwen3RMSNorm,
     ):
         monkeypatch.setattr(norm, "forward", forward)
-    monkeypatch.setattr(models.gemma.modeling_gemma.GemmaRMSNorm, "forward", gemma_forward)
+    for norm in (
+        models.gemma.modeling_gemma.GemmaRMSNorm,
+        models.gemma2.modeling_gemma2.Gemma2RMSNorm,
+        models.gemma3.modeling_gemma3.Gemma3RMSNorm,
+    ):
+        monkeypatch.setattr(norm, "forward", gemma_forward)
 
 
 @pytest.fixture
@@ -38,8 +43,8 @@ def random_hf_model():
     transformers = pytest.importorskip("transformers")
     import torch
 
-    def build(config):
-        config._attn_implementation = "sdpa"
+    def build(config, attention="sdpa"):  # "eager" for models whose scores SDPA cannot soft-cap (Gemma 2)
+        config._attn_implementation = attention
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(config).double().eval()
         with torch.no_grad():  # HF initialises norms to 1 and biases to 0: perturb so they are tested

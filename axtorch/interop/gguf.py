@@ -325,11 +325,12 @@ def _llama3_rope_scaling(factors: torch.Tensor, theta: float, head_dim: int) -> 
     )
 
 
-def _hf_name(gguf_name: str) -> str:
+def _hf_name(gguf_name: str, layout: GGUFLayout) -> str:
     match = _LAYER_TENSOR.match(gguf_name)
-    if match and match["name"] in LAYER_NAMES:
+    layer_names = {**LAYER_NAMES, **dict(layout.layer_names)}
+    if match and match["name"] in layer_names:
         suffix = "" if match["name"] in STACKED_EXPERTS else f".{match['suffix']}"
-        return f"model.layers.{match['i']}.{LAYER_NAMES[match['name']]}{suffix}"
+        return f"model.layers.{match['i']}.{layer_names[match['name']]}{suffix}"
     stem, _, suffix = gguf_name.rpartition(".")
     if stem in GLOBAL_NAMES and suffix in ("weight", "bias"):
         return f"{GLOBAL_NAMES[stem]}.{suffix}"
@@ -357,7 +358,7 @@ def _hf_tensors(
     for tensor in reader.tensors:
         if tensor.name == ROPE_FACTORS:
             continue  # read into the config (``_llama3_rope_scaling``)
-        name = _hf_name(tensor.name)
+        name = _hf_name(tensor.name, layout)
         values = dequantize(tensor.data, tensor.tensor_type)
         if not values.flags.writeable:  # unquantised data is a read-only view of the memory map
             values = values.copy()

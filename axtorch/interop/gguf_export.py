@@ -5,13 +5,15 @@ dict, canonical HF tensor names), and the reader's translation is inverted: GGUF
 for the config (the family's own through ``GGUFLayout.metadata``), GGUF tensor names, llama.cpp's
 interleaved Q/K row order (``llama`` files only), and quantisation. The
 tokenizer must be byte-level BPE with one of the pre-tokenizers the reader rebuilds
-(``gguf.PRE_TOKENIZERS``: GPT-2's, which axtorch trains, SmolLM's, Llama 3's, Qwen2's).
+(``gguf.PRE_TOKENIZERS``: GPT-2's, which axtorch trains, SmolLM's, Llama 3's, Qwen2's), or the
+SentencePiece BPE vocabulary the reader rebuilds from a ``llama`` tokenizer (Llama 2, Gemma).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -32,6 +34,7 @@ from axtorch.interop.gguf import (
     LLAMA3_ROPE_BANDS,
     PRE_TOKENIZERS,
     ROPE_FACTORS,
+    SENTENCEPIECE_TOKENIZER,
     SHARED_EXPERT_GATE,
     interleaved_from_halves,
     rope_divisors,
@@ -44,6 +47,8 @@ from axtorch.models.causal_lm import CausalLM
 GGUF_DTYPES = ("f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
 _GGUF_NAMES = {hf: gguf for gguf, hf in LAYER_NAMES.items()}
 _GLOBAL_GGUF_NAMES = {hf: gguf for gguf, hf in GLOBAL_NAMES.items()}
+#: SentencePiece's byte-fallback pieces, ``<0x00>`` to ``<0xFF>``.
+_BYTE_PIECE = re.compile(r"<0x[0-9A-F]{2}>")
 
 
 def to_gguf(model: CausalLM, tokenizer: Tokenizer, path: str | os.PathLike[str], dtype: str = "f16") -> None:
@@ -83,11 +88,15 @@ def to_gguf(model: CausalLM, tokenizer: Tokenizer, path: str | os.PathLike[str],
     writer.add_rope_freq_base(float(hf["rope_theta"]))
     writer.add_layer_norm_rms_eps(float(hf["rms_norm_eps"]))
     writer.add_vocab_size(model.config.vocab_size)
-    writer.add_tokenizer_model(BYTE_LEVEL_BPE_TOKENIZER)
-    writer.add_tokenizer_pre(vocab["pre"])
+    writer.add_tokenizer_model(vocab["model"])
     writer.add_token_list(vocab["tokens"])
     writer.add_token_types(vocab["types"])
-    writer.add_token_merges(vocab["merges"])
+    if vocab["model"] == SENTENCEPIECE_TOKENIZER:
+        writer.add_token_scores(vocab["scores"])
+        writer.add_add_space_prefix(vocab["add_space_prefix"])
+    else:
+        writer.add_tokenizer_pre(vocab["pre"])
+        writer.add_token_merges(vocab["merges"])
     writer.add_eos_token_id(tokenizer.eos_id)
     writer.add_bos_token_id(tokenizer.eos_id)  # axtorch packs documents after EOS, never a BOS
     writer.add_add_bos_token(False)
@@ -146,14 +155,68 @@ def _rope_factors(model: CausalLM) -> np.ndarray:
 
 
 def _tokenizer_fields(tokenizer: Tokenizer, vocab_size: int) -> dict[str, Any]:
-    """The ``tokenizer.ggml.*`` lists for a byte-level BPE tokenizer, padded to the model's vocabulary."""
-    from gguf import TokenType
-
+    """The ``tokenizer.ggml.*`` fields for a byte-level BPE tokenizer, or the SentencePiece BPE one
+    that ``from_gguf`` rebuilds (byte fallback: Llama 2, Gemma), padded to the model's vocabulary."""
     description = tokenizer.description()
     model, pre = description["model"], description.get("pre_tokenizer")
+    if model.get("type") == "BPE" and model.get("byte_fallback"):
+        return _sentencepiece_fields(description, vocab_size)
     if model.get("type") != "BPE" or description.get("normalizer") is not None:
-        raise ValueError("GGUF export takes a byte-level BPE tokenizer without a normalizer")
-    ids = dict(model["vocab"])
+        raise ValueError(
+            "GGUF export takes a byte-level BPE tokenizer without a normalizer, or a SentencePiece BPE one"
+        )
+    tokens, types = _token_table(description, vocab_size)
+    merges = [merge if isinstance(merge, str) else " ".join(merge) for merge in model["merges"]]
+    name = _pre_tokenizer_name(pre)
+    if bool(model.get("ignore_merges")) != (name in IGNORE_MERGES):
+        # A GGUF cannot say it: llama.cpp decides by the pre-tokenizer's name.
+        raise ValueError(
+            f"the tokenizer's BPE has ignore_merges={bool(model.get('ignore_merges'))}, but llama.cpp applies "
+            f"ignore_merges={name in IGNORE_MERGES} after pre-tokenizer {name!r}, so it would tokenize otherwise"
+        )
+    return {"model": BYTE_LEVEL_BPE_TOKENIZER, "pre": name, "tokens": tokens, "types": types, "merges": merges}
+
+
+def _sentencepiece_fields(description: dict[str, Any], vocab_size: int) -> dict[str, Any]:
+    """A SentencePiece vocabulary as llama.cpp's ``llama`` tokenizer reads it: pieces, types, scores.
+
+    The original scores are gone; what the rebuilt merges (and llama.cpp's SentencePiece BPE)
+    depend on is only their order, so a piece scores minus the rank of the first merge that
+    makes it, and ``sentencepiece_vocab`` rebuilds the same merges in the same order.
+    """
+    from gguf import TokenType
+
+    model = description["model"]
+    normalizers = (description.get("normalizer") or {}).get("normalizers", [])
+    if [n["type"] for n in normalizers] not in (["Replace"], ["Prepend", "Replace"]):
+        raise ValueError(f"GGUF export: a SentencePiece tokenizer normalises with {normalizers}, not as it rebuilds")
+    tokens, types = _token_table(description, vocab_size)
+    first_merge: dict[str, int] = {}
+    for rank, merge in enumerate(model["merges"]):
+        left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
+        first_merge.setdefault(left + right, rank)
+    for index, token in enumerate(tokens):
+        if token == model.get("unk_token"):
+            types[index] = TokenType.UNKNOWN
+        elif types[index] == TokenType.NORMAL and _BYTE_PIECE.fullmatch(token):
+            types[index] = TokenType.BYTE
+    scores = [-float(first_merge.get(token, 0)) for token in tokens]
+    prefix = normalizers[0]["type"] == "Prepend"
+    return {
+        "model": SENTENCEPIECE_TOKENIZER,
+        "tokens": tokens,
+        "types": types,
+        "scores": scores,
+        "add_space_prefix": prefix,
+    }
+
+
+def _token_table(description: dict[str, Any], vocab_size: int) -> tuple[list[str], list[int]]:
+    """Tokens by id and their GGUF types (added special: CONTROL, other added: USER_DEFINED), padded
+    with ``[PADn]`` tokens of type UNUSED to ``vocab_size``."""
+    from gguf import TokenType
+
+    ids = dict(description["model"]["vocab"])
     specials = {}
     for added in description.get("added_tokens", []):
         ids[added["content"]] = added["id"]
@@ -163,25 +226,18 @@ def _tokenizer_fields(tokenizer: Tokenizer, vocab_size: int) -> dict[str, Any]:
             f"the tokenizer has ids up to {max(ids.values())}, beyond the model's vocabulary of {vocab_size}"
         )
     tokens = [f"[PAD{i}]" for i in range(vocab_size)]
-    types = [TokenType.UNUSED] * vocab_size
+    types = [int(TokenType.UNUSED)] * vocab_size
     for token, index in ids.items():
         tokens[index] = token
-        types[index] = (
+        kind = (
             TokenType.NORMAL
             if index not in specials
             else TokenType.CONTROL
             if specials[index]
             else TokenType.USER_DEFINED
         )
-    merges = [merge if isinstance(merge, str) else " ".join(merge) for merge in model["merges"]]
-    name = _pre_tokenizer_name(pre)
-    if bool(model.get("ignore_merges")) != (name in IGNORE_MERGES):
-        # A GGUF cannot say it: llama.cpp decides by the pre-tokenizer's name.
-        raise ValueError(
-            f"the tokenizer's BPE has ignore_merges={bool(model.get('ignore_merges'))}, but llama.cpp applies "
-            f"ignore_merges={name in IGNORE_MERGES} after pre-tokenizer {name!r}, so it would tokenize otherwise"
-        )
-    return {"pre": name, "tokens": tokens, "types": types, "merges": merges}
+        types[index] = int(kind)
+    return tokens, types
 
 
 def _pre_tokenizer_name(pre: dict[str, Any] | None) -> str:
@@ -199,16 +255,17 @@ def _pre_tokenizer_name(pre: dict[str, Any] | None) -> str:
 def _gguf_tensors(model: CausalLM, hf: dict[str, Any], layout: GGUFLayout) -> Iterator[tuple[str, np.ndarray]]:
     """GGUF-named float32 arrays in llama.cpp's layout (axtorch's norm weights are what llama.cpp stores)."""
     interleaved = layout.interleaved_qk
-    for name, tensor in axtorch_to_hf_state_dict(model.state_dict()).items():
+    gguf_names = {**_GGUF_NAMES, **{hf: gguf for gguf, hf in layout.layer_names}}
+    for name, tensor in axtorch_to_hf_state_dict(model.state_dict(), layout.hf_names).items():
         values = tensor.detach().to(device="cpu", dtype=torch.float32)
         stem, _, suffix = name.rpartition(".")
-        if name.startswith("model.layers.") and name.split(".", 3)[3] in _GGUF_NAMES:  # stacked experts
+        if name.startswith("model.layers.") and name.split(".", 3)[3] in gguf_names:  # stacked experts
             _, _, index, module = name.split(".", 3)
-            gguf_name = f"blk.{index}.{_GGUF_NAMES[module]}.weight"
+            gguf_name = f"blk.{index}.{gguf_names[module]}.weight"
         elif stem.startswith("model.layers."):
             _, _, index, module = stem.split(".", 3)
-            gguf_name = f"blk.{index}.{_GGUF_NAMES[module]}.{suffix}"
-            if _GGUF_NAMES[module] == SHARED_EXPERT_GATE:
+            gguf_name = f"blk.{index}.{gguf_names[module]}.{suffix}"
+            if gguf_names[module] == SHARED_EXPERT_GATE:
                 values = values.flatten()
         else:
             gguf_name = f"{_GLOBAL_GGUF_NAMES[stem]}.{suffix}"

@@ -6,7 +6,7 @@ each step, the adjacent pair whose joined piece scores highest; a ``tokenizers``
 are every (left, right) split of every piece, ranked by the joined piece's score, takes the same
 steps. Text becomes pieces with spaces as ``▁`` (and one prepended, as SentencePiece's dummy
 prefix), characters outside the vocabulary fall back to their UTF-8 bytes (``<0x41>`` pieces),
-and decoding reverses both.
+and decoding reverses both. User-defined pieces are matched whole, as SentencePiece does.
 """
 
 from __future__ import annotations
@@ -47,4 +47,7 @@ def sentencepiece_bpe(
     inner.add_special_tokens(
         [AddedToken(pieces[i], special=True, normalized=False) for i, kind in enumerate(types) if kind == CONTROL]
     )
+    # SentencePiece matches user-defined pieces whole, longest first, wherever they occur in the
+    # text (Gemma's runs of spaces and newlines, its HTML tags), before BPE sees the rest.
+    inner.add_tokens([AddedToken(pieces[i], normalized=False) for i, kind in enumerate(types) if kind == USER_DEFINED])
     return inner

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from axtorch.config.errors import ConfigError
+from axtorch.layers.softcap import softcap
 
 
 @dataclass
@@ -109,7 +110,7 @@ class SoftcappedKernel(nn.Module):
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         scores = torch.matmul(q, k.transpose(-2, -1)) * scale
-        scores = self.cap * torch.tanh(scores / self.cap)
+        scores = softcap(scores, self.cap)
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
         weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         return torch.matmul(F.dropout(weights, p=dropout_p), v)

@@ -17,6 +17,7 @@ from axtorch.layers.init import initialize_parameters
 from axtorch.layers.kv_cache import KVCache
 from axtorch.layers.linear import LinearConfig
 from axtorch.layers.position_embedding import PositionEmbeddingConfig
+from axtorch.layers.softcap import SoftCapConfig
 from axtorch.layers.transformer import DecoderConfig, DecoderInput, TransformerLayer
 from axtorch.models.adapter import AdapterConfig
 from axtorch.models.float8 import Float8Config
@@ -39,6 +40,8 @@ class CausalLMConfig:
     #: Reuse the embedding table as the output head.
     tie_embeddings: bool = False
     lm_head: LinearConfig = field(default_factory=LinearConfig)
+    #: Soft-capping of the output logits, ``cap * tanh(logits / cap)`` (Gemma 2: 30); None: none.
+    logit_softcap: Optional[SoftCapConfig] = None
     #: Float8 training of the linears (``model/float8``): a model transform (see ``transforms``).
     float8: Optional[Float8Config] = None
     #: Adapters on a frozen model (``model/adapter=lora``): a model transform (see ``transforms``).
@@ -53,6 +56,8 @@ class CausalLMConfig:
         if not 0.0 <= self.embedding_dropout < 1.0:
             raise ConfigError(f"{key}.embedding_dropout", self.embedding_dropout, "a probability in [0, 1)")
         self.decoder.validate(self.dim, f"{key}.decoder")
+        if self.logit_softcap is not None:
+            self.logit_softcap.validate(f"{key}.logit_softcap")
         if self.float8 is not None:
             self.float8.validate(f"{key}.float8")
         if self.adapter is not None:
@@ -122,6 +127,7 @@ class CausalLM(nn.Module):
         )
         self.decoder = config.decoder.build(config.dim)
         self.lm_head = None if config.tie_embeddings else config.lm_head.build(config.dim, config.vocab_size)
+        self.logit_softcap = nn.Identity() if config.logit_softcap is None else config.logit_softcap.build()
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -166,6 +172,11 @@ class CausalLM(nn.Module):
         if inputs.head_positions is not None:
             final = final.gather(1, inputs.head_positions[..., None].expand(-1, -1, final.shape[-1]))
         if inputs.head_fn is not None:
+            if self.config.logit_softcap is not None:
+                raise ValueError(
+                    f"model.logit_softcap={self.config.logit_softcap} cannot apply to a loss fused with the "
+                    "output head (loss.chunk_size): the fused loss takes the head's raw logits"
+                )
             head = self.embedding if self.lm_head is None else self.lm_head
             head_output = inputs.head_fn(final, head.weight, getattr(head, "bias", None))
             return CausalLMOutput(None, decoded.aux_loss, decoded.kv_caches, head_output=head_output)
@@ -179,8 +190,9 @@ class CausalLM(nn.Module):
         return F.dropout(hidden, self.config.embedding_dropout, self.training)
 
     def project(self, final_hidden_states: torch.Tensor) -> torch.Tensor:
-        """Logits from the decoder's (final-normed) output: the head, or the tied embedding table."""
-        return self.embedding.attend(final_hidden_states) if self.lm_head is None else self.lm_head(final_hidden_states)
+        """Logits from the decoder's (final-normed) output: the head, or the tied embedding table, then any soft cap."""
+        head = self.embedding.attend if self.lm_head is None else self.lm_head
+        return self.logit_softcap(head(final_hidden_states))
 
 
 def default_positions(ids: torch.Tensor) -> torch.Tensor:

@@ -233,7 +233,7 @@ def test_tokenizer_keeps_control_tokens_whole_and_decodes_exactly(tmp_path):
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        (dict(architecture="gemma2"), "general.architecture='gemma2'"),
+        (dict(architecture="phi3"), "general.architecture='phi3'"),
         (dict(rope_scaling=gguf.RopeScalingType.LINEAR), "llama.rope.scaling.type='linear'"),
         (dict(tokenizer_model="bert"), "tokenizer.ggml.model='bert'"),
         (dict(pre="falcon"), "tokenizer.ggml.pre='falcon'"),

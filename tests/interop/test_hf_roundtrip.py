@@ -210,7 +210,7 @@ def test_from_hf_maps_each_feature_to_its_config(case):
 @pytest.mark.parametrize(
     ("family", "fields", "message"),
     [
-        ("gemma2", {}, "model_type='gemma2'"),
+        ("gemma3_text", {"layer_types": ["sliding_attention", "chunked_attention"]}, "chunked_attention"),
         (
             "llama",
             {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},

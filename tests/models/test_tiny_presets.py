@@ -16,6 +16,7 @@ TINY_VARIANTS = {
     "qwen3": "qwen3_tiny",
     "qwen3_moe": "qwen3_moe_tiny",
     "gpt2": "gpt2_tiny",
+    "gemma3": "gemma3_tiny",
 }
 
 

@@ -14,6 +14,8 @@ import torch
 from axtorch.interop.assembly import model_from_state_dict
 from axtorch.interop.families.family import CannotExpress, Family, NamedTensor, getter
 from axtorch.interop.families.gemma import GEMMA
+from axtorch.interop.families.gemma2 import GEMMA2
+from axtorch.interop.families.gemma3 import GEMMA3
 from axtorch.interop.families.gpt2 import GPT2
 from axtorch.interop.families.llama import LLAMA
 from axtorch.interop.families.mistral import MISTRAL
@@ -25,7 +27,19 @@ from axtorch.interop.families.qwen3_moe import QWEN3_MOE
 from axtorch.models.causal_lm import CausalLM, CausalLMConfig
 
 #: Export writes the first family that can express a model, so the simplest come first.
-FAMILIES: tuple[Family, ...] = (GPT2, LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA, MIXTRAL, QWEN2_MOE, QWEN3_MOE)
+FAMILIES: tuple[Family, ...] = (
+    GPT2,
+    LLAMA,
+    MISTRAL,
+    QWEN2,
+    QWEN3,
+    GEMMA,
+    GEMMA2,
+    GEMMA3,
+    MIXTRAL,
+    QWEN2_MOE,
+    QWEN3_MOE,
+)
 #: A ``config.json`` without a ``model_type`` is read as this family's.
 DEFAULT_MODEL_TYPE = LLAMA.model_type
 

@@ -47,6 +47,12 @@ class GGUFLayout:
     #: What llama.cpp's fixed behaviour for the architecture cannot express of a HF config (e.g.
     #: top-k weights it always renormalises), or None.
     refuses: Callable[[Mapping[str, Any]], Optional[str]] = lambda hf: None
+    #: (GGUF layer tensor, HF module) names of the architecture that differ from the shared ones
+    #: (``gguf.LAYER_NAMES``): Gemma 2's ``ffn_norm`` is HF's ``pre_feedforward_layernorm``.
+    layer_names: tuple[tuple[str, str], ...] = ()
+    #: The family's own (HF, axtorch) parameter names (``llama_layout.NameTemplates``), which GGUF
+    #: export renames with as the family does.
+    hf_names: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -187,6 +187,11 @@ def _config_to_hf(config: CausalLMConfig) -> dict[str, Any]:
         "scaled token embeddings (multiplier or scale_by_sqrt_dim)",
     )
     _require(config.tie_embeddings or not config.lm_head.bias, "a bias on the output head")
+    _require(config.logit_softcap is None, f"logits soft-capped by {config.logit_softcap}")
+    _require(
+        all(layer == config.decoder.layer for layer in config.decoder.layer_configs()),
+        f"layers that differ (decoder.pattern={config.decoder.pattern})",
+    )
     return {
         "architectures": ["GPT2LMHeadModel"],
         "model_type": "gpt2",

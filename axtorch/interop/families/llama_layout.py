@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Optional
 
 import torch
@@ -80,6 +80,9 @@ def _name_pattern(template: str) -> re.Pattern:
 
 _HF_TO_AXTORCH = [(_name_pattern(hf), ours) for hf, ours in _NAMES]
 _AXTORCH_TO_HF = [(_name_pattern(ours), hf) for hf, ours in _NAMES]
+#: A family's own (HF, axtorch) name templates, tried before the shared ones (``_NAMES``): Gemma 2's
+#: ``post_attention_layernorm`` is the attention's post-norm, not the feed-forward's pre-norm.
+NameTemplates = Sequence[tuple[str, str]]
 
 
 def _rename(name: str, table: list[tuple[re.Pattern, str]]) -> str | None:
@@ -90,15 +93,15 @@ def _rename(name: str, table: list[tuple[re.Pattern, str]]) -> str | None:
     return None
 
 
-def hf_to_axtorch_name(name: str) -> str:
-    ours = _rename(name, _HF_TO_AXTORCH)
+def hf_to_axtorch_name(name: str, names: NameTemplates = ()) -> str:
+    ours = _rename(name, [*((_name_pattern(hf), ours) for hf, ours in names), *_HF_TO_AXTORCH])
     if ours is None:
         raise KeyError(f"no axtorch parameter corresponds to HF parameter {name!r}")
     return ours
 
 
-def axtorch_to_hf_name(name: str) -> str:
-    hf = _rename(name, _AXTORCH_TO_HF)
+def axtorch_to_hf_name(name: str, names: NameTemplates = ()) -> str:
+    hf = _rename(name, [*((_name_pattern(ours), hf) for hf, ours in names), *_AXTORCH_TO_HF])
     if hf is None:
         raise KeyError(f"no HF Llama-layout parameter corresponds to axtorch parameter {name!r}")
     return hf
@@ -112,16 +115,18 @@ def hf_to_axtorch_state_dict(
     return dict(_renamed_from_hf(items, tie_embeddings))
 
 
-def _renamed_from_hf(tensors: Iterable[NamedTensor], tie_embeddings: bool) -> Iterator[NamedTensor]:
+def _renamed_from_hf(
+    tensors: Iterable[NamedTensor], tie_embeddings: bool, names: NameTemplates = ()
+) -> Iterator[NamedTensor]:
     for name, tensor in tensors:
         if name.endswith("rotary_emb.inv_freq") or (tie_embeddings and name == "lm_head.weight"):
             continue
-        yield hf_to_axtorch_name(name), tensor
+        yield hf_to_axtorch_name(name, names), tensor
 
 
-def axtorch_to_hf_state_dict(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def axtorch_to_hf_state_dict(state: Mapping[str, torch.Tensor], names: NameTemplates = ()) -> dict[str, torch.Tensor]:
     """Rename axtorch tensors to the canonical HF names (stacked experts stay stacked)."""
-    return {axtorch_to_hf_name(name): tensor for name, tensor in state.items()}
+    return {axtorch_to_hf_name(name, names): tensor for name, tensor in state.items()}
 
 
 def rope_from_hf(get: Getter) -> RotaryEmbeddingConfig:
@@ -252,6 +257,7 @@ def llama_layout_family(
     scaled_embedding: bool = False,
     norm_offset: float = 0.0,
     experts: Optional[ExpertFormat] = None,
+    names: NameTemplates = (),
     gguf: Optional[GGUFLayout] = None,
 ) -> Family:
     """A family of the Llama layout.
@@ -264,7 +270,8 @@ def llama_layout_family(
     ``scaled_embedding``: token vectors are scaled by sqrt(dim); ``norm_offset``: the family's
     RMSNorms multiply by ``offset + weight`` (Gemma's ``1 + weight``), so the offset is added to
     its norm weights on import and taken off on export; ``experts``: every layer's MLP is a
-    mixture of experts in this format.
+    mixture of experts in this format; ``names``: the family's own parameter names (see
+    ``NameTemplates``).
     """
     require = requirement(architecture)
 
@@ -352,6 +359,11 @@ def llama_layout_family(
             )
             experts_fields = {}
         require(config.tie_embeddings or not config.lm_head.bias, "a bias on the output head")
+        require(config.logit_softcap is None, f"logits soft-capped by {config.logit_softcap}")
+        require(
+            all(layer == config.decoder.layer for layer in config.decoder.layer_configs()),
+            f"layers that differ (decoder.pattern={config.decoder.pattern})",
+        )
         require(config.position_embedding is None, "absolute position embeddings (it has only RoPE)")
         require(
             config.embedding.multiplier == 1.0 and config.embedding.scale_by_sqrt_dim == scaled_embedding,
@@ -394,11 +406,12 @@ def llama_layout_family(
     def tensors_from_hf(config: CausalLMConfig, tensors: Iterable[NamedTensor]) -> Iterator[NamedTensor]:
         if experts:
             tensors = stack_experts(tensors, config.decoder.layer.feed_forward, experts)
-        renamed = _renamed_from_hf(tensors, config.tie_embeddings)
+        renamed = _renamed_from_hf(tensors, config.tie_embeddings, names)
         return ((name, offset_norm(name, tensor, norm_offset)) for name, tensor in renamed)
 
     def tensors_to_hf(config: CausalLMConfig, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        renamed = axtorch_to_hf_state_dict({name: offset_norm(name, t, -norm_offset) for name, t in state.items()})
+        offset = {name: offset_norm(name, t, -norm_offset) for name, t in state.items()}
+        renamed = axtorch_to_hf_state_dict(offset, names)
         return dict(unstack_experts(renamed.items(), experts)) if experts else renamed
 
     return Family(
