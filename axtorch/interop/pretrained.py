@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from axtorch.config.errors import ConfigError
 from axtorch.config.serialize import config_to_dict
@@ -34,6 +37,20 @@ class Pretrained:
     config: CausalLMConfig
     #: A tokenizer.json that matches the weights.
     tokenizer_path: Path
+
+    def release_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, value)`` of every imported parameter, each removed from ``model`` as it is handed out.
+
+        A run copies each value into its own (possibly sharded) parameter: handing them out this
+        way frees each imported tensor once its copy is made, instead of holding the whole model
+        twice at the import's peak. ``model`` is left without parameters.
+        """
+        for name in [name for name, _ in self.model.named_parameters()]:
+            module_name, _, leaf = name.rpartition(".")
+            module = self.model.get_submodule(module_name)
+            value = getattr(module, leaf).detach()
+            setattr(module, leaf, None)
+            yield name, value
 
 
 def _parse(source: str) -> tuple[str, Path]:

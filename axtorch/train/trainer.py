@@ -91,7 +91,7 @@ def build_parallel_model(
 
     The values are the seeded initialisation or ``pretrained``'s weights. A seeded start never
     holds the whole model in one process (only one module's parameters at a time); an import
-    still does, in ``pretrained``.
+    still does, in ``pretrained``, whose parameters are released one by one as they are copied.
     """
     transforms = config.model.transforms()
     with torch.device("meta"):
@@ -104,7 +104,7 @@ def build_parallel_model(
     torch.manual_seed(config.trainer.seed)
     # The seeded draws are the whole model's, so every pipeline stage gets its own.
     values: Iterable[tuple[str, torch.Tensor]] = (
-        initial_parameter_values(initial) if pretrained is None else pretrained.model.state_dict().items()
+        initial_parameter_values(initial) if pretrained is None else pretrained.release_parameters()
     )
     materialize(backend, model, with_fresh_adapters(values, whole), whole_model=model is whole)
     return model

@@ -1,9 +1,12 @@
 """Meta-device construction, streamed initialisation and ``materialize``: no process holds the whole model."""
 
+import weakref
+
 import pytest
 import torch
 
 from axtorch.compose.experiment import load_experiment_config
+from axtorch.interop.pretrained import Pretrained
 from axtorch.layers.init import initial_parameter_values
 from axtorch.parallel.backend import materialize
 from axtorch.parallel.single import SingleDeviceBackend
@@ -60,3 +63,26 @@ def test_materialize_names_parameters_left_without_a_value_and_values_without_a_
         materialize(backend, model, [("decoder.layers.99.attention.q_proj.weight", values[0][1])])
     with pytest.raises(ValueError, match="shape"):
         materialize(backend, model, [("embedding.weight", torch.zeros(3, 3))])
+
+
+def test_an_import_is_released_parameter_by_parameter_as_the_run_copies_it(tmp_path):
+    """The imported model and the run's are never both whole: each imported tensor is freed once copied."""
+    config = _config()
+    imported = _initialised_in_place(config)
+    expected = {name: value.clone() for name, value in imported.state_dict().items()}
+    pretrained = Pretrained(imported, config.model, tmp_path / "tokenizer.json")
+    handed_out = []
+    for name, value in pretrained.release_parameters():
+        assert all(previous() is None for previous in handed_out), f"a value before {name} is still held"
+        assert name not in dict(imported.named_parameters())
+        handed_out.append(weakref.ref(value))
+        del value
+    assert len(handed_out) == len(expected) and not list(imported.parameters())
+
+    source = _initialised_in_place(config)
+    built = build_parallel_model(
+        config, SingleDeviceBackend(torch.device("cpu")), Pretrained(source, config.model, tmp_path)
+    )
+    for name, value in built.state_dict().items():
+        assert torch.equal(value, expected[name]), name
+    assert not list(source.parameters())
