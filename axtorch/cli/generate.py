@@ -15,12 +15,13 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
 from axtorch.cli.key_values import read_config
 from axtorch.config.errors import ConfigError
+from axtorch.data.chat import ChatTemplate
 from axtorch.data.tokenizer import Tokenizer
 from axtorch.infer import generate
 from axtorch.infer.cpu_weights import quantize_int8
@@ -85,35 +86,31 @@ class GenerateConfig:
         self.sampling.validate("sampling")
 
 
-def load_source(config: GenerateConfig, device: torch.device) -> tuple[CausalLM, Tokenizer, Optional[str]]:
-    """(model, tokenizer, chat template or None) from the source the config names."""
+def load_source(config: GenerateConfig, device: torch.device) -> tuple[CausalLM, Tokenizer, dict[str, Any]]:
+    """(model, tokenizer, the tokenizer's ``tokenizer_config.json`` settings: chat template, special tokens)."""
     if config.checkpoint:
-        return (*load_trained_model(Path(config.checkpoint), device), None)
+        model, tokenizer = load_trained_model(Path(config.checkpoint), device)
+        return model, tokenizer, tokenizer.settings
     if config.gguf:
-        from axtorch.interop.gguf import chat_template, from_gguf
+        from axtorch.interop.gguf import from_gguf, tokenizer_settings
 
         model, _, tokenizer = from_gguf(config.gguf)
-        return model.to(device).eval(), tokenizer, chat_template(config.gguf)
+        return model.to(device).eval(), tokenizer, tokenizer_settings(config.gguf)
     from axtorch.interop.hf import from_hf, hf_tokenizer
 
     model, _ = from_hf(str(config.hf))
-    tokenizer, template = hf_tokenizer(str(config.hf))
-    return model.to(device).eval(), tokenizer, template
+    tokenizer, _ = hf_tokenizer(str(config.hf))
+    return model.to(device).eval(), tokenizer, tokenizer.settings
 
 
-def render_chat(template: Optional[str], prompt: str, tokenizer: Tokenizer) -> str:
-    """``prompt`` as one user message in the model's chat template, ready for the assistant's reply."""
-    if template is None:
+def render_chat(settings: dict[str, Any], prompt: str) -> str:
+    """``prompt`` as one user message in the model's chat template, ready for the assistant's reply
+    (rendered as ``data=chat`` renders training conversations, and transformers' ``apply_chat_template``)."""
+    if not isinstance(settings.get("chat_template"), (str, list)):
         raise ConfigError("chat", True, "false for this model", reason="its tokenizer has no chat template")
-    import jinja2
-
-    environment = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
-    return environment.from_string(template).render(
-        messages=[{"role": "user", "content": prompt}],
-        add_generation_prompt=True,
-        eos_token=tokenizer.decode([tokenizer.eos_id]),
-        bos_token="",
-    )
+    template = ChatTemplate.from_settings(settings, "the tokenizer's settings")
+    text, _ = template.render([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,9 +126,12 @@ def main(argv: list[str] | None = None) -> int:
             device, step_boundary = decode_device()
         else:
             device = resolve_device(config.device, "device")
-        model, tokenizer, template = load_source(config, device)
+        model, tokenizer, settings = load_source(config, device)
+        stop = list(config.stop)
         if config.chat:
-            prompts = [render_chat(template, prompt, tokenizer) for prompt in prompts]
+            prompts = [render_chat(settings, prompt) for prompt in prompts]
+            if isinstance(settings.get("eos_token"), str):  # the end of the assistant's turn
+                stop.append(settings["eos_token"])
         if config.quantize == "int8":
             model = quantize_int8(model)
     except (ConfigError, CheckpointError, ValueError, OSError, ImportError) as error:
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         prompts,
         max_new_tokens=config.max_new_tokens,
         sampling=config.sampling,
-        stop=config.stop,
+        stop=stop,
         seeds=[config.seed + row for row in range(len(prompts))],
         stream=stream,
         sync_every=1 if stream else 8,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 import tokenizers
 import torch
@@ -189,12 +189,6 @@ def _reader(path: str | os.PathLike[str]) -> GGUFReader:
     except ImportError as error:
         raise ImportError("GGUF files need the gguf package: pip install 'gguf>=0.10'") from error
     return GGUFReader(path)
-
-
-def chat_template(path: str | os.PathLike[str]) -> Optional[str]:
-    """The Jinja chat template a GGUF file carries (``tokenizer.chat_template``), or None."""
-    template = _metadata(_reader(path), "tokenizer.chat_template", None)
-    return str(template) if template is not None else None
 
 
 def tokenizer_settings(path: str | os.PathLike[str]) -> dict[str, str]:

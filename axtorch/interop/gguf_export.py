@@ -97,9 +97,15 @@ def to_gguf(model: CausalLM, tokenizer: Tokenizer, path: str | os.PathLike[str],
     else:
         writer.add_tokenizer_pre(vocab["pre"])
         writer.add_token_merges(vocab["merges"])
-    writer.add_eos_token_id(tokenizer.eos_id)
+    # A chat model ends its turn with its tokenizer_config.json's eos_token (SmolLM2's <|im_end|>), which
+    # may differ from the token the run packed documents with; llama.cpp stops at the file's EOS.
+    end_of_turn = tokenizer.settings.get("eos_token")
+    writer.add_eos_token_id(vocab["tokens"].index(end_of_turn) if end_of_turn in vocab["tokens"] else tokenizer.eos_id)
     writer.add_bos_token_id(tokenizer.eos_id)  # axtorch packs documents after EOS, never a BOS
     writer.add_add_bos_token(False)
+    template = tokenizer.settings.get("chat_template")  # the run's, from init_from's tokenizer
+    if isinstance(template, str):
+        writer.add_chat_template(template)
     for name, array in _gguf_tensors(model, hf, layout):
         _add_tensor(writer, name, array, dtype)
     if hf.get("rope_scaling") is not None:

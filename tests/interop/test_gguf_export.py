@@ -4,6 +4,7 @@ Exact in f32; in f16 equal to the model with its weight matrices rounded to f16;
 The tokenizer comes back identical. ``axtorch-export`` writes the same files from a trained run.
 """
 
+import copy
 import json
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import torch
 
 from axtorch.compose.experiment import load_experiment_config
 from axtorch.data.tokenizer import train_byte_level_bpe
-from axtorch.interop.gguf import from_gguf, tokenizer_from_gguf
+from axtorch.interop.gguf import from_gguf, tokenizer_from_gguf, tokenizer_settings
 from axtorch.interop.gguf_export import to_gguf
 from axtorch.models import CausalLMInput
 from axtorch.train.trainer import Trainer
@@ -79,6 +80,21 @@ def test_transformers_reads_the_exported_tokenizer_as_it_was(tmp_path, tokenizer
     theirs = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="model.gguf")
     for text in TEXTS:
         assert theirs(text, add_special_tokens=False).input_ids == tokenizer.encode(text), text
+
+
+def test_a_chat_tokenizers_template_and_end_of_turn_token_go_into_the_file(tmp_path, tokenizer):
+    """A run from init_from=gguf has the GGUF's tokenizer_config.json settings beside its tokenizer:
+    the exported file carries the template, and its EOS is the settings' end-of-turn token."""
+    end_of_turn = tokenizer.decode([300])
+    chat = copy.copy(tokenizer)
+    chat.settings = {
+        "chat_template": "{% for m in messages %}{{ m.content }}{{ eos_token }}{% endfor %}",
+        "eos_token": end_of_turn,
+    }
+    to_gguf(_model(tokenizer), chat, tmp_path / "chat.gguf", "f32")
+    assert tokenizer_settings(tmp_path / "chat.gguf") == {"bos_token": "<|endoftext|>", **chat.settings}
+    to_gguf(_model(tokenizer), tokenizer, tmp_path / "plain.gguf", "f32")
+    assert tokenizer_settings(tmp_path / "plain.gguf") == {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"}
 
 
 def test_what_no_gguf_architecture_can_express_is_refused_before_writing(tmp_path, tokenizer):
