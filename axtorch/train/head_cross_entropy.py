@@ -27,17 +27,16 @@ class _HeadCrossEntropy(torch.autograd.Function):
         z_loss_weight: float,
         normalizer: torch.Tensor,  # scalar: the losses are sums divided by it
         chunk_size: int,
-        with_grads: bool,
+        wanted: tuple[bool, bool, bool],  # which of hidden, weight, bias need a gradient
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         ce_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
         z_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        grad_hidden = torch.empty_like(hidden) if with_grads else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if with_grads else None
-        grad_bias = (
-            torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device)
-            if with_grads and bias is not None
-            else None
-        )
+        want_hidden, want_weight, want_bias = wanted
+        grad_hidden = torch.empty_like(hidden) if want_hidden else None
+        # A frozen head (LoRA, a tied embedding that does not train) gets no [vocab, dim] gradient:
+        # neither its memory nor its matmul, which costs as much as the head's forward.
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
+        grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if want_bias else None
         # In-place accumulation needs one dtype; under autocast the chunk's matmuls run in lower precision.
         accumulate_in_place = hidden.dtype == torch.float32 and not torch.is_autocast_enabled(hidden.device.type)
         scale = 1.0 / normalizer.float()
@@ -56,18 +55,19 @@ class _HeadCrossEntropy(torch.autograd.Function):
             ce_sum += torch.where(valid, log_z - target_logits, 0.0).sum()
             if z_loss_weight > 0:
                 z_sum += torch.where(valid, log_z.square(), 0.0).sum()
-            if grad_hidden is None or grad_weight is None:
-                continue  # no gradients wanted
+            if not any(wanted):
+                continue
             # d(ce + w * log_z^2)/d logits = softmax * (1 + 2 w log_z) - one_hot(target), per valid row.
             probs.div_(sums)
             if z_loss_weight > 0:
                 probs.mul_((1.0 + 2.0 * z_loss_weight * log_z).unsqueeze(1))
             probs.scatter_add_(1, safe_targets.unsqueeze(1), torch.full_like(log_z, -1.0).unsqueeze(1))
             grad_logits = probs.mul_((valid * scale).unsqueeze(1)).to(rows.dtype)
-            grad_hidden[start : start + chunk_size] = grad_logits @ weight.to(rows.dtype)
-            if accumulate_in_place:
+            if grad_hidden is not None:
+                grad_hidden[start : start + chunk_size] = grad_logits @ weight.to(rows.dtype)
+            if grad_weight is not None and accumulate_in_place:
                 grad_weight.addmm_(grad_logits.t(), rows)
-            else:
+            elif grad_weight is not None:
                 grad_weight += (grad_logits.t() @ rows).float()
             if grad_bias is not None:
                 grad_bias += grad_logits.sum(0)
@@ -85,8 +85,8 @@ class _HeadCrossEntropy(torch.autograd.Function):
         del ctx.grads
         weight_dtype, bias_dtype = ctx.dtypes
         grads = (
-            grad_hidden.mul_(grad_loss.to(grad_hidden.dtype)),
-            grad_weight.mul_(grad_loss).to(weight_dtype),
+            None if grad_hidden is None else grad_hidden.mul_(grad_loss.to(grad_hidden.dtype)),
+            None if grad_weight is None else grad_weight.mul_(grad_loss).to(weight_dtype),
             None if grad_bias is None else grad_bias.mul_(grad_loss).to(bias_dtype),
         )
         return (*grads, None, None, None, None, None, None)
@@ -107,7 +107,8 @@ def head_cross_entropy(
 
     Each is a sum over the valid tokens divided by ``normalizer``.
 
-    ``hidden`` is ``[N, D]`` and ``labels`` ``[N]``. Only ``loss`` is differentiable. A head
+    ``hidden`` is ``[N, D]`` and ``labels`` ``[N]``. Only ``loss`` is differentiable, and only
+    the inputs that require a gradient get one (a frozen head's is never computed). A head
     sharded by tensor parallelism (a DTensor) is gathered whole here: its gradient returns
     through the gather, sharded again.
     """
@@ -115,9 +116,12 @@ def head_cross_entropy(
         weight = weight.full_tensor()
     if isinstance(bias, DTensor):
         bias = bias.full_tensor()
-    with_grads = torch.is_grad_enabled() and (
-        hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    grad_enabled = torch.is_grad_enabled()
+    wanted = (
+        grad_enabled and hidden.requires_grad,
+        grad_enabled and weight.requires_grad,
+        grad_enabled and bias is not None and bias.requires_grad,
     )
     return _HeadCrossEntropy.apply(
-        hidden, weight, bias, labels, ignore_index, z_loss_weight, normalizer, chunk_size, with_grads
+        hidden, weight, bias, labels, ignore_index, z_loss_weight, normalizer, chunk_size, wanted
     )

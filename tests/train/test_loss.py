@@ -3,6 +3,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from axtorch.train.loss import IGNORE_INDEX, CrossEntropyLossConfig, LossInput, forward_with_loss
 
@@ -102,6 +103,46 @@ def test_the_fused_loss_under_no_grad_computes_no_gradients():
     expected = F.cross_entropy(hidden @ weight.T, labels, ignore_index=IGNORE_INDEX)
     torch.testing.assert_close(cross_entropy, expected)
     assert not loss.requires_grad
+
+
+class _OutputShapes(TorchDispatchMode):
+    """Records the shape of every tensor an operator returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.shapes.update(tuple(t.shape) for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+        return out
+
+
+@pytest.mark.parametrize("head_trains", [False, True])
+def test_a_frozen_head_gets_no_gradient_computed(head_trains):
+    """LoRA freezes the head (a tied embedding): its [vocab, dim] gradient would cost memory and a matmul."""
+    from axtorch.train.head_cross_entropy import head_cross_entropy
+
+    vocab, dim = 37, 5
+    hidden, weight = torch.randn(11, dim, requires_grad=True), torch.randn(vocab, dim, requires_grad=head_trains)
+    labels = torch.tensor([1, 2, IGNORE_INDEX, 4, 5, 8, 36, 0, 3, 3, 9])
+    with _OutputShapes() as recorded:
+        loss, _, _ = head_cross_entropy(
+            hidden,
+            weight,
+            None,
+            labels,
+            ignore_index=IGNORE_INDEX,
+            z_loss_weight=0.0,
+            normalizer=torch.tensor(10),
+            chunk_size=4,
+        )
+        loss.backward()
+    assert ((vocab, dim) in recorded.shapes) == head_trains
+    assert (weight.grad is not None) == head_trains
+    reference = hidden.detach().requires_grad_()
+    F.cross_entropy(reference @ weight.detach().T, labels, ignore_index=IGNORE_INDEX).backward()
+    torch.testing.assert_close(hidden.grad, reference.grad)
 
 
 def test_a_chunk_size_that_is_not_positive_is_refused():
