@@ -112,8 +112,17 @@ def test_sharded_checkpoint_equals_the_single_device_one(runs):
         assert len(list(checkpoint.glob("model-*-of-*.safetensors"))) == 4
         got = read_model_tensors(checkpoint)
         assert got.keys() == expected.keys()
+        # AdamW divides by sqrt(v): where a row's gradients are near eps (an embedding row of a
+        # token the batches barely hold), the meshes' different summation orders come out at a
+        # fraction of the learning rate (3e-3); the losses above check the gradients tightly.
         for key in expected:
-            torch.testing.assert_close(got[key], expected[key], rtol=1e-4, atol=1e-5, msg=f"{run}: {key}")
+            torch.testing.assert_close(
+                got[key],
+                expected[key],
+                rtol=1e-4,
+                atol=1e-4,
+                msg=lambda detail, run=run, key=key: f"{run}: {key}: {detail}",
+            )
 
 
 @pytest.mark.slow
