@@ -145,9 +145,7 @@ def test_gguf_export_reads_back_in_axtorch_and_transformers(case, tmp_path, rand
 
 
 def test_gguf_export_refuses_what_llama_cpp_would_run_otherwise(tmp_path, tokenizer):
-    config = load_experiment_config(
-        ["experiment=debug", "model=gemma3_tiny", "model.vocab_size=300"]
-    ).model
+    config = load_experiment_config(["experiment=debug", "model=gemma3_tiny", "model.vocab_size=300"]).model
     model = config.build()
     model.init_weights()
     to_gguf(model, tokenizer, tmp_path / "tiny.gguf", "f32")  # the preset is what llama.cpp runs
