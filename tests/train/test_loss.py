@@ -84,22 +84,27 @@ def test_the_fused_loss_divides_by_the_global_token_count():
     torch.testing.assert_close(grads["lm_head.weight"], expected_grads["lm_head.weight"], rtol=1e-5, atol=1e-7)
 
 
-def test_the_fused_loss_under_no_grad_computes_no_gradients():
+def _chunked_head_loss(hidden, weight, labels, normalizer):
+    """The fused head loss over chunks of 4 rows, without z-loss or bias."""
     from axtorch.train.head_cross_entropy import head_cross_entropy
 
+    return head_cross_entropy(
+        hidden,
+        weight,
+        None,
+        labels,
+        ignore_index=IGNORE_INDEX,
+        z_loss_weight=0.0,
+        normalizer=torch.tensor(normalizer),
+        chunk_size=4,
+    )
+
+
+def test_the_fused_loss_under_no_grad_computes_no_gradients():
     hidden, weight = torch.randn(6, 4, requires_grad=True), torch.randn(9, 4, requires_grad=True)
     labels = torch.tensor([1, 2, IGNORE_INDEX, 4, 5, 8])
     with torch.no_grad():
-        loss, cross_entropy, _ = head_cross_entropy(
-            hidden,
-            weight,
-            None,
-            labels,
-            ignore_index=IGNORE_INDEX,
-            z_loss_weight=0.0,
-            normalizer=torch.tensor(5),
-            chunk_size=4,
-        )
+        loss, cross_entropy, _ = _chunked_head_loss(hidden, weight, labels, normalizer=5)
     expected = F.cross_entropy(hidden @ weight.T, labels, ignore_index=IGNORE_INDEX)
     torch.testing.assert_close(cross_entropy, expected)
     assert not loss.requires_grad
@@ -121,22 +126,11 @@ class _OutputShapes(TorchDispatchMode):
 @pytest.mark.parametrize("head_trains", [False, True])
 def test_a_frozen_head_gets_no_gradient_computed(head_trains):
     """LoRA freezes the head (a tied embedding): its [vocab, dim] gradient would cost memory and a matmul."""
-    from axtorch.train.head_cross_entropy import head_cross_entropy
-
     vocab, dim = 37, 5
     hidden, weight = torch.randn(11, dim, requires_grad=True), torch.randn(vocab, dim, requires_grad=head_trains)
     labels = torch.tensor([1, 2, IGNORE_INDEX, 4, 5, 8, 36, 0, 3, 3, 9])
     with _OutputShapes() as recorded:
-        loss, _, _ = head_cross_entropy(
-            hidden,
-            weight,
-            None,
-            labels,
-            ignore_index=IGNORE_INDEX,
-            z_loss_weight=0.0,
-            normalizer=torch.tensor(10),
-            chunk_size=4,
-        )
+        loss, _, _ = _chunked_head_loss(hidden, weight, labels, normalizer=10)
         loss.backward()
     assert ((vocab, dim) in recorded.shapes) == head_trains
     assert (weight.grad is not None) == head_trains

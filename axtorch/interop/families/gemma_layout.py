@@ -22,9 +22,9 @@ from collections.abc import Callable, Mapping
 from typing import Any, Optional
 
 from axtorch.interop.families.family import Family, Getter, GGUFLayout, requirement
+from axtorch.interop.families.gemma import GEMMA_LAYOUT, refuse_bidirectional
 from axtorch.interop.families.llama_layout import (
     attention_bias_field,
-    llama_biases,
     llama_layout_family,
     mlp_bias,
     rope_from_hf,
@@ -112,21 +112,15 @@ def gemma_layout_family(
         model_type,
         architecture,
         mask=lambda get: CausalMaskConfig(),
-        biases=llama_biases,
         fields=fields,
         qk_norm=qk_norm,
-        default_head_dim=256,
-        default_activation="gelu_pytorch_tanh",
-        default_tie=True,
-        scaled_embedding=True,
-        norm_offset=1.0,
         names=SANDWICH_NAMES,
         gguf=gguf,
+        **GEMMA_LAYOUT,
     )
 
     def config_from_hf(get: Getter) -> CausalLMConfig:
-        if get("use_bidirectional_attention", False):
-            raise ValueError("HF config use_bidirectional_attention=True is not supported: axtorch decoders are causal")
+        refuse_bidirectional(get)
         config = shared.config_from_hf(_rope_getter(get, FULL))
         types = layer_types(get, every)
         unknown = sorted(set(types) - {SLIDING, FULL})
