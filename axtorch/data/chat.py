@@ -36,8 +36,8 @@ import jinja2.sandbox
 import numpy as np
 from omegaconf import MISSING
 
+import axtorch.data.parquet  # noqa: F401 (registers the Parquet row reader)
 from axtorch.config.errors import ConfigError
-from axtorch.data import parquet as _parquet  # noqa: F401 (registers the Parquet row reader)
 from axtorch.data.document_tokens import flag_document
 from axtorch.data.sources import PartitionedSource, SourceConfig, read_rows, resolve_globs
 from axtorch.data.tokenizer import TOKENIZER_SETTINGS_FILE, Tokenizer

@@ -17,6 +17,8 @@ TINY_VARIANTS = {
     "qwen3_moe": "qwen3_moe_tiny",
     "gpt2": "gpt2_tiny",
     "gemma3": "gemma3_tiny",
+    # No HF family: the smallest heterogeneous stack (sliding-window and global layers alternating).
+    "local_global": "local_global_tiny",
 }
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from debug_runs import STEPS, debug_overrides, train_losses
+from debug_runs import STEPS, assert_weights_match_one_device, debug_overrides, train_losses
 from torchrun_nodes import Node, kill_node, start_nodes
 
 from axtorch.compose.experiment import load_experiment_config
@@ -139,10 +139,7 @@ def test_both_nodes_write_one_checkpoint_equal_to_one_device(runs, run):
     name = f"step_{STEPS:08d}"
     checkpoint = root / run / "checkpoints" / name
     assert len(list(checkpoint.glob("model-*-of-*.safetensors"))) == 4  # one per process, two per node
-    expected, got = read_model_tensors(root / "single" / "checkpoints" / name), read_model_tensors(checkpoint)
-    assert got.keys() == expected.keys()
-    for key in expected:
-        torch.testing.assert_close(got[key], expected[key], rtol=1e-4, atol=1e-5, msg=f"{run}: {key}")
+    assert_weights_match_one_device(checkpoint, root / "single" / "checkpoints" / name, run)
 
 
 @pytest.mark.parametrize("run", ["fsdp4_on_1x2", "hsdp_on_4x1"])

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from debug_runs import STEPS, debug_overrides, train_losses, train_on_one_device
+from debug_runs import STEPS, assert_weights_match_one_device, debug_overrides, train_losses, train_on_one_device
 from torchrun_runs import run_torchrun
 from xla_runs import ROOT, XLA_PYTHON, needs_xla, preempted_checkpoint, run_worker, wait_for_steps, xla_env
 
 from axtorch.compose.experiment import load_experiment_config
-from axtorch.train.checkpoint import read_index, read_model_tensors
+from axtorch.train.checkpoint import read_index
 from axtorch.train.metrics import read_metrics
 from axtorch.train.trainer import Trainer
 
@@ -135,10 +135,9 @@ def test_xla_checkpoint_resumes_under_native_and_on_one_device(runs, tmp_path):
     index = read_index(root / "xla_fsdp4" / "checkpoints" / name)
     assert len(index["decoder.layers.0.attention.q_proj.weight"]["pieces"]) == 4  # one block per device
     assert len(index["decoder.final_norm.weight"]["pieces"]) == 1  # replicated: written once
-    saved = read_model_tensors(root / "xla_fsdp4" / "checkpoints" / name)
-    reference_weights = read_model_tensors(root / "single" / "checkpoints" / name)
-    for key, value in reference_weights.items():
-        torch.testing.assert_close(saved[key], value, rtol=1e-4, atol=1e-5, msg=key)
+    assert_weights_match_one_device(
+        root / "xla_fsdp4" / "checkpoints" / name, root / "single" / "checkpoints" / name, "xla_fsdp4"
+    )
 
     to_native, to_single = tmp_path / "to_native", tmp_path / "to_single"
     for target in (to_native, to_single):

@@ -22,9 +22,9 @@ from collections.abc import Callable, Mapping
 from typing import Any, Optional
 
 from axtorch.interop.families.family import Family, Getter, GGUFLayout, requirement
-from axtorch.interop.families.gemma import GEMMA_LAYOUT, refuse_bidirectional
 from axtorch.interop.families.llama_layout import (
     attention_bias_field,
+    llama_biases,
     llama_layout_family,
     mlp_bias,
     rope_from_hf,
@@ -88,6 +88,23 @@ def _local_position(get: Getter, local_rope: bool, global_position: PositionConf
     if SLIDING in parameters:
         return rope_from_hf(_rope_getter(get, SLIDING))
     return RotaryEmbeddingConfig(theta=float(get("rope_local_base_freq", 10000.0)))
+
+
+#: ``llama_layout_family`` arguments of every Gemma generation.
+GEMMA_LAYOUT: dict[str, Any] = {
+    "biases": llama_biases,
+    "default_head_dim": 256,
+    "default_activation": "gelu_pytorch_tanh",
+    "default_tie": True,
+    "scaled_embedding": True,
+    "norm_offset": 1.0,
+}
+
+
+def refuse_bidirectional(get: Getter) -> None:
+    """Gemma configs may ask for bidirectional attention (embedding models); axtorch decoders are causal."""
+    if get("use_bidirectional_attention", False):
+        raise ValueError("HF config use_bidirectional_attention=True is not supported: axtorch decoders are causal")
 
 
 def gemma_layout_family(
