@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from axtorch.config.lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
-    from axtorch.compose.experiment import load_experiment_config
+    from axtorch.compose.experiment_loader import load_experiment_config
     from axtorch.infer.sampling import SamplingConfig
     from axtorch.interop.gguf import from_gguf
     from axtorch.interop.gguf_export import to_gguf

@@ -1,3 +1,5 @@
+"""``python -m axtorch.export``, the same command as ``axtorch-export`` (``axtorch.cli.export``)."""
+
 from axtorch.cli.export import main
 
 if __name__ == "__main__":

@@ -1,3 +1,5 @@
+"""``python -m axtorch.generate``, the same command as ``axtorch-generate`` (``axtorch.cli.generate``)."""
+
 from axtorch.cli.generate import main
 
 if __name__ == "__main__":

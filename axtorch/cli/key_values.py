@@ -23,7 +23,7 @@ from typing import Any, Protocol, TypeVar
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from axtorch.compose.experiment import check_keys_exist
+from axtorch.compose.experiment_loader import check_keys_exist
 from axtorch.config.errors import ConfigError
 from axtorch.config.serialize import to_object
 from axtorch.train.experiment import ExperimentConfig

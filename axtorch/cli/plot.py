@@ -14,8 +14,8 @@ from typing import Optional
 
 from axtorch.cli.key_values import OldStyle, read_config
 from axtorch.config.errors import ConfigError
+from axtorch.train.curves import DEFAULT_METRICS, plot_goodput, plot_runs
 from axtorch.train.goodput import breakdown_table, read_attempts
-from axtorch.train.plot import DEFAULT_METRICS, plot_goodput, plot_runs
 from axtorch.train.run_layout import GOODPUT_PLOT_FILE, LOSS_PLOT_FILE
 
 

@@ -19,7 +19,7 @@ from typing import Optional
 
 from axtorch.cli.key_values import asks_for_help, format_help, parse_key_values, split_own_keys
 from axtorch.cli.train import split_arguments
-from axtorch.compose.experiment import load_experiment_config
+from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.config.errors import ConfigError
 from axtorch.data.packing import validate_data_config
 from axtorch.data.shards import MANIFEST_FILE, write_shards

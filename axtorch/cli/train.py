@@ -18,7 +18,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 from axtorch.cli.key_values import HELP_FLAGS
-from axtorch.compose.experiment import (
+from axtorch.compose.experiment_loader import (
     CONFIG_MODULE,
     PRIMARY_CONFIG,
     compose_experiment_config,

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from axtorch.compose.experiment import CONFIG_MODULE, load_experiment_config
+from axtorch.compose.experiment_loader import CONFIG_MODULE, load_experiment_config
 from axtorch.config.serialize import config_to_yaml
 
 #: The groups snapshotted: each option's whole experiment, or (for model presets) the model alone.

@@ -30,7 +30,8 @@ from axtorch.layers.attention_mask import CausalMaskConfig, SlidingWindowMaskCon
 from axtorch.layers.feed_forward import Activation, GatedFeedForwardConfig, MLPFeedForwardConfig
 from axtorch.layers.mixture_of_experts import MixtureOfExpertsConfig
 from axtorch.layers.norm import LayerNormConfig, RMSNormConfig
-from axtorch.layers.position import (
+from axtorch.layers.position_embedding import LearnedPositionEmbeddingConfig
+from axtorch.layers.relative_position import (
     AlibiConfig,
     LinearScaledRotaryEmbeddingConfig,
     Llama3RotaryEmbeddingConfig,
@@ -38,7 +39,6 @@ from axtorch.layers.position import (
     RotaryEmbeddingConfig,
     YarnRotaryEmbeddingConfig,
 )
-from axtorch.layers.position_embedding import LearnedPositionEmbeddingConfig
 from axtorch.layers.remat import FullRematConfig, SelectiveRematConfig
 from axtorch.layers.residual import PostNormResidualConfig, PreNormResidualConfig, SandwichNormResidualConfig
 from axtorch.models.float8 import RowwiseFloat8Config, TensorwiseFloat8Config

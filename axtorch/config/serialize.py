@@ -12,6 +12,7 @@ import dataclasses
 import enum
 import importlib
 import typing
+import warnings
 from typing import Any, TypeVar
 
 from omegaconf import OmegaConf
@@ -21,6 +22,9 @@ TYPE_KEY = "_type_"
 #: leaves the text (and digest) of every config that does not use it unchanged.
 OMIT_WHEN_EMPTY = "omit_when_empty"
 T = TypeVar("T")
+#: Modules renamed since configs were written with their old names (old -> new). A ``_type_`` under
+#: an old name still reads, with a FutureWarning, until the release after the rename.
+MOVED_MODULES = {"axtorch.layers.position": "axtorch.layers.relative_position"}
 
 
 def _class_path(cls: type) -> str:
@@ -31,12 +35,28 @@ def _import_class(path: str) -> type:
     """The config dataclass named by a ``_type_``: only an axtorch dataclass, so that a config file
     (a run directory's, perhaps someone else's) can never make axtorch import or call other code."""
     module, _, name = path.rpartition(".")
+    if module in MOVED_MODULES:
+        warnings.warn(
+            f"{TYPE_KEY}: {path!r} names a module that was renamed to {MOVED_MODULES[module]!r}; it is read as "
+            f"{MOVED_MODULES[module]}.{name} until the next release: write the new name",
+            FutureWarning,
+            stacklevel=2,
+        )
+        module = MOVED_MODULES[module]
     if module != "axtorch" and not module.startswith("axtorch."):
         raise ValueError(f"{TYPE_KEY}: {path!r} is not an axtorch config class")
     cls = getattr(importlib.import_module(module), name, None)
     if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
         raise ValueError(f"{TYPE_KEY}: {path!r} is not an axtorch config class")
     return cls
+
+
+def with_former_module_names(config_text: str) -> str:
+    """``config_text`` as it was written before the renames in ``MOVED_MODULES``: a checkpoint saved
+    then records the digest of this text, and resuming it must still recognise the same model."""
+    for old, new in MOVED_MODULES.items():
+        config_text = config_text.replace(f"{TYPE_KEY}: {new}.", f"{TYPE_KEY}: {old}.")
+    return config_text
 
 
 def _declared_dataclass(annotation: Any) -> type | None:

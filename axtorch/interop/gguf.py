@@ -26,7 +26,7 @@ from axtorch.interop.families import Family, gguf_architectures, gguf_families, 
 from axtorch.interop.families.family import GGUFLayout, getter
 from axtorch.interop.families.llama_layout import offset_norm
 from axtorch.interop.sentencepiece_vocab import sentencepiece_bpe
-from axtorch.layers.position import Llama3RotaryEmbeddingConfig, RotaryEmbeddingConfig
+from axtorch.layers.relative_position import Llama3RotaryEmbeddingConfig, RotaryEmbeddingConfig
 from axtorch.models.causal_lm import CausalLM, CausalLMConfig
 
 if TYPE_CHECKING:

@@ -39,7 +39,7 @@ from axtorch.interop.gguf import (
     interleaved_from_halves,
     rope_divisors,
 )
-from axtorch.layers.position import RotaryEmbeddingConfig
+from axtorch.layers.relative_position import RotaryEmbeddingConfig
 from axtorch.models.causal_lm import CausalLM
 
 #: Weight-matrix formats ``to_gguf`` writes (those the ``gguf`` package can quantise); norms and

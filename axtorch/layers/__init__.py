@@ -18,12 +18,12 @@ from axtorch.layers.attention_mask import (
 from axtorch.layers.embedding import Embedding, EmbeddingConfig
 from axtorch.layers.feed_forward import (
     Activation,
-    FeedForward,
     FeedForwardConfig,
     FeedForwardInput,
     FeedForwardOutput,
     GatedFeedForward,
     GatedFeedForwardConfig,
+    MLPFeedForward,
     MLPFeedForwardConfig,
 )
 from axtorch.layers.init import InitConfig, InitScheme
@@ -39,7 +39,12 @@ from axtorch.layers.mixture_of_experts import (
     RouterOutput,
 )
 from axtorch.layers.norm import LayerNorm, LayerNormConfig, NormConfig, RMSNorm, RMSNormConfig
-from axtorch.layers.position import (
+from axtorch.layers.position_embedding import (
+    LearnedPositionEmbedding,
+    LearnedPositionEmbeddingConfig,
+    PositionEmbeddingConfig,
+)
+from axtorch.layers.relative_position import (
     AlibiConfig,
     AlibiPositionBias,
     LinearScaledRotaryEmbeddingConfig,
@@ -51,11 +56,6 @@ from axtorch.layers.position import (
     RotaryEmbedding,
     RotaryEmbeddingConfig,
     YarnRotaryEmbeddingConfig,
-)
-from axtorch.layers.position_embedding import (
-    LearnedPositionEmbedding,
-    LearnedPositionEmbeddingConfig,
-    PositionEmbeddingConfig,
 )
 from axtorch.layers.residual import (
     PostNormResidual,
@@ -93,7 +93,6 @@ __all__ = [
     "DecoderOutput",
     "Embedding",
     "EmbeddingConfig",
-    "FeedForward",
     "FeedForwardConfig",
     "FeedForwardInput",
     "FeedForwardOutput",
@@ -113,6 +112,7 @@ __all__ = [
     "LinearConfig",
     "LinearScaledRotaryEmbeddingConfig",
     "Llama3RotaryEmbeddingConfig",
+    "MLPFeedForward",
     "MLPFeedForwardConfig",
     "MaskConfig",
     "MixtureOfExperts",

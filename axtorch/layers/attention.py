@@ -23,7 +23,7 @@ from axtorch.layers.attention_mask import DocumentMask, MaskConfig
 from axtorch.layers.kv_cache import KVCache
 from axtorch.layers.linear import LinearConfig
 from axtorch.layers.norm import NormConfig
-from axtorch.layers.position import PositionConfig
+from axtorch.layers.relative_position import PositionConfig
 from axtorch.layers.remat import ActivationWidths, activation_name
 from axtorch.layers.seams import Seams
 

@@ -1,7 +1,7 @@
 """Position-wise feed-forward blocks. ``FeedForwardConfig`` is the slot type of a layer's FFN.
 
 ``GatedFeedForward`` is SwiGLU with ``activation=silu`` (Llama, Mistral, Qwen) and GeGLU with
-``gelu``; ``FeedForward`` is the classic two-matrix MLP (GPT-2).
+``gelu``; ``MLPFeedForward`` is the classic two-matrix MLP (GPT-2).
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ class FeedForwardConfig:
     def activation_widths(self, dim: int, tensor_parallel: int = 1) -> ActivationWidths:
         """The activations the block names for remat, in features per token on one device.
 
-        A dense block's (``GatedFeedForward``, ``FeedForward``); a block that names others says so.
+        A dense block's (``GatedFeedForward``, ``MLPFeedForward``); a block that names others says so.
         """
         return {"feed_forward_hidden": self.hidden_dim / tensor_parallel, "feed_forward_output": dim}
 
@@ -87,8 +87,8 @@ class GatedFeedForwardConfig(FeedForwardConfig):
 class MLPFeedForwardConfig(FeedForwardConfig):
     activation: Activation = Activation.gelu
 
-    def build(self, dim: int) -> FeedForward:
-        return FeedForward(self, dim)
+    def build(self, dim: int) -> MLPFeedForward:
+        return MLPFeedForward(self, dim)
 
 
 class GatedFeedForward(nn.Module):
@@ -109,7 +109,7 @@ class GatedFeedForward(nn.Module):
             return FeedForwardOutput(hidden_states=self.down_proj(h))
 
 
-class FeedForward(nn.Module):
+class MLPFeedForward(nn.Module):
     """``down(act(up(x)))``."""
 
     def __init__(self, config: MLPFeedForwardConfig, dim: int):

@@ -1,7 +1,7 @@
 """Absolute position embeddings: one vector per position, added to the token embeddings.
 
 ``PositionEmbeddingConfig`` is the slot type of ``CausalLMConfig.position_embedding``. It is a
-different slot from ``axtorch.layers.position``: those encodings act on queries and keys inside
+different slot from ``axtorch.layers.relative_position``: those encodings act on queries and keys inside
 every attention layer (RoPE), these enter once, at the bottom of the stack (GPT-2).
 """
 

@@ -11,7 +11,7 @@ from axtorch.parallel.backend_kind import BackendKind
 from axtorch.parallel.execution import ExecutionConfig
 from axtorch.parallel.mesh import MeshConfig
 from axtorch.parallel.pipeline_config import PipelineConfig
-from axtorch.parallel.rules import ShardingConfig
+from axtorch.parallel.sharding import ShardingConfig
 from axtorch.parallel.single import SingleDeviceBackend, device_name, resolve_device
 
 

@@ -1,6 +1,6 @@
 """The ``native`` backend: torch.distributed over a DeviceMesh built from the mesh config.
 
-Sharding comes from the resolved parameter specs (``axtorch.parallel.rules``), applied from outside
+Sharding comes from the resolved parameter specs (``axtorch.parallel.sharding``), applied from outside
 the model:
 
 - tensor parallelism over ``model``: a linear whose weight splits its output dim over ``model`` is
@@ -55,7 +55,7 @@ from axtorch.parallel.experts import ExpertParallelCompute
 from axtorch.parallel.mesh import MeshConfig
 from axtorch.parallel.pipeline import Pipeline, keep_stages
 from axtorch.parallel.pipeline_config import PipelineConfig, layer_ranges, stages_of_process
-from axtorch.parallel.rules import PartitionSpec, ShardingConfig, resolve_parameter_specs
+from axtorch.parallel.sharding import PartitionSpec, ShardingConfig, resolve_parameter_specs
 from axtorch.parallel.tensor_shards import Piece, owned_pieces
 
 #: Device types that exist only once their plugin is imported (untested here: not installable).

@@ -32,7 +32,7 @@ from axtorch.models.causal_lm import CausalLM
 from axtorch.parallel.backend import StepRunner, WholeModel, ec2_instance_type
 from axtorch.parallel.execution import ExecutionConfig, LayerRunnerKind
 from axtorch.parallel.mesh import MeshConfig
-from axtorch.parallel.rules import PartitionSpec, ShardingConfig, resolve_activation_specs, resolve_parameter_specs
+from axtorch.parallel.sharding import PartitionSpec, ShardingConfig, resolve_activation_specs, resolve_parameter_specs
 from axtorch.parallel.side_channel import Coordinator, GlooSideChannel
 from axtorch.parallel.tensor_shards import Piece
 from axtorch.parallel.xla_hosts import xla_hosts
@@ -262,7 +262,7 @@ def _device_id(shard_device: str) -> int:
 def decode_device() -> tuple[torch.device, Callable[[], None]]:
     """This host's XLA device, and the graph cut that makes each decode step one program.
 
-    Passed as ``step_boundary`` to ``axtorch.infer.generate``: cut after every step, the steps'
+    Passed as ``step_boundary`` to ``axtorch.infer.decoding``: cut after every step, the steps'
     graphs are identical (static shapes, positions on the device), so XLA compiles the decode
     step once and reuses it; uncut, the lazy graph would grow across steps, a new program each time.
     """

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional
 
-from axtorch.compose.experiment import compose_experiment_config, to_experiment_config
+from axtorch.compose.experiment_loader import compose_experiment_config, to_experiment_config
 from axtorch.config.errors import ConfigError
 from axtorch.config.serialize import to_object
 from axtorch.parallel.hardware import device_count

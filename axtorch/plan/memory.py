@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from axtorch.models.causal_lm import CausalLMConfig
 from axtorch.parallel.pipeline_config import PipelineConfig, layer_ranges, stage_parameter_names, stages_of_process
-from axtorch.parallel.rules import PartitionSpec, shard_shape
+from axtorch.parallel.sharding import PartitionSpec, shard_shape
 from axtorch.train.config import Precision
 
 FP32_BYTES = 4

@@ -13,7 +13,7 @@ import torch
 from axtorch.config.errors import ConfigError
 from axtorch.layers.remat import RematConfig
 from axtorch.parallel.backend_kind import BackendKind
-from axtorch.parallel.rules import PartitionSpec, auto_sharding_preset, resolve_parameter_specs, shard_shape
+from axtorch.parallel.sharding import PartitionSpec, auto_sharding_preset, resolve_parameter_specs, shard_shape
 from axtorch.plan.memory import DeviceMemory, device_memory, parameter_elements, stage_layers
 from axtorch.train.config import Precision
 from axtorch.train.experiment import ExperimentConfig

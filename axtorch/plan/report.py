@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from axtorch.parallel.chips import GIB, TERA
-from axtorch.parallel.rules import PartitionSpec
+from axtorch.parallel.sharding import PartitionSpec
 from axtorch.plan.cluster import Cluster
 from axtorch.plan.placement import Plan
 from axtorch.plan.search import Candidate

@@ -20,7 +20,7 @@ from axtorch.compose.registry import CHOICES
 from axtorch.config.errors import ConfigError
 from axtorch.layers.remat import RematConfig
 from axtorch.parallel.pipeline_config import PipelineConfig
-from axtorch.parallel.rules import PartitionSpec, ShardingConfig, resolve_parameter_specs
+from axtorch.parallel.sharding import PartitionSpec, ShardingConfig, resolve_parameter_specs
 from axtorch.plan.cluster import Cluster
 from axtorch.plan.memory import device_memory, parameter_elements, stage_layers
 from axtorch.plan.step_time import RECOMPUTE, StepTimeModel

@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from axtorch.layers.transformer import TransformerLayerConfig
 from axtorch.parallel.pipeline_config import PipelineConfig
-from axtorch.parallel.rules import PartitionSpec
+from axtorch.parallel.sharding import PartitionSpec
 from axtorch.plan.cluster import Cluster
 from axtorch.plan.memory import process_parameter_names, shard_elements, stage_layers
 from axtorch.train.config import Precision

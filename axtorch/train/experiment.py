@@ -21,7 +21,7 @@ from axtorch.parallel.execution import ExecutionConfig, LayerRunnerKind
 from axtorch.parallel.mesh import MeshConfig
 from axtorch.parallel.mesh_rules import MeshRulesConfig
 from axtorch.parallel.pipeline_config import PipelineConfig
-from axtorch.parallel.rules import ShardingConfig
+from axtorch.parallel.sharding import ShardingConfig
 from axtorch.train.config import TrainerConfig
 from axtorch.train.loss import CrossEntropyLossConfig
 from axtorch.train.optimizer import OptimConfig

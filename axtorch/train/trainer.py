@@ -27,7 +27,7 @@ import torch
 from tqdm.auto import tqdm
 
 from axtorch.config.errors import ConfigError
-from axtorch.config.serialize import config_to_yaml
+from axtorch.config.serialize import config_to_yaml, with_former_module_names
 from axtorch.data.loader import Batch, DataModule, build_data
 from axtorch.interop.pretrained import (
     Pretrained,
@@ -45,6 +45,7 @@ from axtorch.train.adapters import BASE_DIGEST_KEY, base_digest, check_base, wit
 from axtorch.train.checkpoint import Checkpointer, list_checkpoints, read_trainer_state
 from axtorch.train.checkpoint_manifest import CheckpointError
 from axtorch.train.config import Precision, SaveErrorPolicy, TrainerConfig
+from axtorch.train.curves import plot_runs
 from axtorch.train.experiment import ExperimentConfig
 from axtorch.train.flops import mfu, model_flops_per_token
 from axtorch.train.goodput import GoodputRecorder
@@ -53,7 +54,6 @@ from axtorch.train.metrics import MetricsLogger
 from axtorch.train.numerics import NonFiniteError, NonFiniteGuard
 from axtorch.train.optimizer import build_optimizer
 from axtorch.train.peak_flops import resolve_peak_flops
-from axtorch.train.plot import plot_runs
 from axtorch.train.preemption import PreemptionWatch
 from axtorch.train.rng import capture_rng_state, restore_rng_state
 from axtorch.train.run_layout import CHECKPOINTS_DIR, CONFIG_FILE, LOSS_PLOT_FILE, TOKENIZER_FILE
@@ -212,7 +212,10 @@ class Trainer:
         self.peak_flops: Optional[float] = None
         self._said_no_held_out_data = False
         self.config_text = config_to_yaml(config)
-        self.model_digest = config_digest(config_to_yaml(config.model))
+        model_text = config_to_yaml(config.model)
+        self.model_digest = config_digest(model_text)
+        #: The same model's digest as recorded before its config classes' modules were renamed.
+        self._former_model_digest = config_digest(with_former_module_names(model_text))
         self.base_digest = base_digest(config)
 
     # ----------------------------------------------------------------------------------- setup
@@ -265,7 +268,7 @@ class Trainer:
 
     def resume(self, path: Path) -> None:
         state = read_trainer_state(path)
-        if state["model_config_digest"] != self.model_digest:
+        if state["model_config_digest"] not in (self.model_digest, self._former_model_digest):
             raise ConfigError(
                 "model",
                 "(changed)",

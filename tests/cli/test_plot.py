@@ -12,7 +12,7 @@ import pytest
 from matplotlib.colors import to_rgb
 
 from axtorch.cli.plot import main
-from axtorch.train.plot import plot_runs
+from axtorch.train.curves import plot_runs
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 #: Pixels of a run's colour that only a drawn curve gives: the legend's samples have under 200, curves 1600+.

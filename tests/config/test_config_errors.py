@@ -2,7 +2,7 @@
 
 import pytest
 
-from axtorch.compose.experiment import load_experiment_config
+from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.config.errors import ConfigError
 from axtorch.parallel.execution import LayerRunnerKind
 
@@ -88,7 +88,7 @@ def test_swapping_a_child_is_a_config_change():
     assert isinstance(config.model.decoder.layer.feed_forward, MLPFeedForwardConfig)
     assert isinstance(config.model.decoder.layer.norm, LayerNormConfig)
     model = config.model.build()
-    assert type(model.decoder.layers[0].feed_forward).__name__ == "FeedForward"
+    assert type(model.decoder.layers[0].feed_forward).__name__ == "MLPFeedForward"
     assert type(model.decoder.final_norm).__name__ == "LayerNorm"
 
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from axtorch.compose.experiment import compose_experiment_config, load_experiment_config
+from axtorch.compose.experiment_loader import compose_experiment_config, load_experiment_config
 from axtorch.config.errors import ConfigError
 
 #: Real paths of the composed default experiment, under which an unknown key is planted.

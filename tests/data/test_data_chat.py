@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from axtorch.compose.experiment import load_experiment_config
+from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.config.errors import ConfigError
 from axtorch.data import ChatSourceConfig, DataConfig, StreamingDataModule, TokenizerConfig, build_data
 from axtorch.data.batches import IGNORED_LABEL

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from axtorch.compose.experiment import ExperimentConfig, load_experiment_config
+from axtorch.compose.experiment_loader import ExperimentConfig, load_experiment_config
 from axtorch.config.errors import ConfigError
 from axtorch.config.serialize import config_from_dict, config_to_dict
 from axtorch.data import DataConfig, JsonlSourceConfig, MixtureEntryConfig, TextFilesSourceConfig, TokenizerConfig

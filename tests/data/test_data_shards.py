@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from axtorch.cli.tokenize import main as tokenize_main
-from axtorch.compose.experiment import load_experiment_config
+from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.config.errors import ConfigError
 from axtorch.data.held_out import is_held_out
 from axtorch.data.shards import MANIFEST_FILE, ShardedTokens, TokenizedSourceConfig, read_shards

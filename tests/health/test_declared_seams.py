@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import axtorch.layers
-from axtorch.compose.experiment import load_experiment_config
+from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.layers.seams import declared_seams, fill_seams
 
 PARALLEL_DIR = Path(axtorch.layers.__file__).resolve().parent.parent / "parallel"

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from axtorch.compose.experiment import load_experiment_config
+from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.data.tokenizer import train_byte_level_bpe
 from axtorch.infer import SamplingConfig, generate, generate_ids, pack_linears, quantize_int8
 from axtorch.infer.cpu_weights import PackedLinear

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from axtorch.cli.generate import main as generate_main
-from axtorch.compose.experiment import load_experiment_config
+from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.train.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]

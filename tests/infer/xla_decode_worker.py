@@ -9,8 +9,8 @@ import sys
 import torch
 import torch_xla.debug.metrics as metrics
 
-from axtorch.compose.experiment import load_experiment_config
-from axtorch.infer.generate import generate_ids
+from axtorch.compose.experiment_loader import load_experiment_config
+from axtorch.infer.decoding import generate_ids
 from axtorch.parallel.xla import decode_device
 from axtorch.train.trainer import build_model
 

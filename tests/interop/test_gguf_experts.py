@@ -13,7 +13,7 @@ import pytest
 import tokenizers
 import torch
 
-from axtorch.compose.experiment import load_experiment_config
+from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.data.tokenizer import train_byte_level_bpe
 from axtorch.interop.gguf import from_gguf
 from axtorch.interop.gguf_export import to_gguf

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from axtorch.compose.experiment import load_experiment_config
+from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.data.tokenizer import train_byte_level_bpe
 from axtorch.interop.gguf import from_gguf, tokenizer_from_gguf, tokenizer_settings
 from axtorch.interop.gguf_export import to_gguf

@@ -14,11 +14,11 @@ import torch
 import torch.nn.functional as F
 from registry_assets import registry_file, transformers_gguf_model
 
-from axtorch.infer.generate import generate
+from axtorch.infer.decoding import generate
 from axtorch.interop import from_gguf
 from axtorch.interop.families import family_of
 from axtorch.layers.attention_mask import CausalMaskConfig, SlidingWindowMaskConfig
-from axtorch.layers.position import RotaryEmbeddingConfig
+from axtorch.layers.relative_position import RotaryEmbeddingConfig
 from axtorch.models import CausalLMInput
 
 pytest.importorskip("gguf")

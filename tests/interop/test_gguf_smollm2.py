@@ -14,7 +14,7 @@ import pytest
 import torch
 from registry_assets import registry_file, transformers_gguf_model
 
-from axtorch.infer.generate import generate
+from axtorch.infer.decoding import generate
 from axtorch.infer.sampling import SamplingConfig
 from axtorch.interop import from_gguf
 from axtorch.interop.families.llama_layout import axtorch_to_hf_name

@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 
 from hf_shapes import HF_SHAPE
 
-from axtorch.compose.experiment import load_experiment_config
+from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.data.tokenizer import train_byte_level_bpe
 from axtorch.interop import from_hf, to_hf
 from axtorch.interop.families import CannotExpress, config_from_hf, family_of
@@ -21,7 +21,7 @@ from axtorch.interop.gguf import from_gguf
 from axtorch.interop.gguf_export import to_gguf
 from axtorch.layers.attention_kernel import SoftcappedKernelConfig
 from axtorch.layers.attention_mask import CausalMaskConfig, SlidingWindowMaskConfig
-from axtorch.layers.position import RotaryEmbeddingConfig
+from axtorch.layers.relative_position import RotaryEmbeddingConfig
 from axtorch.layers.residual import SandwichNormResidualConfig
 from axtorch.layers.softcap import SoftCapConfig
 from axtorch.models import CausalLMInput

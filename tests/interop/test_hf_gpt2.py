@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 
 transformers = pytest.importorskip("transformers")
 
-from axtorch.infer.generate import generate_ids
+from axtorch.infer.decoding import generate_ids
 from axtorch.infer.sampling import SamplingConfig
 from axtorch.interop import from_hf, to_hf
 from axtorch.interop.families import config_from_hf
@@ -17,7 +17,7 @@ from axtorch.layers.attention_mask import SlidingWindowMaskConfig
 from axtorch.layers.feed_forward import GatedFeedForwardConfig
 from axtorch.layers.linear import LinearConfig
 from axtorch.layers.norm import RMSNormConfig
-from axtorch.layers.position import RotaryEmbeddingConfig
+from axtorch.layers.relative_position import RotaryEmbeddingConfig
 from axtorch.models import CausalLMInput
 
 SHAPE = dict(vocab_size=97, n_embd=64, n_layer=2, n_head=4, n_positions=32, bos_token_id=None, eos_token_id=None)

@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 
 from hf_shapes import HF_SHAPE
 
-from axtorch.compose.experiment import load_experiment_config
+from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.interop import from_hf, to_hf
 from axtorch.interop.families import config_from_hf
 from axtorch.layers.attention_mask import CausalMaskConfig, SlidingWindowMaskConfig

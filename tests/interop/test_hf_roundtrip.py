@@ -16,7 +16,7 @@ from axtorch.layers.attention_mask import CausalMaskConfig, SlidingWindowMaskCon
 from axtorch.layers.feed_forward import MLPFeedForwardConfig
 from axtorch.layers.linear import LinearConfig
 from axtorch.layers.norm import LayerNormConfig, RMSNormConfig
-from axtorch.layers.position import (
+from axtorch.layers.relative_position import (
     LinearScaledRotaryEmbeddingConfig,
     Llama3RotaryEmbeddingConfig,
     NoPositionConfig,

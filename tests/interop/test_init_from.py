@@ -7,7 +7,7 @@ transformers = pytest.importorskip("transformers")
 
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-from axtorch.compose.experiment import load_experiment_config
+from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.config.errors import ConfigError
 from axtorch.interop import from_hf
 from axtorch.train.trainer import Trainer

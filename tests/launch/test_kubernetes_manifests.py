@@ -13,7 +13,7 @@ import yaml
 from k8s_schemas import RegistryUnreachable, fetch, jobset_schema, pytorchjob_schema
 from torch.distributed.run import get_args_parser
 
-from axtorch.compose.experiment import load_experiment_config
+from axtorch.compose.experiment_loader import load_experiment_config
 
 MANIFESTS = Path(__file__).parents[2] / "launch" / "kubernetes"
 

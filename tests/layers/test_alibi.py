@@ -5,12 +5,12 @@ import math
 import pytest
 import torch
 
-from axtorch.compose.experiment import load_experiment_config
+from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.config.errors import ConfigError
 from axtorch.layers import AlibiConfig, AttentionConfig, AttentionInput, CausalMaskConfig, KVCache
 from axtorch.layers.attention_kernel import SdpaKernelConfig, SoftcappedKernelConfig
 from axtorch.layers.init import initialize_parameters
-from axtorch.layers.position import alibi_slopes
+from axtorch.layers.relative_position import alibi_slopes
 
 
 def _attention(num_heads=4, num_kv_heads=None, dim=32, cap=None):

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from axtorch.compose.experiment import load_experiment_config
+from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.config.errors import ConfigError
 from axtorch.layers import AttentionConfig, AttentionInput, CausalMaskConfig, KVCache, RotaryEmbeddingConfig
 from axtorch.layers.attention_kernel import SoftcappedKernel, SoftcappedKernelConfig

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from axtorch.compose.experiment import load_experiment_config
+from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.data.batches import IGNORED_LABEL, to_batch
 from axtorch.data.document_tokens import mark_starts_after
 from axtorch.layers.attention import AttentionInput

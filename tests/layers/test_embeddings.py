@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from axtorch.compose.experiment import load_experiment_config
+from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.config.errors import ConfigError
 from axtorch.layers.embedding import EmbeddingConfig
 from axtorch.layers.position_embedding import LearnedPositionEmbeddingConfig

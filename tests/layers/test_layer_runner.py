@@ -3,7 +3,7 @@ decoding runs without remat."""
 
 import torch
 
-from axtorch.compose.experiment import load_experiment_config
+from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.layers.seams import fill_seams
 from axtorch.layers.transformer import LayerRunner, run_layers_unrolled
 from axtorch.models.causal_lm import CausalLMInput

@@ -5,11 +5,11 @@ import dataclasses
 import pytest
 import torch
 
-from axtorch.compose.experiment import load_experiment_config
+from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.config.errors import ConfigError
 from axtorch.config.serialize import config_from_yaml, config_to_yaml
 from axtorch.layers.attention_mask import CausalMaskConfig, SlidingWindowMaskConfig
-from axtorch.layers.position import RotaryEmbeddingConfig
+from axtorch.layers.relative_position import RotaryEmbeddingConfig
 from axtorch.layers.transformer import DecoderConfig, DecoderInput, TransformerLayerInput
 from axtorch.models.causal_lm import CausalLMInput
 from axtorch.plan.memory import activation_bytes

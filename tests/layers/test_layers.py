@@ -25,7 +25,7 @@ from axtorch.layers import (
 )
 from axtorch.layers.attention_mask import SlidingWindowMaskConfig
 from axtorch.layers.init import initialize_parameters
-from axtorch.layers.position import (
+from axtorch.layers.relative_position import (
     LinearScaledRotaryEmbeddingConfig,
     Llama3RotaryEmbeddingConfig,
     YarnRotaryEmbeddingConfig,

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from axtorch.compose.experiment import load_experiment_config
+from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.config.errors import ConfigError
 from axtorch.config.serialize import config_from_dict, config_to_dict
 from axtorch.interop.families.llama import LLAMA

@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-from axtorch.compose.experiment import load_experiment_config
-from axtorch.layers.position import (
+from axtorch.compose.experiment_loader import load_experiment_config
+from axtorch.layers.relative_position import (
     LinearScaledRotaryEmbeddingConfig,
     Llama3RotaryEmbeddingConfig,
     RotaryEmbeddingConfig,

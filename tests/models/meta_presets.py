@@ -2,7 +2,7 @@
 
 import torch
 
-from axtorch.compose.experiment import load_experiment_config
+from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.models.causal_lm import CausalLM
 from axtorch.train.experiment import ExperimentConfig
 

@@ -5,7 +5,7 @@ import sys
 import pytest
 import torch
 
-from axtorch.compose.experiment import load_experiment_config
+from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.config.errors import ConfigError
 from axtorch.models.float8 import TensorwiseFloat8Config
 from axtorch.train.metrics import read_metrics

@@ -6,12 +6,12 @@ import pytest
 from meta_presets import build_on_meta
 
 from axtorch.cli.plan import main
-from axtorch.compose.experiment import load_experiment_config
+from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.config.errors import ConfigError
 from axtorch.interop.families import config_from_hf
 from axtorch.interop.pretrained import check_same_architecture
 from axtorch.parallel.mesh import MeshConfig
-from axtorch.parallel.rules import resolve_parameter_specs
+from axtorch.parallel.sharding import resolve_parameter_specs
 from axtorch.plan import load_plan_inputs, plan
 from axtorch.train.flops import transformer_flops_per_token
 from axtorch.train.trainer import Trainer

@@ -17,7 +17,7 @@ from hf_shapes import HF_SHAPE
 from axtorch.interop.families import config_from_hf
 from axtorch.interop.families.llama_layout import hf_to_axtorch_name, hf_to_axtorch_state_dict
 from axtorch.layers.attention_mask import CausalMaskConfig
-from axtorch.layers.position import RotaryEmbeddingConfig
+from axtorch.layers.relative_position import RotaryEmbeddingConfig
 from axtorch.models import CausalLMInput
 
 pytestmark = pytest.mark.usefixtures("float64_hf_rmsnorm")

@@ -5,11 +5,11 @@ import copy
 import pytest
 from meta_presets import build_on_meta
 
-from axtorch.compose.experiment import load_experiment_config
+from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.config.errors import ConfigError
 from axtorch.interop.pretrained import check_same_architecture
 from axtorch.parallel.mesh import MeshConfig
-from axtorch.parallel.rules import resolve_parameter_specs
+from axtorch.parallel.sharding import resolve_parameter_specs
 from axtorch.train.flops import active_parameters
 from axtorch.train.trainer import Trainer
 

@@ -3,14 +3,14 @@
 import pytest
 from meta_presets import build_on_meta
 
-from axtorch.compose.experiment import load_experiment_config
+from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.interop.families import config_from_hf
 from axtorch.interop.pretrained import check_same_architecture
 from axtorch.layers.attention_mask import SlidingWindowMaskConfig
 from axtorch.layers.norm import RMSNormConfig
-from axtorch.layers.position import Llama3RotaryEmbeddingConfig
+from axtorch.layers.relative_position import Llama3RotaryEmbeddingConfig
 from axtorch.parallel.mesh import MeshConfig
-from axtorch.parallel.rules import resolve_parameter_specs
+from axtorch.parallel.sharding import resolve_parameter_specs
 
 #: preset -> (vocabulary size, parameter count published on the model card or as the HF
 #: safetensors total).

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from axtorch.compose.experiment import load_experiment_config
+from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.compose.golden import group_options
 from axtorch.models.causal_lm import CausalLMInput
 from axtorch.train.trainer import build_model

@@ -5,7 +5,7 @@ from pathlib import Path
 import torch
 from quiet_runs import quiet_debug_run
 
-from axtorch.compose.experiment import load_experiment_config
+from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.train.checkpoint import read_model_tensors
 from axtorch.train.metrics import read_metrics
 from axtorch.train.trainer import Trainer

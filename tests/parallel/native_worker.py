@@ -9,7 +9,7 @@ of the optimizer state, and the trainer's final step.
 import json
 import sys
 
-from axtorch.compose.experiment import load_experiment_config
+from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.parallel.shutdown import exit_process
 from axtorch.parallel.tensor_shards import local_region
 from axtorch.train.checkpoint import optimizer_tensors

@@ -10,7 +10,7 @@ from debug_runs import STEPS, debug_overrides, train_losses, train_on_one_device
 from test_native_backend import _torchrun
 from xla_runs import ROOT, XLA_PYTHON, needs_xla, xla_env
 
-from axtorch.compose.experiment import load_experiment_config
+from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.models.causal_lm import CausalLMInput
 from axtorch.parallel.pipeline import StageModule, keep_stages
 from axtorch.parallel.pipeline_config import layer_ranges

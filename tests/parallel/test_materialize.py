@@ -5,7 +5,7 @@ import weakref
 import pytest
 import torch
 
-from axtorch.compose.experiment import load_experiment_config
+from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.interop.pretrained import Pretrained
 from axtorch.layers.init import initial_parameter_values
 from axtorch.parallel.backend import materialize

@@ -7,7 +7,7 @@ import sys
 import pytest
 import yaml
 
-from axtorch.compose.experiment import load_experiment_config
+from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.config.errors import ConfigError
 from axtorch.parallel import hardware as hardware_module
 from axtorch.parallel.hardware import detect_hardware_id, device_count

@@ -17,7 +17,7 @@ import torch
 from debug_runs import STEPS, assert_weights_match_one_device, debug_overrides, train_losses
 from torchrun_nodes import Node, kill_node, start_nodes
 
-from axtorch.compose.experiment import load_experiment_config
+from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.train.checkpoint import read_model_tensors
 from axtorch.train.metrics import read_metrics
 from axtorch.train.trainer import Trainer

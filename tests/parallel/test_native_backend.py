@@ -12,7 +12,7 @@ import torch
 from debug_runs import STEPS, assert_weights_match_one_device, debug_overrides, train_losses, train_on_one_device
 from torchrun_runs import TORCHRUN_EXECUTABLE, run_torchrun
 
-from axtorch.compose.experiment import load_experiment_config
+from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.layers.transformer import TransformerLayerInput, TransformerLayerOutput
 from axtorch.models.causal_lm import CausalLMOutput
 from axtorch.train.checkpoint import read_model_tensors

@@ -15,7 +15,7 @@ from torch.distributed.fsdp import fully_shard
 
 from axtorch.parallel.mesh import MeshConfig
 from axtorch.parallel.native import NativeBackend
-from axtorch.parallel.rules import ShardingConfig
+from axtorch.parallel.sharding import ShardingConfig
 from axtorch.parallel.shutdown import exit_process
 from axtorch.train import checkpoint as checkpoint_module
 from axtorch.train.checkpoint import Checkpointer, checkpoint_problems, list_checkpoints, read_model_tensors

@@ -5,7 +5,7 @@ import torch
 from debug_runs import STEPS, debug_overrides, train_losses, train_on_one_device
 from test_native_backend import _torchrun
 
-from axtorch.compose.experiment import load_experiment_config
+from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.config.errors import ConfigError
 from axtorch.parallel.pipeline_config import PipelineConfig, layer_ranges, stages_of_process
 from axtorch.train.flops import model_flops_per_token

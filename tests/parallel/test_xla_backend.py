@@ -12,7 +12,7 @@ from debug_runs import STEPS, assert_weights_match_one_device, debug_overrides, 
 from torchrun_runs import run_torchrun
 from xla_runs import ROOT, XLA_PYTHON, needs_xla, preempted_checkpoint, run_worker, wait_for_steps, xla_env
 
-from axtorch.compose.experiment import load_experiment_config
+from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.train.checkpoint import read_index
 from axtorch.train.metrics import read_metrics
 from axtorch.train.trainer import Trainer

@@ -19,7 +19,7 @@ from debug_runs import STEPS, assert_weights_match_one_device, debug_overrides, 
 from torchrun_runs import torchrun
 from xla_runs import ROOT, XLA_PYTHON, needs_xla, preempted_checkpoint, run_worker, wait_for_steps, xla_env
 
-from axtorch.compose.experiment import load_experiment_config
+from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.config.errors import ConfigError
 from axtorch.data.loader import build_data
 from axtorch.parallel.xla_hosts import SIMULATED_HOSTS_ENV, XlaHosts, xla_hosts

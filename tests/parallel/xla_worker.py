@@ -13,7 +13,7 @@ import torch
 import torch_xla.core.xla_model as xm
 import torch_xla.debug.metrics as metrics
 
-from axtorch.compose.experiment import load_experiment_config
+from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.parallel.shutdown import exit_process
 from axtorch.parallel.xla import local_shard_shapes
 from axtorch.train.trainer import Trainer

@@ -16,7 +16,7 @@ import xxhash
 from quiet_runs import quiet_debug_run
 
 from axtorch.cli.ckpt import main as ckpt_main
-from axtorch.compose.experiment import load_experiment_config
+from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.train import checkpoint as checkpoint_module
 from axtorch.train.checkpoint import checkpoint_problems, list_checkpoints, read_index, read_model_tensors
 from axtorch.train.checkpoint_manifest import MANIFEST_FILE, CheckpointError

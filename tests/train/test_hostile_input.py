@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from axtorch.compose.experiment import load_experiment_config
+from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.config.errors import ConfigError
 from axtorch.config.serialize import config_from_yaml, config_to_yaml
 from axtorch.data.packing import prepare_corpus

@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 from interop.test_init_from import hf_dir  # noqa: F401 (a fixture: a random HF Llama shaped like llama_debug)
 
 from axtorch.cli.export import main as export_main
-from axtorch.compose.experiment import load_experiment_config
+from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.config.errors import ConfigError
 from axtorch.interop import from_hf
 from axtorch.interop.gguf import from_gguf

@@ -48,7 +48,7 @@ def test_bf16_logits_are_reduced_in_float32():
 
 def _losses_and_grads(chunk_size, *, z_loss_weight, bias, tied, num_targets=None):
     """The loss and the gradients of every parameter, from a tiny model with the head fused or not."""
-    from axtorch.compose.experiment import load_experiment_config
+    from axtorch.compose.experiment_loader import load_experiment_config
 
     torch.manual_seed(0)
     overrides = ["experiment=debug", "model.decoder.num_layers=1", f"model.tie_embeddings={tied}"]

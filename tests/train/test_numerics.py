@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from axtorch.compose.experiment import load_experiment_config
+from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.train.checkpoint import checkpoint_problems, read_model_tensors
 from axtorch.train.numerics import NonFiniteError
 from axtorch.train.trainer import Trainer

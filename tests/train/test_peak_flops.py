@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 
-from axtorch.compose.experiment import load_experiment_config
+from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.config.errors import ConfigError
 from axtorch.parallel.chips import chip_named
 from axtorch.parallel.single import SingleDeviceBackend

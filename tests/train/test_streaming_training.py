@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from torchrun_runs import run_torchrun
 
-from axtorch.compose.experiment import load_experiment_config
+from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.train.metrics import read_metrics
 from axtorch.train.trainer import Trainer
 

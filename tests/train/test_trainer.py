@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from axtorch.compose.experiment import load_experiment_config
+from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.train.checkpoint import read_model_tensors
 from axtorch.train.trainer import Trainer
 

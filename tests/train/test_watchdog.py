@@ -10,13 +10,13 @@ from pathlib import Path
 
 from quiet_runs import quiet_debug_run
 
-from axtorch.compose.experiment import load_experiment_config
+from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.train.trainer import Trainer
 from axtorch.train.watchdog import WATCHDOG_EXIT_CODE
 
 HANGING_RUN = """
 import sys, time
-from axtorch.compose.experiment import load_experiment_config
+from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.train.trainer import Trainer
 
 trainer = Trainer(load_experiment_config(sys.argv[1:]))

@@ -31,7 +31,7 @@ from axtorch.interop.families.llama_layout import (
 )
 from axtorch.layers.attention_kernel import SdpaKernelConfig, SoftcappedKernelConfig
 from axtorch.layers.attention_mask import CausalMaskConfig, SlidingWindowMaskConfig
-from axtorch.layers.position import PositionConfig, RotaryEmbeddingConfig
+from axtorch.layers.relative_position import PositionConfig, RotaryEmbeddingConfig
 from axtorch.layers.residual import PreNormResidualConfig, SandwichNormResidualConfig
 from axtorch.layers.softcap import SoftCapConfig
 from axtorch.layers.transformer import TransformerLayerConfig

@@ -24,8 +24,8 @@ from axtorch.layers.attention_mask import CausalMaskConfig
 from axtorch.layers.feed_forward import Activation, MLPFeedForwardConfig
 from axtorch.layers.linear import LinearConfig
 from axtorch.layers.norm import LayerNormConfig
-from axtorch.layers.position import NoPositionConfig
 from axtorch.layers.position_embedding import LearnedPositionEmbeddingConfig
+from axtorch.layers.relative_position import NoPositionConfig
 from axtorch.layers.residual import PreNormResidualConfig
 from axtorch.layers.transformer import DecoderConfig, TransformerLayerConfig
 from axtorch.models.causal_lm import CausalLMConfig

@@ -26,7 +26,7 @@ from axtorch.layers.embedding import EmbeddingConfig
 from axtorch.layers.feed_forward import Activation, FeedForwardConfig, GatedFeedForwardConfig
 from axtorch.layers.linear import LinearConfig
 from axtorch.layers.norm import RMSNormConfig
-from axtorch.layers.position import (
+from axtorch.layers.relative_position import (
     LinearScaledRotaryEmbeddingConfig,
     Llama3RotaryEmbeddingConfig,
     RotaryEmbeddingConfig,

@@ -28,7 +28,7 @@ from axtorch.config.errors import ConfigError
 from axtorch.config.serialize import to_object
 from axtorch.parallel.hardware import detect_hardware_id
 from axtorch.parallel.mesh_rules import select_rule
-from axtorch.parallel.rules import auto_sharding_preset
+from axtorch.parallel.sharding import auto_sharding_preset
 from axtorch.train.experiment import ExperimentConfig
 
 #: The installed package that holds ``conf/`` (setuptools maps the repository's ``conf/`` to it).

@@ -1,4 +1,7 @@
-"""Position encodings applied inside attention. ``PositionConfig`` is the slot type.
+"""Position encodings applied inside attention (RoPE, ALiBi). ``PositionConfig`` is the slot type.
+
+Both encode where keys lie relative to the query; ``position_embedding`` is the other kind, a
+learned table of absolute positions added to the token embeddings before the first layer.
 
 An encoding acts in one or both of two places, the two methods of ``PositionEncoding``: on the
 queries and keys before their dot product (RoPE rotates them), and on the scores after it (ALiBi

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from axtorch.compose.experiment import compose_experiment_config, describe_auto_sharding, load_experiment_config
+from axtorch.compose.experiment_loader import compose_experiment_config, describe_auto_sharding, load_experiment_config
 from axtorch.config.errors import ConfigError
 from axtorch.parallel.mesh import MeshConfig
-from axtorch.parallel.rules import (
+from axtorch.parallel.sharding import (
     ActivationRule,
     ParameterRule,
     ShardingConfig,
