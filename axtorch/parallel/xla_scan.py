@@ -41,9 +41,11 @@ Slot = tuple[int, str, int]
 
 class _ScanStep(nn.Module):
     """One group of consecutive decoder layers as a function of the scan carry
-    ``(hidden_states, positions, aux_loss)``.
+    ``(hidden_states, positions, aux_loss[, segment_ids])``.
 
-    Positions travel as float32 (exact below 2**24), since scan's carry must be differentiable.
+    Positions, and the segment ids of packed documents, travel as float32 (exact below 2**24),
+    since scan's carry must be differentiable; every step hands them on unchanged. Without
+    segment ids the carry has no fourth part, so unpacked rows keep the fused causal kernel.
     """
 
     def __init__(self, layers: Iterable[nn.Module]):
@@ -51,13 +53,19 @@ class _ScanStep(nn.Module):
         self.layers = nn.ModuleList(layers)
 
     def forward(
-        self, hidden_states: torch.Tensor, positions: torch.Tensor, aux_loss: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self,
+        hidden_states: torch.Tensor,
+        positions: torch.Tensor,
+        aux_loss: torch.Tensor,
+        segment_ids: Optional[torch.Tensor] = None,
+    ) -> tuple[torch.Tensor, ...]:
         long_positions = positions.long()
+        long_segments = None if segment_ids is None else segment_ids.long()
         for layer in self.layers:
-            out = layer(TransformerLayerInput(hidden_states, long_positions))
+            out = layer(TransformerLayerInput(hidden_states, long_positions, segment_ids=long_segments))
             hidden_states, aux_loss = out.hidden_states, add_aux_loss(aux_loss, out.aux_loss)
-        return hidden_states, positions.clone(), aux_loss
+        handed_on = () if segment_ids is None else (segment_ids.clone(),)
+        return hidden_states, positions.clone(), aux_loss, *handed_on
 
 
 class LayerScan:
@@ -85,11 +93,6 @@ class LayerScan:
         group (``torch.utils.checkpoint`` does not apply inside a traced scan body). A decode step
         with KV caches runs unrolled: the scan's carry holds no per-layer caches.
         """
-        if inputs.segment_ids is not None:
-            raise ValueError(
-                "execution.layer_runner=scan carries no segment ids: document masking (packed documents) "
-                "runs with the unrolled layer runner"
-            )
         period = decoder.config.period()
         num_groups = len(decoder.layers) // period
         if inputs.kv_caches is not None or num_groups == 0:
@@ -118,10 +121,13 @@ class LayerScan:
 
         partition = default_partition if decoder.remat is None else min_cut_rematerialization_partition
         aux_loss = torch.zeros((), dtype=torch.float32, device=hidden_states.device)
-        carry = (hidden_states, positions.float(), aux_loss)
-        (hidden_states, _, aux_loss), _ = scan(one_group, carry, (stacked, stacked_buffers), partition_fn=partition)
+        segments = () if inputs.segment_ids is None else (inputs.segment_ids.float(),)
+        carry = (hidden_states, positions.float(), aux_loss, *segments)
+        (hidden_states, _, aux_loss, *_), _ = scan(one_group, carry, (stacked, stacked_buffers), partition_fn=partition)
         for layer in decoder.layers[num_groups * period :]:
-            out = decoder.run_layer(layer, TransformerLayerInput(hidden_states, positions))
+            out = decoder.run_layer(
+                layer, TransformerLayerInput(hidden_states, positions, segment_ids=inputs.segment_ids)
+            )
             hidden_states, aux_loss = out.hidden_states, add_aux_loss(aux_loss, out.aux_loss)
         return hidden_states, aux_loss
 

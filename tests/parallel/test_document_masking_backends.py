@@ -1,7 +1,7 @@
 """Document masking (``data.document_masking=true``) gives the same training losses on one device,
 under the native backend (FSDP over 2 gloo processes; and with each sequence split over 2 more,
 context parallelism gathering the keys' documents) and under the xla backend (2 CPU devices, and
-4 with each sequence split over 2)."""
+4 with each sequence split over 2, with the layers unrolled and scanned)."""
 
 import json
 import random
@@ -59,7 +59,12 @@ def test_native_context_parallel_matches_one_device(single):
 @needs_xla
 @pytest.mark.parametrize(
     "name, devices, mesh",
-    [("xla_fsdp2", 2, ("mesh.fsdp=2",)), ("xla_fsdp2_seq2", 4, ("mesh.fsdp=2", "mesh.seq=2"))],
+    [
+        ("xla_fsdp2", 2, ("mesh.fsdp=2",)),
+        ("xla_fsdp2_seq2", 4, ("mesh.fsdp=2", "mesh.seq=2")),
+        # The scanned layers take the segment ids in the scan's carry.
+        ("xla_fsdp2_seq2_scan", 4, ("mesh.fsdp=2", "mesh.seq=2", "execution.layer_runner=scan")),
+    ],
 )
 def test_xla_matches_one_device(single, name, devices, mesh):
     root, cache, data, expected = single

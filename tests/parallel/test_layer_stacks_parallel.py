@@ -61,7 +61,9 @@ def test_pipeline_stages_of_a_stack_keep_each_layers_variant_and_chain_to_the_wh
 @needs_xla
 @pytest.mark.slow
 def test_xla_scan_over_pattern_groups_equals_running_the_layers_unrolled(tmp_path):
-    """7 layers of period 3: two scanned groups, one unrolled layer; the same logits and gradients."""
+    """7 layers of period 3: two scanned groups, one unrolled layer; the same logits and gradients,
+    also of rows packing several documents (segment ids in the scan's carry), which equal one
+    device's without torch_xla."""
     out = tmp_path / "report.json"
     worker = Path(__file__).with_name("xla_layer_groups.py")
     command = [str(XLA_PYTHON), str(worker), str(out)]
@@ -72,3 +74,10 @@ def test_xla_scan_over_pattern_groups_equals_running_the_layers_unrolled(tmp_pat
     assert {name.split(".")[1] for name in report["stacked_names"]} == {"0", "1", "2"}  # a step is one period
     assert report["logits_max_diff"] < 1e-5
     assert report["grads_max_diff"] < 1e-5 * max(1.0, report["grads_max"])
+    print(
+        f"packed rows, scanned vs unrolled and vs one device (logits, gradients): {report['packed_vs_unrolled']}, "
+        f"{report['packed_vs_one_device']}; masking moved the logits by {report['packing_changes_logits']:.3g}"
+    )
+    assert report["packing_changes_logits"] > 1e-3
+    for logits_diff, grads_diff in (report["packed_vs_unrolled"], report["packed_vs_one_device"]):
+        assert logits_diff < 1e-5 and grads_diff < 1e-5 * max(1.0, report["packed_grads_max"])
