@@ -22,10 +22,11 @@ check: $(VENV)/.axtorch-test
 	$(VENV)/bin/ruff format --check axtorch tests benchmarks
 	$(VENV)/bin/mypy axtorch
 
-# One pytest worker per core, each taking whole scheduling groups: a file (so its module fixtures
-# run once) or a finer group a file names (tests/conftest.py). Most tests wait on subprocesses
-# (torchrun, XLA workers, the documented commands) part of the time.
-PARALLEL := -n auto --dist loadgroup
+# One pytest worker per core, each taking whole scheduling groups (tests/conftest.py): a file (so
+# its module fixtures run once) or a finer group named there. The groups start in collection
+# order, which puts slow tests first (xdist would otherwise start the groups with the most tests
+# first). Most tests wait on subprocesses (torchrun, XLA workers, the documented commands) part of the time.
+PARALLEL := -n auto --dist loadgroup --no-loadscope-reorder
 
 test-newest: $(VENV)/.axtorch-test $(OLDEST_VENV)/.axtorch-xla
 	$(VENV)/bin/python -m pytest $(PARALLEL) --durations=15 $(ARGS)

@@ -1,3 +1,5 @@
+from collections.abc import Callable
+
 import pytest
 
 
@@ -56,16 +58,50 @@ def random_hf_model():
     return build
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Slow tests first, and every test in a scheduling group: its file's, unless it names its own.
+#: Tests whose cases run in finer scheduling groups than their file, by the case's id: a documented
+#: command's id is ``<document>:<line>``, and a document's commands share its directory (one group
+#: per document), while different documents share nothing.
+FINER_GROUPS: dict[str, Callable[[str], str]] = {
+    "tests/docs/test_doc_commands.py::test_doc_command": lambda case: case.rpartition(":")[0],
+}
 
-    Under pytest-xdist (``make test``: a worker per core, ``--dist loadgroup``) each group runs
-    whole on one worker, so a file's module fixtures run once; a file that can split (the
-    documented commands, one group per document) names finer groups. The groups holding slow
-    tests start early, and the many short files fill in at the end.
+
+def scheduling_group(nodeid: str) -> str:
+    """The group a test runs in under ``make test``: its file's, or a finer one of FINER_GROUPS.
+
+    Each group runs whole on one pytest-xdist worker, so a file's module fixtures run once and a
+    document's commands run in order in one directory.
     """
+    path, _, rest = nodeid.partition("::")
+    function, _, case = rest.partition("[")
+    split = FINER_GROUPS.get(f"{path}::{function}")
+    return f"{path}::{split(case.removesuffix(']'))}" if split is not None and case else path
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """``--dist loadgroup`` by scheduling_group, on the controller, which sees only node ids.
+
+    pytest-xdist's own loadgroup reads ``xdist_group`` marks on the workers and passes the group
+    on by renaming the item (``item._nodeid``), which pytest 9.2 no longer reads: every test then
+    became its own unit, so two workers each ran a file's module fixture and a document's earlier
+    commands. Groups start in collection order (``--no-loadscope-reorder``; see below).
+    """
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return scheduling_group(nodeid)
+
+    return GroupScheduling(config, log)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Slow tests first, so that the groups holding them start early and the many short files fill
+    in at the end (the scheduler keeps this order under ``--no-loadscope-reorder``)."""
+    marked = [item.nodeid for item in items if item.get_closest_marker("xdist_group") is not None]
+    if marked:  # pytest 9.2 never lets xdist see them (pytest_xdist_make_scheduler above)
+        raise pytest.UsageError(f"xdist_group marks are not read; name the group in FINER_GROUPS: {marked[:3]}")
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))

@@ -166,9 +166,9 @@ def document_runs(tmp_path_factory, doc_home):
     return run_through
 
 
-# One scheduling group per document (``make test`` distributes groups over its workers): a
-# document's commands share its directory, different documents share nothing.
-@pytest.mark.parametrize("command", [pytest.param(c, id=c.id, marks=pytest.mark.xdist_group(c.doc)) for c in COMMANDS])
+# One scheduling group per document (tests/conftest.py's FINER_GROUPS, by the id ``<doc>:<line>``;
+# ``make test`` distributes groups over its workers): a document's commands share its directory.
+@pytest.mark.parametrize("command", COMMANDS, ids=[c.id for c in COMMANDS])
 def test_doc_command(command: DocCommand, document_runs):
     reason = skip_reason(command)
     if reason:

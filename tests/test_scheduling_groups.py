@@ -1,0 +1,53 @@
+"""``make test``'s scheduling groups (tests/conftest.py): each runs whole on one pytest-xdist worker,
+so a file's module fixture runs once, and the documented commands split by document."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import scheduling_group
+
+REPO = Path(__file__).resolve().parents[1]
+#: A module whose fixture notes each set-up, and enough tests for both workers to want some.
+MODULE = """
+import time
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def noted():
+    with open("setups.txt", "a") as setups:
+        setups.write("{name}\\n")
+
+
+@pytest.mark.parametrize("case", range(6))
+def test_case(noted, case):
+    time.sleep(0.1)
+"""
+
+
+def test_a_file_is_a_group_and_the_documented_commands_split_by_document():
+    assert scheduling_group("tests/a/test_x.py::test_y[p-1]") == "tests/a/test_x.py"
+    assert scheduling_group("tests/a/test_x.py::TestC::test_y") == "tests/a/test_x.py"
+    docs = "tests/docs/test_doc_commands.py"
+    assert scheduling_group(f"{docs}::test_doc_command[README.md:84]") == f"{docs}::README.md"
+    assert scheduling_group(f"{docs}::test_doc_command[launch/k8s/README.md:9]") == f"{docs}::launch/k8s/README.md"
+    assert scheduling_group(f"{docs}::test_doc_python_snippet[README.md:120]") == docs
+
+
+def test_make_tests_two_workers_set_up_a_module_fixture_once(tmp_path):
+    """The Makefile's xdist options on two workers (pytest 9.2 once made every test its own unit)."""
+    parallel = re.search(r"^PARALLEL := (.+)$", (REPO / "Makefile").read_text(), re.MULTILINE)
+    assert parallel is not None
+    (tmp_path / "conftest.py").write_text((REPO / "tests" / "conftest.py").read_text())
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    slow: slow\n")
+    for name in ("a", "b"):
+        (tmp_path / f"test_{name}.py").write_text(MODULE.format(name=name))
+    command = [sys.executable, "-m", "pytest", *parallel.group(1).split(), "-n", "2", "-p", "no:cacheprovider", "-q"]
+    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert sorted((tmp_path / "setups.txt").read_text().split()) == ["a", "b"], result.stdout
