@@ -66,7 +66,10 @@ class StageModule(nn.Module):
     """One stage's forward, over the modules of ``model`` (a process's part): a tensor in, a tensor out.
 
     The first stage takes token ids and embeds them; the last returns logits. Positions are
-    0..S-1 (the pipeline does not split sequences).
+    0..S-1 (the pipeline does not split sequences) unless the micro-batch has its own: rows that
+    pack documents (``data.document_masking``) restart them in each, and their ``segment_ids``
+    keep attention within a document. Those two reach every stage beside its activations, as
+    keyword arguments of the schedule, which cuts them into the same micro-batches as the rows.
     """
 
     def __init__(self, model: CausalLM, layers: range, first: bool, last: bool):
@@ -76,20 +79,22 @@ class StageModule(nn.Module):
         self.first = first
         self.last = last
 
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        positions = default_positions(inputs[..., 0] if not self.first else inputs)
+    def forward(
+        self, inputs: torch.Tensor, positions: Optional[torch.Tensor] = None, segment_ids: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        if positions is None:
+            positions = default_positions(inputs[..., 0] if not self.first else inputs)
         hidden = self.model.embed(inputs, positions) if self.first else inputs
         decoder = self.model.decoder
         for name in self.layer_names:
             layer = cast(nn.ModuleDict, decoder.layers)[name]
-            hidden = decoder.run_layer(layer, TransformerLayerInput(hidden, positions)).hidden_states
+            layer_input = TransformerLayerInput(hidden, positions, segment_ids=segment_ids)
+            hidden = decoder.run_layer(layer, layer_input).hidden_states
         return self.model.project(decoder.final_norm(hidden)) if self.last else hidden
 
 
-def _check_one_document_per_row(micro_batch: MicroBatch) -> None:
-    """The stages pass hidden states only: packed documents' segment ids would be dropped."""
-    if "segment_ids" in micro_batch:
-        raise ValueError("pipeline stages take no segment ids: document masking needs mesh pipe=1")
+#: What a micro-batch may hold besides ``input_ids`` and ``labels``, which every stage takes.
+STAGE_KEYWORDS = ("positions", "segment_ids")
 
 
 class Pipeline:
@@ -139,18 +144,16 @@ class Pipeline:
     def train(self, micro_batches: list[MicroBatch], num_targets: torch.Tensor, steps: MicroBatchSteps) -> torch.Tensor:
         """The schedule runs the forwards and backwards of the step's rows (one micro-batch list)."""
         (micro_batch,) = micro_batches
-        _check_one_document_per_row(micro_batch)
         with steps.autocast():
-            sums = self.run(micro_batch["input_ids"], micro_batch["labels"], steps.stage_loss(num_targets), train=True)
+            sums = self.run(micro_batch, steps.stage_loss(num_targets), train=True)
         return sums[0].float()
 
     def evaluate(self, micro_batch: MicroBatch, steps: MicroBatchSteps) -> Optional[torch.Tensor]:
         """None for a short last batch, which the schedule's micro-batches cannot split."""
-        _check_one_document_per_row(micro_batch)
         if len(micro_batch["input_ids"]) % self.microbatches:
             return None
         with steps.autocast():
-            return self.run(micro_batch["input_ids"], micro_batch["labels"], steps.stage_loss(None), train=False)
+            return self.run(micro_batch, steps.stage_loss(None), train=False)
 
     def _schedule(self) -> Any:
         stages = [
@@ -168,18 +171,19 @@ class Pipeline:
         self._sums.append(torch.stack([cross_entropy_sum.detach().double(), targets.double()]))
         return loss
 
-    def run(self, input_ids: torch.Tensor, labels: torch.Tensor, loss_fn: MicroBatchLoss, train: bool) -> torch.Tensor:
+    def run(self, micro_batch: MicroBatch, loss_fn: MicroBatchLoss, train: bool) -> torch.Tensor:
         """Every micro-batch through the stages (with backward when ``train``): ``[cross-entropy sum, targets]``.
 
         The sums are the last stage's, handed to every stage of the group.
         """
         self._loss_fn, self._sums = loss_fn, []
-        args = (input_ids,) if self.has_first else ()
-        target = labels if self.has_last else None
+        args = (micro_batch["input_ids"],) if self.has_first else ()
+        target = micro_batch["labels"] if self.has_last else None
+        keywords = {key: micro_batch[key] for key in STAGE_KEYWORDS if key in micro_batch}
         if train:
-            self.training_schedule.step(*args, target=target)
+            self.training_schedule.step(*args, target=target, **keywords)
         else:
-            self.evaluation_schedule.eval(*args, target=target)
+            self.evaluation_schedule.eval(*args, target=target, **keywords)
         # Newer torch calls the loss once more before the first step's micro-batches, to infer
         # the shapes of the backward.
         last = self._sums[-self.microbatches :]

@@ -13,7 +13,8 @@ from axtorch.layers.attention import AttentionInput
 from axtorch.layers.attention_kernel import SdpaKernel
 from axtorch.layers.attention_mask import CausalMaskConfig, DocumentMask, SlidingWindowMaskConfig
 from axtorch.models.causal_lm import CausalLMInput
-from axtorch.parallel.pipeline import Pipeline
+from axtorch.parallel.pipeline import STAGE_KEYWORDS, StageModule, keep_stages
+from axtorch.parallel.pipeline_config import layer_ranges
 
 EOS = 0
 LENGTHS = (7, 12, 5, 9)  # EOS included: 33 tokens, one row of 32 inputs
@@ -136,9 +137,19 @@ def test_decoding_refuses_segment_ids():
         attention(AttentionInput(x, positions, cache, segments))
 
 
-def test_pipeline_stages_refuse_segment_ids():
-    batch = packed_batch(documents(50))  # the guard runs before any stage is touched
-    with pytest.raises(ValueError, match="document masking needs mesh pipe=1"):
-        Pipeline.train(None, [batch], torch.tensor(1), None)
-    with pytest.raises(ValueError, match="document masking needs mesh pipe=1"):
-        Pipeline.evaluate(None, batch, None)
+def test_pipeline_stages_take_the_segment_ids_and_positions_with_the_activations():
+    """Stages chained as a pipeline runs them, each given the micro-batch's positions and segment
+    ids, give the whole model's logits of a packed row (and not its unmasked ones)."""
+    model = model_for("llama_tiny", "model.tie_embeddings=false", "model.decoder.num_layers=3")
+    batch = packed_batch(documents(model.config.vocab_size))
+    keywords = {key: batch[key] for key in STAGE_KEYWORDS}
+    ranges = layer_ranges(3, 2, [2])
+    hidden = batch["input_ids"]
+    with torch.no_grad():
+        for stage, layers in enumerate(ranges):
+            part = keep_stages(model, ranges, [stage])
+            hidden = StageModule(part, layers, first=stage == 0, last=stage == 1)(hidden, **keywords)
+        whole = model(CausalLMInput(batch["input_ids"], **keywords)).logits
+        unmasked = model(CausalLMInput(batch["input_ids"])).logits
+    torch.testing.assert_close(hidden, whole, rtol=1e-12, atol=1e-12)
+    assert (whole - unmasked).abs().max() > 1e-3

@@ -1,7 +1,7 @@
 """Document masking (``data.document_masking=true``) gives the same training losses on one device,
 under the native backend (FSDP over 2 gloo processes; and with each sequence split over 2 more,
-context parallelism gathering the keys' documents) and under the xla backend (2 CPU devices, and
-4 with each sequence split over 2, with the layers unrolled and scanned)."""
+context parallelism gathering the keys' documents; and over 2 pipeline stages) and under the xla
+backend (2 CPU devices, and 4 with each sequence split over 2, with the layers unrolled and scanned)."""
 
 import json
 import random
@@ -54,6 +54,15 @@ def test_native_context_parallel_matches_one_device(single):
     overrides = debug_overrides(root / "native_seq2", cache, "backend=native", "mesh.fsdp=2", "mesh.seq=2", *data)
     run_torchrun(4, str(NATIVE_WORKER), str(root / "native_seq2"), str(STEPS), *overrides)
     assert_same_losses(root / "native_seq2", expected)
+
+
+def test_native_pipeline_matches_one_device(single):
+    """2 stages under 1F1B over 4 micro-batches: the stages take each micro-batch's segment ids and
+    positions with its activations."""
+    root, cache, data, expected = single
+    overrides = debug_overrides(root / "pp2", cache, "backend=native", "mesh.pipe=2", *data)
+    run_torchrun(2, str(NATIVE_WORKER), str(root / "pp2"), str(STEPS), *overrides)
+    assert_same_losses(root / "pp2", expected)
 
 
 @needs_xla
