@@ -12,11 +12,9 @@ from omegaconf import MISSING
 from axtorch.config.errors import ConfigError
 from axtorch.data.sources import (
     ROW_READERS,
-    FieldToDocument,
     PartitionedSource,
+    RowFiles,
     SourceConfig,
-    files_fingerprint,
-    require_text,
     resolve_globs,
 )
 
@@ -37,24 +35,16 @@ class ParquetSource(PartitionedSource):
     and reads only the group it stopped in. Memory is one row group's column, whatever the corpus.
     """
 
-    def __init__(
-        self,
-        files: list[Path],
-        text_field: str,
-        document_of: FieldToDocument = require_text,
-        field_key: str = "data.source.text_field",
-    ):
+    def __init__(self, rows: RowFiles):
         parquet = _pyarrow_parquet()
-        self.files = files
-        self.text_field = text_field
-        self.document_of = document_of
+        self.rows = rows
         #: (file, row group in it, rows) of every row group, in order.
         self.row_groups: list[tuple[Path, int, int]] = []
-        for path in files:
+        for path in rows.files:
             metadata = parquet.ParquetFile(path).metadata
             columns = metadata.schema.to_arrow_schema().names  # top-level: a column of messages is nested
-            if text_field not in columns:
-                raise ConfigError(field_key, text_field, f"a column of {path}: {columns}")
+            if rows.field not in columns:
+                raise ConfigError(rows.field_key, rows.field, f"a column of {path}: {columns}")
             self.row_groups += [
                 (path, group, metadata.row_group(group).num_rows) for group in range(metadata.num_row_groups)
             ]
@@ -66,14 +56,14 @@ class ParquetSource(PartitionedSource):
             if consumed + rows <= position:
                 consumed += rows
                 continue
-            texts = parquet.ParquetFile(path).read_row_group(group, columns=[self.text_field]).column(0).to_pylist()
+            texts = parquet.ParquetFile(path).read_row_group(group, columns=[self.rows.field]).column(0).to_pylist()
             for offset in range(max(position - consumed, 0), rows):
                 where = f"{path}: row group {group}, row {offset}"
-                yield self.document_of(texts[offset], self.text_field, where), consumed + offset + 1
+                yield self.rows.document(texts[offset], where), consumed + offset + 1
             consumed += rows
 
     def fingerprint(self) -> str:
-        return files_fingerprint("parquet", self.files, text_field=self.text_field)
+        return self.rows.fingerprint("parquet")
 
 
 ROW_READERS[".parquet"] = ParquetSource
@@ -88,7 +78,7 @@ class ParquetSourceConfig(SourceConfig):
     streaming: bool = False
 
     def build(self) -> ParquetSource:
-        return ParquetSource(resolve_globs(self.paths, "data.source.paths"), self.text_field)
+        return ParquetSource(RowFiles(resolve_globs(self.paths, "data.source.paths"), self.text_field))
 
     def build_streaming(self) -> Optional[ParquetSource]:
         return self.build() if self.streaming else None

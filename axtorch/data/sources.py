@@ -108,6 +108,23 @@ def require_text(value: Any, field: str, where: str) -> str:
 FieldToDocument = Callable[[Any, str, str], str]
 
 
+@dataclass(frozen=True)
+class RowFiles:
+    """What a reader of files of rows (``JsonlSource``, ``ParquetSource``) reads: the files in order,
+    and how each row's ``field`` (config key ``field_key``, named in errors) becomes one document."""
+
+    files: list[Path]
+    field: str
+    document_of: FieldToDocument = require_text
+    field_key: str = "data.source.text_field"
+
+    def document(self, value: Any, where: str) -> str:
+        return self.document_of(value, self.field, where)
+
+    def fingerprint(self, kind: str) -> str:
+        return files_fingerprint(kind, self.files, text_field=self.field)
+
+
 @dataclass
 class SourceConfig:
     """Marker base for the polymorphic ``data.source`` slot; each subclass builds one kind of source."""
@@ -223,26 +240,17 @@ class JsonlSource(PartitionedSource):
     nobody else's lines. A position is the bytes of the part consumed, always at a line start.
     """
 
-    def __init__(
-        self,
-        files: list[Path],
-        text_field: str,
-        document_of: FieldToDocument = require_text,
-        field_key: str = "data.source.text_field",
-    ):
-        self.files = files
-        self.text_field = text_field
-        self.document_of = document_of
-        self.field_key = field_key
+    def __init__(self, rows: RowFiles):
+        self.rows = rows
         self._file_starts = [0]
-        for path in files:
+        for path in rows.files:
             self._file_starts.append(self._file_starts[-1] + path.stat().st_size)
 
     def read_part(self, part: int, parts: int, position: int) -> Iterator[tuple[str, int]]:
         total = self._file_starts[-1]
         begin, end = total * part // parts, total * (part + 1) // parts
         at = begin + position
-        for index, path in enumerate(self.files):
+        for index, path in enumerate(self.rows.files):
             file_start, file_end = self._file_starts[index], self._file_starts[index + 1]
             if file_end <= at or file_start == file_end:
                 continue
@@ -271,13 +279,14 @@ class JsonlSource(PartitionedSource):
             record = json.loads(line.decode("utf-8", errors="replace"))
         except json.JSONDecodeError as error:
             raise ValueError(f"{where}: not valid JSON ({error.msg})") from error
-        if not isinstance(record, dict) or self.text_field not in record:
+        field = self.rows.field
+        if not isinstance(record, dict) or field not in record:
             fields = sorted(record) if isinstance(record, dict) else type(record).__name__
-            raise ValueError(f"{where}: no field {self.text_field!r} ({self.field_key}); found {fields}")
-        return self.document_of(record[self.text_field], self.text_field, where)
+            raise ValueError(f"{where}: no field {field!r} ({self.rows.field_key}); found {fields}")
+        return self.rows.document(record[field], where)
 
     def fingerprint(self) -> str:
-        return files_fingerprint("jsonl", self.files, text_field=self.text_field)
+        return self.rows.fingerprint("jsonl")
 
 
 @dataclass
@@ -289,15 +298,15 @@ class JsonlSourceConfig(SourceConfig):
     streaming: bool = False
 
     def build(self) -> JsonlSource:
-        return JsonlSource(resolve_globs(self.paths, "data.source.paths"), self.text_field)
+        return JsonlSource(RowFiles(resolve_globs(self.paths, "data.source.paths"), self.text_field))
 
     def build_streaming(self) -> Optional[JsonlSource]:
         return self.build() if self.streaming else None
 
 
-#: How files of rows are read, by suffix: ``(files, field, document_of) -> source`` (Parquet
-#: registers itself in ``parquet.py``); any other suffix is JSON lines.
-ROW_READERS: dict[str, Callable[[list[Path], str, FieldToDocument, str], PartitionedSource]] = {}
+#: How files of rows are read, by suffix (Parquet registers itself in ``parquet.py``); any other
+#: suffix is JSON lines.
+ROW_READERS: dict[str, Callable[[RowFiles], PartitionedSource]] = {}
 
 
 def read_rows(files: list[Path], field: str, document_of: FieldToDocument, field_key: str) -> PartitionedSource:
@@ -307,7 +316,7 @@ def read_rows(files: list[Path], field: str, document_of: FieldToDocument, field
     if len(readers) > 1:
         raise ConfigError("data.source.paths", [str(file) for file in files], "files of one format (by suffix)")
     (reader,) = readers
-    return reader(files, field, document_of, field_key)
+    return reader(RowFiles(files, field, document_of, field_key))
 
 
 class HFDatasetSource(PartitionedSource):
