@@ -24,8 +24,9 @@ check: $(VENV)/.axtorch-test
 
 # One pytest worker per core, each taking whole scheduling groups (tests/conftest.py): a file (so
 # its module fixtures run once) or a finer group named there. The groups start in collection
-# order, which puts slow tests first (xdist would otherwise start the groups with the most tests
-# first). Most tests wait on subprocesses (torchrun, XLA workers, the documented commands) part of the time.
+# order, which puts the groups with the most slow tests first (xdist would otherwise start the
+# groups with the most tests first). Most tests wait on subprocesses (torchrun, XLA workers, the
+# documented commands) part of the time.
 PARALLEL := -n auto --dist loadgroup --no-loadscope-reorder
 
 test-newest: $(VENV)/.axtorch-test $(OLDEST_VENV)/.axtorch-xla

@@ -1,12 +1,22 @@
+import os
+from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
 
-@pytest.fixture
-def data_cache(tmp_path_factory):
-    """One tokenized-corpus cache shared by a test module's runs, isolated from the user's."""
-    return tmp_path_factory.getbasetemp() / "data-cache"
+@pytest.fixture(scope="session")
+def data_cache(tmp_path_factory) -> Path:
+    """One tokenized-corpus cache for the whole run, isolated from the user's.
+
+    Under pytest-xdist the workers share it too (their base directories sit side by side): the
+    debug corpus is tokenized once, not once per worker and per multi-process set-up. Entries are
+    written atomically, meta.json last, and tokenizing is deterministic, so a race between two
+    writers leaves the same files.
+    """
+    base = tmp_path_factory.getbasetemp()
+    return (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "data-cache"
 
 
 @pytest.fixture
@@ -85,7 +95,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
     pytest-xdist's own loadgroup reads ``xdist_group`` marks on the workers and passes the group
     on by renaming the item (``item._nodeid``), which pytest 9.2 no longer reads: every test then
     became its own unit, so two workers each ran a file's module fixture and a document's earlier
-    commands. Groups start in collection order (``--no-loadscope-reorder``; see below).
+    commands. Groups start in collection order (``--no-loadscope-reorder``), set below.
     """
     if config.getvalue("dist") != "loadgroup":
         return None
@@ -99,9 +109,11 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Slow tests first, so that the groups holding them start early and the many short files fill
-    in at the end (the scheduler keeps this order under ``--no-loadscope-reorder``)."""
+    """The groups with the most slow tests first, each in its own order, so that the longest
+    (a document's commands, a multi-process set-up) start at once and the many short files fill in
+    at the end (the scheduler keeps this order: ``--no-loadscope-reorder``)."""
     marked = [item.nodeid for item in items if item.get_closest_marker("xdist_group") is not None]
     if marked:  # pytest 9.2 never lets xdist see them (pytest_xdist_make_scheduler above)
         raise pytest.UsageError(f"xdist_group marks are not read; name the group in FINER_GROUPS: {marked[:3]}")
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    slow = Counter(scheduling_group(item.nodeid) for item in items if item.get_closest_marker("slow") is not None)
+    items.sort(key=lambda item: -slow[scheduling_group(item.nodeid)])

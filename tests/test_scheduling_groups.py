@@ -39,14 +39,30 @@ def test_a_file_is_a_group_and_the_documented_commands_split_by_document():
     assert scheduling_group(f"{docs}::test_doc_python_snippet[README.md:120]") == docs
 
 
+def _suite(directory: Path, slow: dict[str, bool]) -> None:
+    """The real conftest and a MODULE per name, marked slow or not."""
+    (directory / "conftest.py").write_text((REPO / "tests" / "conftest.py").read_text())
+    (directory / "pytest.ini").write_text("[pytest]\nmarkers =\n    slow: slow\n")
+    for name, is_slow in slow.items():
+        mark = "pytestmark = pytest.mark.slow\n" if is_slow else ""
+        (directory / f"test_{name}.py").write_text(MODULE.format(name=name) + mark)
+
+
+def test_the_group_with_the_most_slow_tests_comes_first_in_its_own_order(tmp_path):
+    _suite(tmp_path, {"b": True, "c": False})
+    (tmp_path / "test_a.py").write_text("import pytest\n\n\n@pytest.mark.slow\ndef test_one():\n    pass\n")
+    command = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-p", "no:xdist"]
+    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    ids = [line for line in result.stdout.splitlines() if "::" in line]
+    six = [f"test_case[{i}]" for i in range(6)]
+    assert ids == [f"test_b.py::{t}" for t in six] + ["test_a.py::test_one"] + [f"test_c.py::{t}" for t in six]
+
+
 def test_make_tests_two_workers_set_up_a_module_fixture_once(tmp_path):
     """The Makefile's xdist options on two workers (pytest 9.2 once made every test its own unit)."""
     parallel = re.search(r"^PARALLEL := (.+)$", (REPO / "Makefile").read_text(), re.MULTILINE)
     assert parallel is not None
-    (tmp_path / "conftest.py").write_text((REPO / "tests" / "conftest.py").read_text())
-    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    slow: slow\n")
-    for name in ("a", "b"):
-        (tmp_path / f"test_{name}.py").write_text(MODULE.format(name=name))
+    _suite(tmp_path, {"a": False, "b": False})
     command = [sys.executable, "-m", "pytest", *parallel.group(1).split(), "-n", "2", "-p", "no:cacheprovider", "-q"]
     result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr

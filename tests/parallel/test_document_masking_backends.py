@@ -21,14 +21,14 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory) -> tuple[Path, Path, list[str], list[float]]:
+def single(tmp_path_factory, data_cache) -> tuple[Path, Path, list[str], list[float]]:
     """(root, data cache, the data overrides, one device's losses with document masking)."""
     root = tmp_path_factory.mktemp("document_masking")
     rng = random.Random(0)  # documents of 3 to 30 words: several in each row of 64 tokens
     texts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 30))) for _ in range(400)]
     (root / "docs.jsonl").write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
     data = ("data=jsonl", f"data.source.paths=[{root / 'docs.jsonl'}]")
-    cache = root / "cache"
+    cache = data_cache
     train_on_one_device(root / "single", cache, *data, MASKED)
     train_on_one_device(root / "unmasked", cache, *data)
     masked, unmasked = train_losses(root / "single"), train_losses(root / "unmasked")

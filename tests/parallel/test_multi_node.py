@@ -90,11 +90,11 @@ def _lose_a_node_then_rerun(run_dir: Path, cache: Path, start: Callable[..., lis
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, data_cache):
     """One device's uninterrupted run; two 2-node runs, their checkpoints resumed on other node counts;
     beside them, a 2-node run that loses a node, then is run again."""
     root = tmp_path_factory.mktemp("multi_node")
-    cache = root / "cache"
+    cache = data_cache
     started: list[Node] = []
 
     def start(*args, **options) -> list[Node]:

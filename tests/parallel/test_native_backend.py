@@ -28,10 +28,10 @@ def _torchrun(processes: int, out: Path, until: int, overrides: list[str]) -> li
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, data_cache):
     """One single-device run and the distributed runs of the same experiment, STEPS steps each."""
     root = tmp_path_factory.mktemp("native")
-    cache = root / "cache"
+    cache = data_cache
     train_on_one_device(root / "single", cache)
     # Plain fsdp=2 runs in the kill, preemption and launcher tests; here FSDP is in every row.
     reports = {
@@ -113,10 +113,10 @@ def test_sharded_checkpoint_equals_the_single_device_one(runs):
 
 
 @pytest.mark.slow
-def test_checkpoint_moves_between_meshes_and_training_continues_alike(runs, tmp_path):
+def test_checkpoint_moves_between_meshes_and_training_continues_alike(runs, tmp_path, data_cache):
     """fsdp=2 x model=2 -> 2 pipeline stages x fsdp=2, and those stages -> one device; 3 more steps each."""
     root, _ = runs
-    cache = root / "cache"
+    cache = data_cache
     to_native = tmp_path / "to_native"
     to_single = tmp_path / "to_single"
     shutil.copytree(root / "fsdp2_tp2" / "checkpoints", to_native / "checkpoints")
@@ -134,13 +134,13 @@ def test_checkpoint_moves_between_meshes_and_training_continues_alike(runs, tmp_
     torch.testing.assert_close(torch.tensor(train_losses(to_single)), torch.tensor(reference), rtol=1e-5, atol=1e-5)
 
 
-def test_launcher_runs_native_training_and_rejects_a_mesh_that_does_not_fit(tmp_path):
+def test_launcher_runs_native_training_and_rejects_a_mesh_that_does_not_fit(tmp_path, data_cache):
     """launch/torchrun_single_node.sh with 2 CPU processes: a run that fits, and one that does not."""
     launcher = Path(__file__).resolve().parents[2] / "launch" / "torchrun_single_node.sh"
     env = {**os.environ, "NPROC": "2", "TORCHRUN": str(TORCHRUN_EXECUTABLE)}
 
     def launch(run: str, *extra: str) -> subprocess.CompletedProcess:
-        overrides = debug_overrides(tmp_path / run, tmp_path / "cache", "backend=native", *extra)
+        overrides = debug_overrides(tmp_path / run, data_cache, "backend=native", *extra)
         return subprocess.run([str(launcher), *overrides], capture_output=True, text=True, timeout=300, env=env)
 
     fits = launch("fits", "mesh.fsdp=2", "sharding=fsdp")
@@ -169,12 +169,12 @@ def test_launcher_runs_native_training_and_rejects_a_mesh_that_does_not_fit(tmp_
     ids=["bf16", "float8"],
 )
 def test_a_low_precision_policy_shards_with_fsdp_and_trains_as_one_device_does(
-    tmp_path, override, report_key, expected, tolerance
+    tmp_path, data_cache, override, report_key, expected, tolerance
 ):
     """Under fsdp=2 the layers compute as the policy says, the checkpoint and the optimizer stay fp32."""
     if override.startswith("model/float8"):
         pytest.importorskip("torchao.float8")
-    cache = tmp_path / "cache"
+    cache = data_cache
     train_on_one_device(tmp_path / "single", cache, override)
     reports = _torchrun(
         2,

@@ -49,8 +49,8 @@ CAPACITY = "model.decoder.layer.feed_forward.capacity_factor=1.0"
     ],
     ids=["fsdp2_tp2", "fsdp2_ep2", "hsdp2_ep2_capacity"],
 )
-def test_mixture_of_experts_losses_match_a_single_device(processes, mesh, one_device, tmp_path):
-    cache = tmp_path / "cache"
+def test_mixture_of_experts_losses_match_a_single_device(processes, mesh, one_device, tmp_path, data_cache):
+    cache = data_cache
     train_on_one_device(tmp_path / "single", cache, *MOE, *one_device)
     out = tmp_path / "distributed"
     run_torchrun(

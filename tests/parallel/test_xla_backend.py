@@ -27,9 +27,9 @@ def _xla(devices: int, out: Path, until: int, overrides: list[str]) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, data_cache):
     root = tmp_path_factory.mktemp("xla")
-    cache = root / "cache"
+    cache = data_cache
     train_on_one_device(root / "single", cache)
     reports = {
         "xla1": _xla(1, root / "xla1.json", STEPS, debug_overrides(root / "xla1", cache)),
@@ -127,10 +127,10 @@ def test_context_parallel_devices_hold_a_block_of_rows_and_of_each_sequence(runs
 
 
 @pytest.mark.slow
-def test_xla_checkpoint_resumes_under_native_and_on_one_device(runs, tmp_path):
+def test_xla_checkpoint_resumes_under_native_and_on_one_device(runs, tmp_path, data_cache):
     """XLA fsdp=4 -> native torchrun fsdp=2 (2 processes) -> one device: same losses as never stopping."""
     root, _ = runs
-    cache = root / "cache"
+    cache = data_cache
     name = f"step_{STEPS:08d}"
     index = read_index(root / "xla_fsdp4" / "checkpoints" / name)
     assert len(index["decoder.layers.0.attention.q_proj.weight"]["pieces"]) == 4  # one block per device
@@ -169,8 +169,8 @@ _SMALL_MOE = [
 
 
 @pytest.mark.slow
-def test_expert_parallel_moe_matches_one_device_with_experts_split_over_the_expert_axis(tmp_path):
-    cache = tmp_path / "cache"
+def test_expert_parallel_moe_matches_one_device_with_experts_split_over_the_expert_axis(tmp_path, data_cache):
+    cache = data_cache
     train_on_one_device(tmp_path / "single", cache, *_SMALL_MOE)
     report = _xla(
         4,
@@ -188,11 +188,11 @@ def test_expert_parallel_moe_matches_one_device_with_experts_split_over_the_expe
 
 
 @pytest.mark.slow
-def test_a_sigterm_under_xla_finishes_the_step_saves_and_exits_0(tmp_path):
+def test_a_sigterm_under_xla_finishes_the_step_saves_and_exits_0(tmp_path, data_cache):
     """One host, 4 devices (fsdp=4): the signal ends the run at a step boundary with a valid checkpoint."""
     env = xla_env(4)
     run_dir = tmp_path / "run"
-    overrides = debug_overrides(run_dir, tmp_path / "cache", "mesh.fsdp=4", "sharding=fsdp", "trainer.max_steps=500")
+    overrides = debug_overrides(run_dir, data_cache, "mesh.fsdp=4", "sharding=fsdp", "trainer.max_steps=500")
     command = [str(XLA_PYTHON), "-m", "axtorch.train", "backend=xla", *overrides]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     wait_for_steps(process, run_dir)

@@ -40,11 +40,11 @@ _HOST_FILES = {
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, data_cache):
     """One device to step 8; 2 hosts to step 5 (saving asynchronously, over the side channel);
     their checkpoint resumed to step 8 on one xla host and on the single backend."""
     root = tmp_path_factory.mktemp("xla_hosts")
-    cache = root / "cache"
+    cache = data_cache
     train_on_one_device(root / "single", cache)
     hosts = run_worker(
         DEVICES,
@@ -78,10 +78,10 @@ def test_two_hosts_train_as_one_device(runs):
 
 @needs_xla
 @pytest.mark.slow
-def test_each_host_feeds_the_rows_of_its_own_devices(runs):
+def test_each_host_feeds_the_rows_of_its_own_devices(runs, data_cache):
     """Host i's devices hold rows [8i, 8i + 8) of the 16-row batch over fsdp=4: its loader gave exactly those."""
     root, hosts, _ = runs
-    config = load_experiment_config(debug_overrides(root / "single", root / "cache"))
+    config = load_experiment_config(debug_overrides(root / "single", data_cache))
     batch_size = config.trainer.batch_size
     first = next(build_data(config.data).train_batches(batch_size))["input_ids"]
     per_host = batch_size // HOSTS
@@ -132,10 +132,10 @@ def test_the_two_hosts_checkpoint_resumes_on_one_xla_host_and_on_one_device(runs
 
 @needs_xla
 @pytest.mark.slow
-def test_a_sigterm_to_one_host_stops_both_at_the_same_step_with_one_checkpoint(tmp_path):
+def test_a_sigterm_to_one_host_stops_both_at_the_same_step_with_one_checkpoint(tmp_path, data_cache):
     """Only host 1 is signalled; both hosts agree on the step, save together and exit 0."""
     run_dir = tmp_path / "run"
-    overrides = debug_overrides(run_dir, tmp_path / "cache", *_FSDP4, "trainer.max_steps=500")
+    overrides = debug_overrides(run_dir, data_cache, *_FSDP4, "trainer.max_steps=500")
     command = [*torchrun(HOSTS, XLA_PYTHON), "-m", "axtorch.train", "backend=xla", *overrides]
     launcher = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=xla_env(DEVICES, HOSTS), cwd=ROOT
@@ -167,10 +167,10 @@ def test_hosts_come_from_the_runtime_unless_a_simulation_asks_for_torchrun_ranks
 
 
 @needs_xla
-def test_a_mesh_whose_rows_do_not_split_over_the_hosts_is_refused_before_the_hosts_meet(tmp_path):
+def test_a_mesh_whose_rows_do_not_split_over_the_hosts_is_refused_before_the_hosts_meet(tmp_path, data_cache):
     """Host 0 of 2, 1 device each, model=2: every row is on both devices, so no host has rows of its own.
     The refusal comes before the gloo rendezvous, so host 0 alone (torchrun's variables set by hand) says it."""
-    overrides = debug_overrides(tmp_path / "run", tmp_path / "cache", "mesh.model=2", "sharding=fsdp_tp")
+    overrides = debug_overrides(tmp_path / "run", data_cache, "mesh.model=2", "sharding=fsdp_tp")
     torchrun_said = {"RANK": "0", "WORLD_SIZE": str(HOSTS), "MASTER_ADDR": "localhost", "MASTER_PORT": "1"}
     env = {**xla_env(HOSTS, HOSTS), **torchrun_said}
     command = [str(XLA_PYTHON), "-m", "axtorch.train", "backend=xla", *overrides]
