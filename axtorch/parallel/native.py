@@ -33,6 +33,7 @@ import importlib
 import math
 import os
 import warnings
+from collections.abc import Sequence
 from typing import Any, Optional
 
 import torch
@@ -71,7 +72,10 @@ class NativeBackend(HostFedBackend):
         pipeline: Optional[PipelineConfig] = None,
         gather_dtype: Optional[torch.dtype] = None,
         reduce_dtype: Optional[torch.dtype] = None,
+        layer_costs: Optional[Sequence[int]] = None,
     ):
+        """``layer_costs``: each decoder layer's cost, which pipeline stages balance (``layer_ranges``;
+        None: the layers cost the same)."""
         if device_type in _DEVICE_PLUGINS:
             importlib.import_module(_DEVICE_PLUGINS[device_type])  # registers the device and its collectives
         if not dist.is_initialized():
@@ -107,6 +111,7 @@ class NativeBackend(HostFedBackend):
         self.seq_rank = coordinate["seq"]
         self.pipe_rank = coordinate["pipe"]
         self.pipeline_config = pipeline or PipelineConfig()
+        self.layer_costs = layer_costs
         # Parameters stay fp32 in their shards (the optimizer's); FSDP casts what it gathers.
         self.mixed_precision = MixedPrecisionPolicy(param_dtype=gather_dtype, reduce_dtype=reduce_dtype)
         self.runner: StepRunner = WholeModel()  # a Pipeline once ``parallelize`` keeps this process's stages
@@ -129,7 +134,8 @@ class NativeBackend(HostFedBackend):
         pipe = self.sizes["pipe"]
         if pipe > 1:
             config = self.pipeline_config
-            ranges = layer_ranges(model.config.decoder.num_layers, config.num_stages(pipe), config.split_points)
+            costs = self.layer_costs or [1] * model.config.decoder.num_layers
+            ranges = layer_ranges(costs, config.num_stages(pipe), config.split_points)
             stages = stages_of_process(self.pipe_rank, pipe, config.stages_per_process)
             model = keep_stages(model, ranges, stages)
         if self.sizes["model"] > 1:
@@ -162,20 +168,14 @@ class NativeBackend(HostFedBackend):
                     "false with tensor parallelism over mesh.model",
                     reason="a tied, vocab-parallel table cannot also serve as the output head yet",
                 )
+            placed = (module, module_name, specs, tp_mesh)
             if is_embedding:
-                _distribute(module, tp_mesh, weight_dim=dim, bias=None, inputs=Replicate(), outputs=Replicate())
+                _distribute(*placed, inputs=Replicate(), outputs=Replicate())
             elif dim == 0:  # column-parallel
                 gather = module is model.lm_head  # the output head: the loss needs whole logits
-                _distribute(
-                    module,
-                    tp_mesh,
-                    weight_dim=0,
-                    bias=Shard(0),
-                    inputs=Replicate(),
-                    outputs=Replicate() if gather else Shard(-1),
-                )
+                _distribute(*placed, inputs=Replicate(), outputs=Replicate() if gather else Shard(-1))
             else:  # row-parallel
-                _distribute(module, tp_mesh, weight_dim=1, bias=Replicate(), inputs=Shard(-1), outputs=Replicate())
+                _distribute(*placed, inputs=Shard(-1), outputs=Replicate())
 
     def _apply_context_parallel(self, model: nn.Module) -> None:
         fill_seams(model, SequenceExchange, GatheredSequence(self.mesh["seq"].get_group()))
@@ -199,7 +199,8 @@ class NativeBackend(HostFedBackend):
                     )
                 fsdp_dim = next((i for i, axes in enumerate(spec) if axes and "fsdp" in axes), None)
                 placements = [Replicate(), Replicate() if fsdp_dim is None else Shard(fsdp_dim), Shard(0)]
-                experts.register_parameter(param_name, nn.Parameter(distribute_tensor(param, mesh, placements)))
+                tensor = distribute_tensor(param, mesh, placements)  # a frozen base (model/adapter) stays frozen
+                experts.register_parameter(param_name, nn.Parameter(tensor, requires_grad=param.requires_grad))
                 self._expert_parameters.add(experts.get_parameter(param_name))
         fill_seams(model, ExpertCompute, compute)
 
@@ -345,13 +346,27 @@ def _init_process_group(backend: Optional[str]) -> None:
     )
 
 
-def _distribute(module: nn.Module, mesh: DeviceMesh, *, weight_dim: int, bias, inputs, outputs) -> None:
-    """Shard ``module``'s weight (and bias) over ``mesh`` and convert its tensor input/output."""
+def _model_placement(spec: PartitionSpec) -> Shard | Replicate:
+    """A parameter's placement over the ``model`` axis: split on the dimension its spec assigns to ``model``."""
+    dim = next((i for i, axes in enumerate(spec) if axes and "model" in axes), None)
+    return Replicate() if dim is None else Shard(dim)
+
+
+def _distribute(
+    module: nn.Module, module_name: str, specs: dict[str, PartitionSpec], mesh: DeviceMesh, *, inputs, outputs
+) -> None:
+    """Shard ``module``'s parameters over ``mesh`` as their specs say and convert its tensor input/output.
+
+    Its children's too: a LoRA adapter (``Linear.adapter``) splits with its base (``conf/sharding/fsdp_tp.yaml``)
+    and runs on the same DTensor input. A frozen parameter stays frozen.
+    """
 
     def partition(name: str, mod: nn.Module, device_mesh: DeviceMesh) -> None:
+        prefix = f"{module_name}.{name}" if name else module_name
         for param_name, param in list(mod.named_parameters(recurse=False)):
-            placement = Shard(weight_dim) if param_name == "weight" else bias
-            mod.register_parameter(param_name, nn.Parameter(distribute_tensor(param, device_mesh, [placement])))
+            placement = _model_placement(specs[f"{prefix}.{param_name}"])
+            tensor = distribute_tensor(param, device_mesh, [placement])
+            mod.register_parameter(param_name, nn.Parameter(tensor, requires_grad=param.requires_grad))
 
     def prepare_input(mod, args, device_mesh):
         (x,) = args

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import itertools
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
@@ -26,7 +27,8 @@ class PipelineConfig:
     #: Stages each process holds; ``interleaved_1f1b`` needs 2 or more, the others 1.
     stages_per_process: int = 1
     #: The first layer of each stage after the first (``stages - 1`` increasing indices); null
-    #: splits the layers as evenly as they go, the extra ones to the first stages.
+    #: splits the layers by their cost (``layer_ranges``): as evenly as they go in a uniform
+    #: stack, the extra ones to the first stages.
     split_points: Optional[list[int]] = None
 
     def num_stages(self, pipe: int) -> int:
@@ -72,29 +74,76 @@ class PipelineConfig:
                 f"at least the {stages} stages, dividing the {rows_per_replica} rows of each data-parallel replica",
                 reason="every stage needs a micro-batch in flight, and micro-batches are equal cuts of the rows",
             )
-        layer_ranges(num_layers, stages, self.split_points, f"{key}.split_points")
+        check_split(num_layers, stages, self.split_points, f"{key}.split_points")
 
 
-def layer_ranges(
-    num_layers: int, stages: int, split_points: Optional[list[int]], key: str = "pipeline.split_points"
-) -> list[range]:
-    """The layers of each stage: at ``split_points``, or as even as ``num_layers`` allows."""
+def check_split(num_layers: int, stages: int, split_points: Optional[list[int]], key: str) -> None:
+    """Every stage gets at least one layer: ``num_layers`` suffices, and ``split_points`` (if given) fit."""
     if split_points is None:
         if num_layers < stages:
             raise ConfigError("model.decoder.num_layers", num_layers, f"at least the {stages} pipeline stages")
-        base, extra = divmod(num_layers, stages)
-        sizes = [base + (stage < extra) for stage in range(stages)]
-        starts = [sum(sizes[:stage]) for stage in range(stages)]
-    else:
-        starts = [0, *split_points]
-        if len(split_points) != stages - 1 or any(b <= a for a, b in zip(starts, [*starts[1:], num_layers])):
-            raise ConfigError(
-                key,
-                list(split_points),
-                f"{stages - 1} increasing layer indices between 1 and {num_layers - 1}",
-                reason=f"{stages} stages of at least one layer each over {num_layers} layers",
-            )
+        return
+    starts = [0, *split_points]
+    if len(split_points) != stages - 1 or any(b <= a for a, b in zip(starts, [*starts[1:], num_layers])):
+        raise ConfigError(
+            key,
+            list(split_points),
+            f"{stages - 1} increasing layer indices between 1 and {num_layers - 1}",
+            reason=f"{stages} stages of at least one layer each over {num_layers} layers",
+        )
+
+
+def layer_ranges(
+    layer_costs: Sequence[int], stages: int, split_points: Optional[list[int]], key: str = "pipeline.split_points"
+) -> list[range]:
+    """The layers of each stage: at ``split_points``, or split by ``layer_costs`` (one per layer,
+    e.g. ``axtorch.train.flops.layer_flops_per_token``) into ``balanced_starts``."""
+    num_layers = len(layer_costs)
+    check_split(num_layers, stages, split_points, key)
+    starts = balanced_starts(layer_costs, stages) if split_points is None else [0, *split_points]
     return [range(start, end) for start, end in zip(starts, [*starts[1:], num_layers])]
+
+
+def balanced_starts(layer_costs: Sequence[int], stages: int) -> list[int]:
+    """The first layer of each of ``stages`` contiguous stages whose largest cost is the least it can be.
+
+    A step waits for its slowest stage, so that largest cost is what a split decides. Among the
+    splits that reach it, the most even (the least sum of squared stage costs) is taken, and
+    among those the one whose earlier stages are longer: equal costs thus give exactly the even
+    split by layer count, the extra layers to the first stages. Integer costs keep ties exact.
+    Dynamic programming over suffixes, O(stages x layers^2).
+    """
+    num_layers = len(layer_costs)
+    prefix = list(itertools.accumulate(layer_costs, initial=0))
+
+    def cost(start: int, end: int) -> int:
+        return prefix[end] - prefix[start]
+
+    def ends(start: int, remaining: int) -> range:
+        """Where a stage from ``start`` may end, the longest first, leaving a layer to each of ``remaining`` stages."""
+        return range(num_layers - remaining, start, -1)
+
+    # largest[s][i]: the least largest stage cost of layers i.. in s stages.
+    largest = [[0] * (num_layers + 1) for _ in range(stages + 1)]
+    largest[1] = [cost(i, num_layers) for i in range(num_layers + 1)]
+    for s in range(2, stages + 1):
+        for i in range(num_layers - s + 1):
+            largest[s][i] = min(max(cost(i, j), largest[s - 1][j]) for j in ends(i, s - 1))
+    bound = largest[stages][0]
+    # squares[s][i]: the least sum of squared stage costs of layers i.. in s stages of at most ``bound``.
+    infinite = float("inf")
+    squares: list[list[float]] = [[infinite] * (num_layers + 1) for _ in range(stages + 1)]
+    squares[1] = [cost(i, num_layers) ** 2 if cost(i, num_layers) <= bound else infinite for i in range(num_layers + 1)]
+    first_end: list[list[int]] = [[num_layers] * (num_layers + 1) for _ in range(stages + 1)]
+    for s in range(2, stages + 1):
+        for i in range(num_layers - s + 1):
+            for j in ends(i, s - 1):  # the longest first: only a strictly smaller sum replaces it
+                if cost(i, j) <= bound and cost(i, j) ** 2 + squares[s - 1][j] < squares[s][i]:
+                    squares[s][i], first_end[s][i] = cost(i, j) ** 2 + squares[s - 1][j], j
+    starts = [0]
+    for s in range(stages, 1, -1):
+        starts.append(first_end[s][starts[-1]])
+    return starts
 
 
 def stages_of_process(pipe_rank: int, pipe: int, stages_per_process: int) -> list[int]:

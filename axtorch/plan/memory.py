@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from axtorch.models.causal_lm import CausalLMConfig
@@ -49,11 +49,12 @@ def shard_elements(
     return {name: sizes[(shape, specs[name])] for name, shape in shapes.items()}
 
 
-def stage_layers(num_layers: int, pipe: int, pipeline: PipelineConfig) -> list[range]:
-    """Each pipeline stage's layers (one stage of all of them without ``mesh.pipe``)."""
-    return (
-        layer_ranges(num_layers, pipeline.num_stages(pipe), pipeline.split_points) if pipe > 1 else [range(num_layers)]
-    )
+def stage_layers(layer_costs: Sequence[int], pipe: int, pipeline: PipelineConfig) -> list[range]:
+    """Each pipeline stage's layers, split by ``layer_costs`` (``layer_flops_per_token``) as a run
+    splits them (one stage of all of them without ``mesh.pipe``)."""
+    if pipe == 1:
+        return [range(len(layer_costs))]
+    return layer_ranges(layer_costs, pipeline.num_stages(pipe), pipeline.split_points)
 
 
 @functools.lru_cache(maxsize=64)
@@ -74,12 +75,12 @@ def parameter_elements(
     shapes: Mapping[str, tuple[int, ...]],
     specs: Mapping[str, PartitionSpec],
     mesh_sizes: Mapping[str, int],
-    num_layers: int,
+    layer_costs: Sequence[int],
     pipeline: PipelineConfig,
 ) -> int:
     """Parameter elements on the busiest device: the most that any process's stages hold, split by ``specs``."""
     pipe = mesh_sizes.get("pipe", 1)
-    stages = tuple(stage_layers(num_layers, pipe, pipeline))
+    stages = tuple(stage_layers(layer_costs, pipe, pipeline))
     shards = shard_elements(shapes, specs, mesh_sizes)
     held = process_parameter_names(tuple(shapes), stages, pipe, pipeline.stages_per_process)
     return max(sum(shards[name] for name in names) for names in held)
@@ -93,6 +94,7 @@ def device_memory(
     batch: int,
     seq_len: int,
     pipeline: PipelineConfig,
+    layer_costs: Sequence[int],
     microbatches: int = 1,
 ) -> DeviceMemory:
     """What the busiest device holds: ``elements`` (``parameter_elements``) in fp32 state, and activations.
@@ -107,7 +109,7 @@ def device_memory(
     seq = seq_len // mesh_sizes.get("seq", 1)
     activations: float = activation_bytes(model, batch, seq, mesh_sizes.get("model", 1), precision)
     if pipe > 1:
-        stages = stage_layers(layers, pipe, pipeline)
+        stages = stage_layers(layer_costs, pipe, pipeline)
         first_layers = sum(len(stages[stage]) for stage in stages_of_process(0, pipe, pipeline.stages_per_process))
         activations *= first_layers / layers * pipeline.microbatches_in_flight(pipe, microbatches)
     return DeviceMemory(

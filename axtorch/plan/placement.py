@@ -17,7 +17,7 @@ from axtorch.parallel.sharding import PartitionSpec, auto_sharding_preset, resol
 from axtorch.plan.memory import DeviceMemory, device_memory, parameter_elements, stage_layers
 from axtorch.train.config import Precision
 from axtorch.train.experiment import ExperimentConfig
-from axtorch.train.flops import active_parameters, model_flops_per_token
+from axtorch.train.flops import active_parameters, layer_flops_per_token, model_flops_per_token
 
 
 @dataclass(frozen=True)
@@ -84,12 +84,13 @@ def plan(
     named_shapes = {name: tuple(p.shape) for name, p in network.named_parameters()}
     specs = resolve_parameter_specs(named_shapes, config.sharding, mesh_sizes)
     pipe, pipeline = mesh_sizes.get("pipe", 1), config.pipeline
+    layer_costs = layer_flops_per_token(model, seq_len)  # what pipeline stages balance, as a run's do
     microbatches = 1
     stages = bubble = None
     if pipe > 1:
         microbatches = pipeline.resolved_microbatches(pipe, 2 * pipeline.num_stages(pipe))
         pipeline.validate(pipe, model.decoder.num_layers, microbatches)
-        stages = stage_layers(model.decoder.num_layers, pipe, pipeline)
+        stages = stage_layers(layer_costs, pipe, pipeline)
         bubble = pipeline.bubble(pipe, microbatches)
     precision = config.trainer.precision
     return Plan(
@@ -99,12 +100,13 @@ def plan(
         active_parameters=active_parameters(network),
         memory=device_memory(
             model,
-            parameter_elements(named_shapes, specs, mesh_sizes, model.decoder.num_layers, pipeline),
+            parameter_elements(named_shapes, specs, mesh_sizes, layer_costs, pipeline),
             mesh_sizes,
             precision,
             batch_size,
             seq_len,
             pipeline,
+            layer_costs,
             microbatches,
         ),
         batch_size=batch_size,

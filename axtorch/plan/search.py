@@ -25,7 +25,7 @@ from axtorch.plan.cluster import Cluster
 from axtorch.plan.memory import device_memory, parameter_elements, stage_layers
 from axtorch.plan.step_time import RECOMPUTE, StepTimeModel
 from axtorch.train.experiment import ExperimentConfig
-from axtorch.train.flops import model_flops_per_token
+from axtorch.train.flops import layer_flops_per_token, model_flops_per_token
 
 #: The ``model/remat`` choices, as the command line names them.
 REMAT_CONFIGS: dict[str, Optional[RematConfig]] = {
@@ -118,8 +118,10 @@ class Planner:
             network = config.model.build()
         self.shapes = {name: tuple(p.shape) for name, p in network.named_parameters()}
         flops_per_token = model_flops_per_token(config.model, seq_len, network)
+        #: What pipeline stages balance, as a run's do.
+        self.layer_costs = layer_flops_per_token(config.model, seq_len)
         self.step_time = StepTimeModel(
-            config, self.shapes, cluster, seq_len, global_batch, flops_per_token, kernel_efficiency
+            config, self.shapes, cluster, seq_len, global_batch, flops_per_token, self.layer_costs, kernel_efficiency
         )
         self._specs: dict[tuple[str, tuple[int, ...]], dict[str, PartitionSpec]] = {}
         self._elements: dict[tuple[str, tuple[int, ...]], int] = {}
@@ -156,10 +158,18 @@ class Planner:
         elements = self._parameter_elements(sharding, mesh, pipeline)
         precision = self.config.trainer.precision
         memory = device_memory(
-            model, elements, mesh, precision, rows // microbatches, self.seq_len, pipeline, microbatches
+            model,
+            elements,
+            mesh,
+            precision,
+            rows // microbatches,
+            self.seq_len,
+            pipeline,
+            self.layer_costs,
+            microbatches,
         )
         bubble = pipeline.bubble(pipe, microbatches) if pipe > 1 else 0.0
-        first_stage = len(stage_layers(model.decoder.num_layers, pipe, pipeline)[0])
+        first_stage = len(stage_layers(self.layer_costs, pipe, pipeline)[0])
         parts = self.step_time.parts(mesh, specs, remat, rows, bubble, first_stage)
         step = sum(parts.values())
         mfu = self.step_time.model_flops_seconds() / step
@@ -175,9 +185,8 @@ class Planner:
         """``memory.parameter_elements`` of a mesh, computed once for all its remat policies."""
         key = (sharding, tuple(mesh.values()))
         if key not in self._elements:
-            num_layers = self.config.model.decoder.num_layers
             self._elements[key] = parameter_elements(
-                self.shapes, self.specs(sharding, mesh), mesh, num_layers, pipeline
+                self.shapes, self.specs(sharding, mesh), mesh, self.layer_costs, pipeline
             )
         return self._elements[key]
 

@@ -51,14 +51,17 @@ class StepTimeModel:
         seq_len: int,
         global_batch: int,
         flops_per_token: float,
+        layer_costs: Sequence[int],
         kernel_efficiency: float = 0.7,
     ):
+        """``layer_costs``: each decoder layer's cost, which pipeline stages balance (``layer_flops_per_token``)."""
         self.config = config
         self.shapes = shapes
         self.cluster = cluster
         self.seq_len = seq_len
         self.global_batch = global_batch
         self.flops_per_token = flops_per_token
+        self.layer_costs = layer_costs
         self.kernel_efficiency = kernel_efficiency
         trainer = config.trainer
         #: The device's peak for the matmuls' precision: MFU's denominator and compute's rate.
@@ -98,7 +101,7 @@ class StepTimeModel:
     def device_parameter_elements(self, mesh: dict[str, int], specs: Mapping[str, PartitionSpec]) -> dict[str, int]:
         """Elements of each parameter the first pipeline process holds (all of them without stages)."""
         pipe, pipeline = mesh["pipe"], PipelineConfig()
-        stages = tuple(stage_layers(self.config.model.decoder.num_layers, pipe, pipeline))
+        stages = tuple(stage_layers(self.layer_costs, pipe, pipeline))
         names = process_parameter_names(tuple(self.shapes), stages, pipe, pipeline.stages_per_process)[0]
         return shard_elements({name: self.shapes[name] for name in names}, specs, mesh)
 

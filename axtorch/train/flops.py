@@ -86,8 +86,30 @@ def transformer_flops_per_token(
 def attended_keys_per_layer(decoder: nn.Module, seq_len: int) -> list[int]:
     """Keys each layer's queries score in a ``seq_len`` sequence, causality not discounted:
     ``seq_len``, or a shorter sliding window (the layer's ``attention.mask.window``)."""
-    layers = cast(Iterable[TransformerLayer], decoder.layers)
-    return [min(seq_len, layer.attention.mask.window or seq_len) for layer in layers]
+    return [_attended_keys(layer, seq_len) for layer in cast(Iterable[TransformerLayer], decoder.layers)]
+
+
+def _attended_keys(layer: TransformerLayer, seq_len: int) -> int:
+    return min(seq_len, layer.attention.mask.window or seq_len)
+
+
+def layer_flops_per_token(config: CausalLMConfig, seq_len: int) -> list[int]:
+    """Each decoder layer's share of ``transformer_flops_per_token``: ``6 x`` its active weights
+    ``+ 12 x dim x`` the keys it scores in a ``seq_len`` sequence.
+
+    What pipeline stages balance: in a heterogeneous stack a global layer at a long ``seq_len``
+    costs several sliding-window ones, and a mixture-of-experts layer more than a dense one
+    (its routed experts, as ``active_parameters`` counts them). Each distinct layer config is
+    built once, on the meta device.
+    """
+    layer_configs = config.decoder.layer_configs()  # a variant's layers share one config object
+    costs: dict[int, int] = {}
+    for layer_config in layer_configs:
+        if id(layer_config) not in costs:
+            with torch.device("meta"):
+                layer = layer_config.build(config.dim)
+            costs[id(layer_config)] = 6 * active_parameters(layer) + 12 * config.dim * _attended_keys(layer, seq_len)
+    return [costs[id(layer_config)] for layer_config in layer_configs]
 
 
 def model_flops_per_token(config: CausalLMConfig, seq_len: int, network: Optional[nn.Module] = None) -> float:

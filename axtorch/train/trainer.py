@@ -47,7 +47,7 @@ from axtorch.train.checkpoint_manifest import CheckpointError
 from axtorch.train.config import Precision, SaveErrorPolicy, TrainerConfig
 from axtorch.train.curves import plot_runs
 from axtorch.train.experiment import ExperimentConfig
-from axtorch.train.flops import mfu, model_flops_per_token
+from axtorch.train.flops import layer_flops_per_token, mfu, model_flops_per_token
 from axtorch.train.goodput import GoodputRecorder
 from axtorch.train.loss import LossInput, LossOutput, forward_with_loss
 from axtorch.train.metrics import MetricsLogger
@@ -111,8 +111,12 @@ def build_parallel_model(
 
 
 def _build_backend(config: ExperimentConfig) -> Backend:
-    """The configured backend; under bf16 it gathers parameters in bf16 and reduces in ``trainer.reduce_precision``."""
+    """The configured backend; under bf16 it gathers parameters in bf16 and reduces in ``trainer.reduce_precision``.
+
+    Pipeline stages balance the layers' FLOPs at the data's ``seq_len`` (``layer_flops_per_token``).
+    """
     bf16 = config.trainer.precision is Precision.bf16
+    staged = config.mesh.pipe != 1
     return build_backend(
         config.backend,
         config.mesh,
@@ -122,6 +126,7 @@ def _build_backend(config: ExperimentConfig) -> Backend:
         gather_dtype=torch.bfloat16 if bf16 else None,
         reduce_dtype=config.trainer.reduce_precision.dtype if bf16 else None,
         execution=config.execution,
+        layer_costs=layer_flops_per_token(config.model, config.data.seq_len) if staged else None,
     )
 
 

@@ -143,7 +143,7 @@ def test_pipeline_stages_take_the_segment_ids_and_positions_with_the_activations
     model = model_for("llama_tiny", "model.tie_embeddings=false", "model.decoder.num_layers=3")
     batch = packed_batch(documents(model.config.vocab_size))
     keywords = {key: batch[key] for key in STAGE_KEYWORDS}
-    ranges = layer_ranges(3, 2, [2])
+    ranges = layer_ranges([1, 1, 1], 2, [2])
     hidden = batch["input_ids"]
     with torch.no_grad():
         for stage, layers in enumerate(ranges):

@@ -31,7 +31,7 @@ def _measured_and_predicted(tmp_path: Path, sharding: str, *overrides: str) -> t
     seq_len, batch = config.data.seq_len, config.trainer.batch_size
     planner = Planner(config, {sharding: config.sharding}, cluster_for(f"gpu-H100-{PROCESSES}x1"), seq_len, batch)
     rows = batch // (mesh["data"] * mesh["fsdp"] * mesh["expert"])
-    stage_layers = len(layer_ranges(config.model.decoder.num_layers, mesh["pipe"], None)[0])
+    stage_layers = len(layer_ranges(planner.layer_costs, mesh["pipe"], None)[0])
     return json.loads(out.read_text()), planner.collective_bytes(mesh, sharding, rows, stage_layers)
 
 

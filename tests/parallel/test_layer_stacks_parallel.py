@@ -1,4 +1,5 @@
-"""Heterogeneous stacks (local/global layer variants) under the backends: FSDP, pipeline stages, XLA scan."""
+"""Heterogeneous stacks (local/global layer variants) under the backends: FSDP, pipeline stages (split by
+the layers' cost), XLA scan."""
 
 import json
 import subprocess
@@ -13,7 +14,8 @@ from xla_runs import ROOT, XLA_PYTHON, needs_xla, xla_env
 from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.models.causal_lm import CausalLMInput
 from axtorch.parallel.pipeline import StageModule, keep_stages
-from axtorch.parallel.pipeline_config import layer_ranges
+from axtorch.parallel.pipeline_config import layer_ranges, stage_parameter_names
+from axtorch.train.flops import layer_flops_per_token
 from axtorch.train.trainer import build_model
 
 #: The debug experiment's data with a 4-layer local/local/global stack, window 8 inside its 64 tokens.
@@ -40,11 +42,34 @@ def test_native_fsdp_losses_of_a_stack_match_a_single_device(tmp_path):
     torch.testing.assert_close(torch.tensor(sharded), torch.tensor(single), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
+def test_native_pipeline_splits_a_stack_by_its_layers_cost(tmp_path):
+    """A global layer with a 8x wider feed-forward, then 3 local ones: 2 stages by layer count
+    would be 2 + 2 layers (the first stage twice the second's FLOPs); by cost the global layer is
+    a stage alone. The run holds that split and trains with one device's losses."""
+    stack = [*STACK, "model.decoder.pattern=[global,local,local,local]"]
+    stack.append("+model.decoder.variants.global.feed_forward.hidden_dim=1024")
+    cache = tmp_path / "cache"
+    train_on_one_device(tmp_path / "single", cache, *stack)
+    overrides = debug_overrides(tmp_path / "pp2", cache, "backend=native", "mesh.pipe=2", *stack)
+    reports = _torchrun(2, tmp_path / "pp2", STEPS, overrides)
+    config = load_experiment_config(overrides)
+    ranges = layer_ranges(layer_flops_per_token(config.model, config.data.seq_len), 2, None)
+    assert ranges == [range(0, 1), range(1, 4)]
+    with torch.device("meta"):
+        sizes = {name: p.numel() for name, p in config.model.build().named_parameters()}
+    held = [sum(sizes[name] for name in stage_parameter_names(sizes, ranges, [stage])) for stage in (0, 1)]
+    assert [report["params_total"] for report in reports] == held
+    single, piped = train_losses(tmp_path / "single"), train_losses(tmp_path / "pp2")
+    assert len(single) == len(piped) == STEPS
+    torch.testing.assert_close(torch.tensor(piped), torch.tensor(single), rtol=1e-5, atol=1e-5)
+
+
 def test_pipeline_stages_of_a_stack_keep_each_layers_variant_and_chain_to_the_whole_model():
     config = load_experiment_config(["experiment=debug", *STACK])
     torch.manual_seed(0)
     model = build_model(config, torch.device("cpu"))
-    ranges = layer_ranges(config.model.decoder.num_layers, 2, [3])  # a split inside the second period
+    ranges = layer_ranges([1] * config.model.decoder.num_layers, 2, [3])  # a split inside the second period
     windows = [layer.attention.mask.window for layer in model.decoder.layers]
     assert windows == [8, 8, None, 8]
     tokens = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(1))
