@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import cast
 
 from torch import nn
 
 from axtorch.config.errors import ConfigError
 from axtorch.layers.init import initialize_parameters
-from axtorch.layers.linear import Linear
+from axtorch.layers.linear import Linear, LinearAdapter
 from axtorch.models.transforms import ModelTransformConfig
 
 
@@ -81,6 +82,11 @@ class LinearAdapters:
 def adapted_linears(model: nn.Module) -> list[tuple[str, Linear]]:
     """``(name, linear)`` of every linear that holds an adapter."""
     return [(name, m) for name, m in model.named_modules() if isinstance(m, Linear) and m.adapter is not None]
+
+
+def adapters(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, adapter)`` of every adapter (a ``LinearAdapter``), whichever linear holds it (float8's too)."""
+    return [(name, cast(nn.Module, m)) for name, m in model.named_modules() if isinstance(m, LinearAdapter)]
 
 
 def merge_adapters(model: nn.Module) -> int:

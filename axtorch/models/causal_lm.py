@@ -62,13 +62,6 @@ class CausalLMConfig:
             self.float8.validate(f"{key}.float8")
         if self.adapter is not None:
             self.adapter.validate(f"{key}.adapter")
-            if self.float8 is not None:
-                raise ConfigError(
-                    f"{key}.float8",
-                    "(set)",
-                    "none with model.adapter",
-                    reason="float8 swaps out the linears that hold the adapters",
-                )
 
     def transforms(self) -> list[ModelTransformConfig]:
         """The transforms training applies to the built model (``axtorch.models.transforms``).
@@ -76,7 +69,8 @@ class CausalLMConfig:
         ``build()`` itself, and so inference, leaves them out (a run's adapters reach inference
         merged into the weights: ``axtorch.train.trained_model``).
         """
-        return [transform for transform in (self.float8, self.adapter) if transform is not None]
+        # Adapters first: float8 then converts their frozen base linears and keeps the adapters in them.
+        return [transform for transform in (self.adapter, self.float8) if transform is not None]
 
     def build(self) -> CausalLM:
         return CausalLM(self)

@@ -9,6 +9,11 @@ one per tensor (``tensorwise``) or one per row (``rowwise``, more accurate, need
 sharding, so FSDP gathers the high-precision weights and torchao scales the whole weight, as on
 one device. Inference from such a run uses ordinary linears.
 
+With adapters (``model/adapter=lora``, applied first) the frozen base runs in float8 and its
+adapters in full precision: a converted linear keeps its ``adapter`` child (so its parameter
+names), which is not a ``Linear`` and so never converts, and a forward hook adds its output as
+``Linear.forward`` does, since torchao's forward is not ours to compose into.
+
 The speed-up needs float8 tensor cores (H100 class); on a CPU the recipes run (slowly), which is
 enough to check that they compose with FSDP and how far the loss moves. torchao is an optional
 dependency (``pip install 'axtorch[float8]'``; torchao 0.14 with torch 2.9, newer with newer torch).
@@ -92,8 +97,18 @@ class Float8Linears:
         for name in converted:
             parent_name, _, child = name.rpartition(".")
             parent = model.get_submodule(parent_name)
-            setattr(parent, child, linear_class.from_float(getattr(parent, child), config=torchao_config))
+            linear = getattr(parent, child)
+            float8_linear = linear_class.from_float(linear, config=torchao_config)
+            if linear.adapter is not None:  # a LoRA on a frozen base: same child, same names, full precision
+                float8_linear.adapter = linear.adapter
+                float8_linear.register_forward_hook(_add_adapter_output)
+            setattr(parent, child, float8_linear)
         return converted
+
+
+def _add_adapter_output(module: nn.Module, args: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
+    """A forward hook on torchao's linear: adds what ``Linear.forward`` would, the adapter's output on the input."""
+    return output + module.get_submodule("adapter")(args[0])
 
 
 def _torchao_float8(recipe: str) -> tuple[Any, Any]:

@@ -54,7 +54,8 @@ class LoRA(nn.Module):
         nn.init.zeros_(self.lora_b)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.dropout(x, self.config.dropout, self.training)
+        if self.config.dropout and self.training:  # as peft, no dropout op at all at 0 (nor on DTensors under TP)
+            x = F.dropout(x, self.config.dropout)
         return F.linear(F.linear(x, self.lora_a), self.lora_b) * self.scale
 
     def delta_weight(self) -> torch.Tensor:

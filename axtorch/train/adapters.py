@@ -20,8 +20,7 @@ from torch import nn
 
 from axtorch.config.errors import ConfigError
 from axtorch.layers.init import initial_parameter_values
-from axtorch.layers.linear import Linear
-from axtorch.models.adapter import adapted_linears
+from axtorch.models.adapter import adapters
 from axtorch.train.experiment import ExperimentConfig
 
 #: The trainer state's key for ``base_digest``.
@@ -67,12 +66,11 @@ def with_fresh_adapters(
     The adapters are drawn after the base, from the global generator, whatever the base came
     from: an imported model gets the same fresh adapters as a seeded one.
     """
-    adapted = adapted_linears(model)
-    return itertools.chain(base_values, _adapter_values(adapted)) if adapted else base_values
+    found = adapters(model)
+    return itertools.chain(base_values, _adapter_values(found)) if found else base_values
 
 
-def _adapter_values(adapted: list[tuple[str, Linear]]) -> Iterator[tuple[str, torch.Tensor]]:
-    for name, linear in adapted:
-        assert linear.adapter is not None
-        for parameter_name, value in initial_parameter_values(linear.adapter):
-            yield f"{name}.adapter.{parameter_name}", value
+def _adapter_values(found: list[tuple[str, nn.Module]]) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, adapter in found:
+        for parameter_name, value in initial_parameter_values(adapter):
+            yield f"{name}.{parameter_name}", value

@@ -1,11 +1,13 @@
-"""LoRA on a sharded frozen base: FSDP2 (native backend, 2 gloo processes) and XLA SPMD (fsdp=2).
+"""LoRA on a sharded frozen base: FSDP2 (native backend, 2 gloo processes), FSDP2 with tensor
+parallelism (4 processes, fsdp=2 x model=2) and XLA SPMD (fsdp=2).
 
-FSDP2 shards the frozen base with the adapters; only the adapters get gradients and optimizer
-state. The losses and the saved adapters equal one device's run of the same experiment, under
-both backends.
+FSDP2 shards the frozen base with the adapters, and tensor parallelism splits each adapter with its
+base (``conf/sharding/fsdp_tp.yaml``); only the adapters get gradients and optimizer state. The
+losses and the saved adapters equal one device's run of the same experiment, under both backends.
 """
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,9 @@ from debug_runs import STEPS, debug_overrides, train_losses, train_on_one_device
 from torchrun_runs import run_torchrun
 from xla_runs import needs_xla, run_worker
 
+from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.train.checkpoint import read_index, read_model_tensors
+from axtorch.train.trainer import build_model
 
 WORKER = Path(__file__).with_name("native_worker.py")
 LORA = ("model/adapter=lora", "model.adapter.target='(q|v|down)_proj'")
@@ -33,6 +37,30 @@ def test_lora_under_fsdp_trains_as_one_device_does(tmp_path):
         assert report["params_local"] * 2 == pytest.approx(report["params_total"], rel=0.02)
         assert report["optim_local"] * 2 == pytest.approx(report["optim_total"], rel=0.02)
 
+    _assert_same_adapters(tmp_path / "single", out)
+
+
+@pytest.mark.slow
+def test_lora_under_fsdp_and_tensor_parallelism_trains_as_one_device_does(tmp_path):
+    """fsdp=2 x model=2: the adapters of column-parallel q/v split B's rows, those of row-parallel down A's columns."""
+    cache = tmp_path / "cache"
+    train_on_one_device(tmp_path / "single", cache, *LORA)
+    out = tmp_path / "fsdp2_tp2"
+    mesh = ("backend=native", "mesh.fsdp=2", "mesh.model=2", "sharding=fsdp_tp")
+    run_torchrun(4, str(WORKER), str(out), str(STEPS), *debug_overrides(out, cache, *mesh, *LORA))
+    reports = [json.loads(out.with_name(f"fsdp2_tp2.rank{r}.json").read_text()) for r in range(4)]
+    assert [report["step"] for report in reports] == [STEPS] * 4
+    # A quarter of every tensor but those whole over `model`, of which half: the norms, and the
+    # adapters' halves that tensor parallelism does not split (q and v's A, down's B).
+    model = build_model(load_experiment_config(debug_overrides(out, cache, *LORA)), torch.device("cpu"))
+    sizes = {name: parameter.numel() for name, parameter in model.named_parameters()}
+    norms = sum(size for name, size in sizes.items() if re.fullmatch(r".*_norm\.(weight|bias)", name))
+    whole_adapters = r".*((q|v)_proj\.adapter\.lora_a|down_proj\.adapter\.lora_b)"
+    adapters = sum(size for name, size in sizes.items() if re.fullmatch(whole_adapters, name))
+    assert norms and adapters == 2 * (8 * 64 * 2 + 64 * 8)  # 2 layers of (q, v: A [8, 64]; down: B [64, 8])
+    for report in reports:
+        assert report["params_local"] * 4 == report["params_total"] + norms + adapters
+        assert report["optim_local"] * 4 == report["optim_total"] + 2 * adapters  # AdamW's two moments
     _assert_same_adapters(tmp_path / "single", out)
 
 

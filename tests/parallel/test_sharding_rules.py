@@ -1,5 +1,7 @@
 """Sharding rules resolve to per-parameter partition specs, and every mistake is a ConfigError."""
 
+import re
+
 import pytest
 import torch
 
@@ -192,6 +194,29 @@ def test_presets_cover_every_parameter_of_every_model_variant(preset, variant):
         assert specs["decoder.layers.0.feed_forward.down_proj.weight"] == (("fsdp",), ("model",))
         assert specs["decoder.layers.0.feed_forward.down_proj.bias"] == (None,)
         assert specs["decoder.final_norm.bias"] == (None,)
+
+
+@pytest.mark.parametrize("preset", ["replicated", "fsdp", "fsdp_tp"])
+def test_lora_adapters_split_over_model_as_their_base_does(preset):
+    """Column-parallel base: B's output rows split, A whole; row-parallel base: A's input columns split, B whole."""
+    overrides = [f"sharding={preset}", "model=llama_debug", "model/adapter=lora", "model.adapter.target=_proj"]
+    config = load_experiment_config(overrides)
+    with torch.device("meta"):
+        model = config.model.build()
+    config.model.adapter.build().apply(model)
+    mesh = MeshConfig(data=2, fsdp=2, model=2).resolve(8)
+    specs = resolve_parameter_specs({n: tuple(p.shape) for n, p in model.named_parameters()}, config.sharding, mesh)
+    adapters = {name: spec for name, spec in specs.items() if ".adapter." in name}
+    assert len(adapters) == 2 * 7 * 2  # 2 layers of 7 projections, A and B
+    split = {name: spec for name, spec in adapters.items() if spec != (None, None)}
+    if preset != "fsdp_tp":
+        assert not split  # kept whole
+        return
+    column, row = r"(q|k|v|gate|up)_proj\.adapter\.lora_b", r"(o|down)_proj\.adapter\.lora_a"
+    assert len(split) == 2 * 7
+    for name, spec in split.items():
+        expected = (("model",), None) if re.search(column, name) else (None, ("model",))
+        assert (re.search(column, name) or re.search(row, name)) and spec == expected, name
 
 
 def test_optional_rule_that_matches_nothing_still_needs_a_valid_spec():
