@@ -225,7 +225,6 @@ def test_from_hf_maps_each_feature_to_its_config(case):
             "mscale",
         ),
         ("llama", {"sliding_window": 4096}, "sliding_window=4096"),
-        ("qwen2", {"use_sliding_window": True, "sliding_window": 4096, "max_window_layers": 1}, "mixing"),
         ("qwen2", {"layer_types": ["full_attention", "sliding_attention"]}, "sliding_attention"),
         ("qwen3", {"layer_types": ["full_attention", "chunked_attention"]}, "chunked_attention"),
         ("llama", {"hidden_act": "gelu_new"}, "hidden_act='gelu_new'"),

@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Optional
 
 from axtorch.interop.families.family import Family, Getter, GGUFLayout, requirement
+from axtorch.interop.families.layer_types import FULL, SLIDING, check_layer_types, layer_types_of, local_and_global
 from axtorch.interop.families.llama_layout import (
     attention_bias_field,
     llama_biases,
@@ -37,9 +38,6 @@ from axtorch.layers.softcap import SoftCapConfig
 from axtorch.layers.transformer import TransformerLayerConfig
 from axtorch.models.causal_lm import CausalLMConfig
 
-SLIDING, FULL = "sliding_attention", "full_attention"
-#: The decoder variant of the sliding-window layers, and of the global ones (``decoder.layer`` itself).
-LOCAL, GLOBAL = "local", "global"
 #: The sandwich norms' HF names: the attention's post-norm takes the name Llama gives the
 #: feed-forward's pre-norm.
 SANDWICH_NAMES = (
@@ -62,14 +60,6 @@ def layer_types(get: Getter, every: int) -> list[str]:
         return list(types)
     period = get("sliding_window_pattern", every)
     return [FULL if (i + 1) % period == 0 else SLIDING for i in range(get("num_hidden_layers"))]
-
-
-def shortest_period(items: list[str]) -> list[str]:
-    """The shortest prefix that, repeated, gives ``items``: ``[a, a, b, a, a, b]`` -> ``[a, a, b]``."""
-    for length in range(1, len(items) + 1):
-        if all(item == items[i % length] for i, item in enumerate(items)):
-            return items[:length]
-    return items
 
 
 def _rope_getter(get: Getter, scope: str) -> Getter:
@@ -139,13 +129,7 @@ def gemma_layout_family(
     def config_from_hf(get: Getter) -> CausalLMConfig:
         refuse_bidirectional(get)
         config = shared.config_from_hf(_rope_getter(get, FULL))
-        types = layer_types(get, every)
-        unknown = sorted(set(types) - {SLIDING, FULL})
-        if unknown or len(types) != config.decoder.num_layers:
-            raise ValueError(
-                f"HF config layer_types={types} is not supported: one of {[SLIDING, FULL]} for each of the "
-                f"{config.decoder.num_layers} layers"
-            )
+        types = check_layer_types(layer_types(get, every), config.decoder.num_layers)
         layer = config.decoder.layer
         attention = dataclasses.replace(
             layer.attention,
@@ -159,8 +143,7 @@ def gemma_layout_family(
             local_position = _local_position(get, local_rope, attention.position)
             if local_position != attention.position:
                 local_attention["position"] = _override(attention.position, local_position)
-            pattern = [LOCAL if kind == SLIDING else GLOBAL for kind in shortest_period(types)]
-            variants = {name: {"attention": local_attention} if name == LOCAL else {} for name in set(pattern)}
+            variants, pattern = local_and_global(types, {"attention": local_attention})
         final_cap = get("final_logit_softcapping")
         decoder = dataclasses.replace(
             config.decoder,
@@ -174,14 +157,7 @@ def gemma_layout_family(
 
     def config_to_hf(config: CausalLMConfig) -> dict[str, Any]:
         layers = config.decoder.layer_configs()
-        masks = [layer.attention.mask for layer in layers]
-        require(
-            all(type(mask) in (CausalMaskConfig, SlidingWindowMaskConfig) for mask in masks),
-            f"attention masks {sorted({type(mask).__name__ for mask in masks})} (causal and sliding-window ones only)",
-        )
-        types = [SLIDING if type(mask) is SlidingWindowMaskConfig else FULL for mask in masks]
-        windows = {mask.window for mask in masks if isinstance(mask, SlidingWindowMaskConfig)}
-        require(len(windows) <= 1, f"sliding windows of several sizes {sorted(windows)} (it has one)")
+        types, window = layer_types_of(layers, require)
         local = [layer for layer, kind in zip(layers, types) if kind == SLIDING]
         reference = next((layer for layer, kind in zip(layers, types) if kind == FULL), layers[0])
         global_position = reference.attention.position
@@ -230,7 +206,7 @@ def gemma_layout_family(
         hf.update(
             hidden_activation=hf["hidden_act"],
             query_pre_attn_scalar=round(scalar) if math.isclose(scalar, round(scalar)) else scalar,
-            sliding_window=next(iter(windows), None),
+            sliding_window=window,
             layer_types=types,
             attn_logit_softcapping=kernel.cap if isinstance(kernel, SoftcappedKernelConfig) else None,
             final_logit_softcapping=None if cap is None else cap.cap,

@@ -194,26 +194,6 @@ def mask_from_layer_types(window: Optional[int], layer_types: Optional[list[str]
     return CausalMaskConfig()
 
 
-def qwen_window_mask(get: Getter, all_layers: bool) -> MaskConfig:
-    """Qwen's mask: a window used only when ``use_sliding_window`` is set, and then (unless
-    ``all_layers``) only from layer ``max_window_layers`` on."""
-    window = get("sliding_window", 4096) if get("use_sliding_window", False) else None
-    layer_types = get("layer_types")
-    if layer_types is None and not all_layers:
-        num_layers = get("num_hidden_layers")
-        first_sliding = get("max_window_layers", 28) if window is not None else num_layers
-        layer_types = ["sliding_attention" if i >= first_sliding else "full_attention" for i in range(num_layers)]
-    return mask_from_layer_types(window, layer_types)
-
-
-def qwen_window_fields(window: Optional[int], num_layers: int, all_layers: bool) -> dict[str, Any]:
-    """The inverse of ``qwen_window_mask``: a window from the first layer, or none."""
-    fields: dict[str, Any] = {"use_sliding_window": window is not None, "sliding_window": window}
-    if not all_layers:
-        fields["max_window_layers"] = 0 if window is not None else num_layers
-    return fields
-
-
 def sliding_window(config: CausalLMConfig) -> Optional[int]:
     mask = config.decoder.layer.attention.mask
     return mask.window if type(mask) is SlidingWindowMaskConfig else None

@@ -1,5 +1,7 @@
 """Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): Qwen2 whose every MLP is routed SwiGLU experts plus
-one shared expert that every token uses, scaled per token by a sigmoid gate."""
+one shared expert that every token uses, scaled per token by a sigmoid gate. Its sliding window
+(``use_sliding_window``) is in the layers ``layer_types`` names, by default alternate layers before
+``max_window_layers``."""
 
 from __future__ import annotations
 
@@ -17,14 +19,9 @@ from axtorch.interop.families.experts import (
     routed_experts,
 )
 from axtorch.interop.families.family import Getter, GGUFLayout
-from axtorch.interop.families.llama_layout import (
-    attention_biases,
-    dense_feed_forward,
-    llama_layout_family,
-    mask_from_layer_types,
-    sliding_window,
-)
-from axtorch.layers.attention_mask import MaskConfig
+from axtorch.interop.families.layer_types import refuse_sliding_window, with_qwen_windows
+from axtorch.interop.families.llama_layout import attention_biases, dense_feed_forward, llama_layout_family
+from axtorch.layers.attention_mask import CausalMaskConfig
 from axtorch.layers.feed_forward import Activation
 from axtorch.layers.mixture_of_experts import MixtureOfExpertsConfig
 from axtorch.models.causal_lm import CausalLMConfig
@@ -59,43 +56,39 @@ def _write(config: CausalLMConfig, require: Callable[[bool, str], None]) -> dict
     }
 
 
-def _mask(get: Getter) -> MaskConfig:
-    # With use_sliding_window, HF's Qwen2-MoE slides on alternate layers only: refused as mixed.
-    if not get("use_sliding_window", False):
-        return mask_from_layer_types(None, None)
-    num_layers, first_full = get("num_hidden_layers"), get("max_window_layers", 28)
-    layer_types = get("layer_types") or [
-        "sliding_attention" if (i + 1) % 2 and i < first_full else "full_attention" for i in range(num_layers)
-    ]
-    return mask_from_layer_types(get("sliding_window", 4096), layer_types)
+def _slides(layer: int, max_window_layers: int) -> bool:
+    """Qwen2-MoE's rule (transformers' ``Qwen2MoeConfig``): alternate layers before ``max_window_layers`` slide."""
+    return layer % 2 == 0 and layer < max_window_layers
 
 
 def _fields(config: CausalLMConfig, require: Callable[[bool, str], None]) -> dict[str, Any]:
     qkv, output = attention_biases(config)
     require(not output, "a bias on the attention output projection")
-    require(sliding_window(config) is None, "a sliding window (it slides on alternate layers only)")
-    return {"qkv_bias": qkv, "use_sliding_window": False}
+    return {"qkv_bias": qkv}
 
 
-QWEN2_MOE = llama_layout_family(
-    "qwen2_moe",
-    "Qwen2MoeForCausalLM",
-    mask=_mask,
-    biases=lambda get: (bool(get("qkv_bias", True)), False, False),
-    fields=_fields,
-    experts=ExpertFormat(read=_read, write=_write),
-    # llama.cpp does not renormalise Qwen2-MoE's top-k weights, as the released models do not.
-    gguf=GGUFLayout(
-        "qwen2moe",
-        config_fields=lambda key: {
-            **gguf_expert_fields(key),
-            "shared_expert_intermediate_size": key("expert_shared_feed_forward_length"),
-            "norm_topk_prob": False,
-        },
-        metadata=lambda hf: {
-            **gguf_expert_metadata(hf),
-            "expert_shared_feed_forward_length": hf["shared_expert_intermediate_size"],
-        },
-        refuses=lambda hf: "renormalised top-k weights" if hf["norm_topk_prob"] else None,
+QWEN2_MOE = with_qwen_windows(
+    llama_layout_family(
+        "qwen2_moe",
+        "Qwen2MoeForCausalLM",
+        mask=lambda get: CausalMaskConfig(),
+        biases=lambda get: (bool(get("qkv_bias", True)), False, False),
+        fields=_fields,
+        experts=ExpertFormat(read=_read, write=_write),
+        # llama.cpp does not renormalise Qwen2-MoE's top-k weights, as the released models do not.
+        gguf=GGUFLayout(
+            "qwen2moe",
+            config_fields=lambda key: {
+                **gguf_expert_fields(key),
+                "shared_expert_intermediate_size": key("expert_shared_feed_forward_length"),
+                "norm_topk_prob": False,
+            },
+            metadata=lambda hf: {
+                **gguf_expert_metadata(hf),
+                "expert_shared_feed_forward_length": hf["shared_expert_intermediate_size"],
+            },
+            refuses=lambda hf: "renormalised top-k weights" if hf["norm_topk_prob"] else refuse_sliding_window(hf),
+        ),
     ),
+    slides=_slides,
 )

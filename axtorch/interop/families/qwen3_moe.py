@@ -16,14 +16,15 @@ from axtorch.interop.families.experts import (
     routed_experts,
 )
 from axtorch.interop.families.family import Getter, GGUFLayout
+from axtorch.interop.families.layer_types import refuse_sliding_window
 from axtorch.interop.families.llama_layout import (
     attention_bias_field,
     llama_biases,
     llama_layout_family,
-    qwen_window_fields,
-    qwen_window_mask,
+    mask_from_layer_types,
     sliding_window,
 )
+from axtorch.layers.attention_mask import MaskConfig
 from axtorch.layers.feed_forward import Activation
 from axtorch.layers.mixture_of_experts import MixtureOfExpertsConfig
 from axtorch.models.causal_lm import CausalLMConfig
@@ -56,19 +57,25 @@ def _write(config: CausalLMConfig, require: Callable[[bool, str], None]) -> dict
     }
 
 
+def _mask(get: Getter) -> MaskConfig:
+    # Unlike Qwen3, every layer slides when use_sliding_window is set: transformers' Qwen3-MoE reads
+    # neither max_window_layers nor layer_types.
+    return mask_from_layer_types(get("sliding_window", 4096) if get("use_sliding_window", False) else None, None)
+
+
 def _fields(config: CausalLMConfig, require: Callable[[bool, str], None]) -> dict[str, Any]:
-    qkv = attention_bias_field(config, require)
-    # Unlike Qwen3, every layer slides when use_sliding_window is set.
+    window = sliding_window(config)
     return {
-        "attention_bias": qkv,
-        **qwen_window_fields(sliding_window(config), config.decoder.num_layers, all_layers=True),
+        "attention_bias": attention_bias_field(config, require),
+        "use_sliding_window": window is not None,
+        "sliding_window": window,
     }
 
 
 QWEN3_MOE = llama_layout_family(
     "qwen3_moe",
     "Qwen3MoeForCausalLM",
-    mask=lambda get: qwen_window_mask(get, all_layers=True),
+    mask=_mask,
     biases=llama_biases,
     fields=_fields,
     qk_norm=True,
@@ -78,6 +85,8 @@ QWEN3_MOE = llama_layout_family(
         "qwen3moe",
         config_fields=lambda key: {**gguf_expert_fields(key), "norm_topk_prob": True},
         metadata=gguf_expert_metadata,
-        refuses=lambda hf: None if hf["norm_topk_prob"] else "top-k weights that are not renormalised",
+        refuses=lambda hf: (
+            refuse_sliding_window(hf) if hf["norm_topk_prob"] else "top-k weights that are not renormalised"
+        ),
     ),
 )
