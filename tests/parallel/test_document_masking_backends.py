@@ -71,8 +71,8 @@ def test_native_pipeline_matches_one_device(single):
     [
         ("xla_fsdp2", 2, ("mesh.fsdp=2",)),
         ("xla_fsdp2_seq2", 4, ("mesh.fsdp=2", "mesh.seq=2")),
-        # The scanned layers take the segment ids in the scan's carry.
-        ("xla_fsdp2_seq2_scan", 4, ("mesh.fsdp=2", "mesh.seq=2", "execution.layer_runner=scan")),
+        # The scanned layers take the segment ids in the scan's carry (and recompute with them).
+        ("xla_fsdp2_seq2_scan", 4, ("mesh.fsdp=2", "mesh.seq=2", "execution.layer_runner=scan", "model/remat=full")),
     ],
 )
 def test_xla_matches_one_device(single, name, devices, mesh):
