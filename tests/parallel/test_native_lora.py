@@ -66,14 +66,21 @@ def test_lora_under_fsdp_and_tensor_parallelism_trains_as_one_device_does(tmp_pa
 
 @pytest.mark.slow
 @needs_xla
-@pytest.mark.parametrize("runner", ["unrolled", "scan"])
-def test_lora_under_xla_fsdp_trains_as_one_device_does(tmp_path, runner):
-    """Unrolled, and scanned over stacked layers (whose frozen stacks keep no gradients)."""
+@pytest.mark.parametrize(
+    ("devices", "mesh"),
+    [
+        (2, ("mesh.fsdp=2", "sharding=fsdp", "execution.layer_runner=unrolled")),
+        (2, ("mesh.fsdp=2", "sharding=fsdp", "execution.layer_runner=scan")),
+        (4, ("mesh.fsdp=2", "mesh.model=2", "sharding=fsdp_tp")),
+    ],
+    ids=["fsdp", "fsdp-scan", "fsdp_tp"],
+)
+def test_lora_under_xla_sharding_trains_as_one_device_does(tmp_path, devices, mesh):
+    """Unrolled, scanned over stacked layers (whose frozen stacks keep no gradients), and tensor-parallel."""
     cache = tmp_path / "cache"
     train_on_one_device(tmp_path / "single", cache, *LORA)
     out = tmp_path / "xla"
-    overrides = debug_overrides(out, cache, "mesh.fsdp=2", "sharding=fsdp", f"execution.layer_runner={runner}", *LORA)
-    run_worker(2, tmp_path / "xla.json", STEPS, overrides)
+    run_worker(devices, tmp_path / "xla.json", STEPS, debug_overrides(out, cache, *mesh, *LORA))
     _assert_same_adapters(tmp_path / "single", out)
 
 
