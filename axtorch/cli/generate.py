@@ -53,8 +53,8 @@ class GenerateConfig:
     chat: bool = False
     #: "int8": int8 weights for the attention projections and the output head (CPU only).
     quantize: Optional[str] = None
-    #: On the CPU, hold float32 linear weights in oneDNN's packed layout: the same math, about
-    #: twice the decode speed (``generate``'s ``pack``, ``axtorch.infer.cpu_weights.packed_linears``).
+    #: On the CPU, decode float32 weights in decode formats (q/k/v and gate/up stacked, the faster
+    #: kernel at the thread count): the same math (``generate``'s ``pack``, ``cpu_weights.decode_weights``).
     #: Ignored elsewhere.
     pack: bool = True
     #: Compile the decode step (torch.compile; CUDA graphs on a GPU): slow to start, faster per token.

@@ -3,7 +3,7 @@
 ``from axtorch.infer import generate`` is the function; ``axtorch.infer.decoding`` defines it.
 """
 
-from axtorch.infer.cpu_weights import pack_linears, packed_linears, quantize_int8
+from axtorch.infer.cpu_weights import decode_weights, pack_linears, quantize_int8
 from axtorch.infer.decoding import Generation, TokenChunk, decode_tokens, generate, generate_ids
 from axtorch.infer.sampling import SamplingConfig
 
@@ -12,9 +12,9 @@ __all__ = [
     "SamplingConfig",
     "TokenChunk",
     "decode_tokens",
+    "decode_weights",
     "generate",
     "generate_ids",
     "pack_linears",
-    "packed_linears",
     "quantize_int8",
 ]

@@ -1,32 +1,47 @@
-"""Weight formats for decoding on a CPU: float32 in oneDNN's packed layout, and int8.
+"""Weight formats for decoding on a CPU: stacked projections, oneDNN's packed layout, and int8.
 
 Decoding one token reads every weight once, so on a CPU it runs at the speed at which the matmul
-kernel streams weights from memory. PyTorch's default fp32 ``linear`` streams a batch-1 product
-at about a quarter of this machine's read bandwidth; oneDNN, given its weights reordered once
-into its blocked layout, streams about twice as fast (``pack_linears``: the same float32 math,
-up to summation order). ``quantize_int8`` stores each chosen weight matrix as int8 with one scale
-per output channel, and quantizes activations per call (fbgemm's dynamic quantization): a
-quarter of the bytes, at a cost in accuracy. Mixture-of-experts weights, stored stacked rather
-than as linear layers, keep their format. Both are for inference only: the rewritten model has no
-gradients and no state dict of its linear weights. ``packed_linears`` packs for the duration of a
-``with`` block and puts the model's own modules back afterwards: what ``generate`` does by default.
-It keeps each packed copy while its module lives and reuses it while the weight is unchanged: packing
-reads and writes every weight once, which a short ``generate`` call would otherwise pay again each time.
+kernel streams weights from memory. Which kernel streams faster depends on the thread count
+(``packed_kernel_is_faster``): on one thread torch's own ``linear`` (MKL's matrix-vector product)
+reads at 0.9-1.0 of this machine's measured bandwidth and oneDNN's packed kernel at 0.6-0.8; oneDNN,
+given its weights reordered once into its blocked layout (``PackedLinear``), splits a batch-1
+product across threads where MKL does not, so from two threads on it is the faster.
+
+``decode_weights`` prepares a model for the duration of a ``with`` block, what ``generate`` does
+by default: the queries', keys' and values' weights stacked into one matrix, and the gate's and
+up projection's into another, filled into the layers' declared seams (``QKVProjection``,
+``GateUpProjection``: one longer read and one call instead of three or two); on two threads or
+more every other linear and the head packed for oneDNN. The same float32 math up to summation
+order; the model's own modules and seams are put back afterwards. Each prepared copy is kept while
+its weights live and reused while they are unchanged: preparing reads and writes every weight
+once, which a short ``generate`` call would otherwise pay again each time.
+
+``quantize_int8`` stores each chosen weight matrix as int8 with one scale per output channel, and
+quantizes activations per call (fbgemm's dynamic quantization): a quarter of the bytes, at a cost
+in accuracy. ``pack_linears`` packs every float32 linear for oneDNN in place. Mixture-of-experts
+weights, stored stacked rather than as linear layers, keep their format, and so does a linear
+that holds an adapter (LoRA), whose output the rewritten module would lose. Both rewrites are for
+inference only: the rewritten model has no gradients and no state dict of its linear weights.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fnmatch
+import functools
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from typing import Optional
+from typing import Optional, TypeVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from axtorch.layers.attention import QKVProjection
+from axtorch.layers.feed_forward import GateUpProjection
 from axtorch.layers.linear import Linear
+from axtorch.layers.seams import modules_with_seam
 from axtorch.models.causal_lm import CausalLM
 
 
@@ -80,16 +95,21 @@ def _on_the_cpu(model: CausalLM, what: str) -> None:
 Replaced = list[tuple[nn.Module, str, Optional[nn.Module]]]
 
 
+def _plain(module: nn.Module) -> bool:
+    """A float32 ``Linear`` without an adapter: its output is its weight's product, nothing more."""
+    return type(module) is Linear and module.adapter is None and module.weight.dtype == torch.float32
+
+
 def _replace_linears(
     model: CausalLM, make: Callable[[torch.Tensor, Optional[torch.Tensor]], nn.Module], skip: Sequence[str]
 ) -> Replaced:
-    """Replace, in place, every ``Linear`` whose module name matches no pattern of ``skip`` (fnmatch),
-    and the output head (tied: a copy of the embedding table), by ``make(weight, bias)``."""
+    """Replace, in place, every plain ``Linear`` whose module name matches no pattern of ``skip``
+    (fnmatch), and the output head (tied: a copy of the embedding table), by ``make(weight, bias)``."""
     replaced: Replaced = []
     for path, module in list(model.named_modules()):
         for name, child in list(module.named_children()):
             full_name = f"{path}.{name}" if path else name
-            if isinstance(child, Linear) and not any(fnmatch.fnmatch(full_name, p) for p in skip):
+            if _plain(child) and not any(fnmatch.fnmatch(full_name, p) for p in skip):
                 replaced.append((module, name, child))
                 setattr(module, name, make(child.weight, child.bias))
     if model.lm_head is None:
@@ -98,38 +118,95 @@ def _replace_linears(
     return replaced
 
 
-#: ``packed_linears``'s copies: weight -> (the weight's and bias's addresses and versions when
-#: packed, the packed module). Weak keys: a copy goes when its weight does.
-_PACKED = WeakIdKeyDictionary()
+#: ``decode_weights``'s copies: a weight -> (its kind, the addresses and versions of the tensors
+#: it was made from, the copy). Weak keys: a copy goes when its weight does.
+_PREPARED = WeakIdKeyDictionary()
+Prepared = TypeVar("Prepared")
+
+
+def _reused(kind: str, tensors: Sequence[Optional[torch.Tensor]], make: Callable[[], Prepared]) -> Prepared:
+    """``make()``, reused from an earlier call for the same ``kind`` while ``tensors`` are the same
+    tensors, unmodified: an optimizer step or a load bumps their versions, a new tensor has another
+    address, and either makes it afresh. The copy is filed under ``tensors[0]``."""
+    stamp = (kind, *(v for t in tensors if t is not None for v in (t.data_ptr(), t._version)))
+    anchor = tensors[0]
+    assert anchor is not None
+    cached = _PREPARED.get(anchor)
+    if cached is not None and cached[0] == stamp:
+        return cached[1]
+    prepared = make()
+    _PREPARED[anchor] = (stamp, prepared)
+    return prepared
 
 
 def _cached_pack(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> PackedLinear:
-    """``PackedLinear(weight, bias)``, reused from an earlier call while ``weight`` and ``bias`` are
-    the same tensors, unmodified: an optimizer step or a load bumps their versions, a new tensor
-    has another address, and either packs afresh."""
-    stamp = tuple(v for t in (weight, bias) if t is not None for v in (t.data_ptr(), t._version))
-    cached = _PACKED.get(weight)
-    if cached is not None and cached[0] == stamp:
-        return cached[1]
-    packed = PackedLinear(weight, bias)
-    _PACKED[weight] = (stamp, packed)
-    return packed
+    return _reused("packed", (weight, bias), lambda: PackedLinear(weight, bias))
+
+
+class StackedProjection:
+    """A ``QKVProjection`` or ``GateUpProjection`` for decoding: one product by several linears'
+    weights stacked row-wise, split back into each linear's output (views of one tensor)."""
+
+    def __init__(self, linears: Sequence[Linear], packed: bool):
+        weight = torch.cat([linear.weight.detach() for linear in linears])
+        bias = None
+        if any(linear.bias is not None for linear in linears):
+            bias = torch.cat([weight.new_zeros(m.out_features) if m.bias is None else m.bias.detach() for m in linears])
+        self.sizes = [linear.out_features for linear in linears]
+        self.product: Callable[[torch.Tensor], torch.Tensor] = (
+            PackedLinear(weight, bias) if packed else lambda x: F.linear(x, weight, bias)
+        )
+
+    def __call__(self, owner: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.product(x).split(self.sizes, dim=-1)
+
+
+#: The seams ``decode_weights`` fills, and the owner's linears (by attribute) that each stacks.
+STACKED_SEAMS: dict[type, tuple[str, ...]] = {
+    QKVProjection: ("q_proj", "k_proj", "v_proj"),
+    GateUpProjection: ("gate_proj", "up_proj"),
+}
+
+
+def packed_kernel_is_faster() -> bool:
+    """Whether oneDNN's packed kernel streams a batch-1 product faster than torch's linear now.
+
+    Measured on this project's 2-core CPU over SmolLM2-135M's matrices (docs/benchmarks.md): on
+    one thread MKL's matrix-vector product, torch's linear, reads at 0.9-1.0 of the bandwidth and
+    oneDNN at 0.6-0.8; oneDNN splits the product across threads where MKL does not, so from two
+    threads on it is the faster.
+    """
+    return torch.get_num_threads() > 1 and torch.backends.mkldnn.is_available()
 
 
 def can_pack(model: CausalLM) -> bool:
-    """Whether ``packed_linears`` applies: float32 weights on a CPU with oneDNN."""
+    """Whether ``decode_weights`` applies: float32 weights on a CPU."""
     parameter = next(model.parameters())
-    return parameter.device.type == "cpu" and parameter.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    return parameter.device.type == "cpu" and parameter.dtype == torch.float32
 
 
 @contextlib.contextmanager
-def packed_linears(model: CausalLM) -> Iterator[CausalLM]:
-    """``pack_linears`` for the duration of a ``with`` block; the model's own modules are put back
-    afterwards, so the caller's model still trains and saves. The packed copies stay for the next
-    block (``_cached_pack``): a weight changed in between is packed again."""
-    _on_the_cpu(model, "oneDNN packing")
+def decode_weights(model: CausalLM) -> Iterator[CausalLM]:
+    """The model with its decode weight formats (see the module's docstring) for a ``with`` block;
+    its own modules and seams are put back afterwards, so the caller's model still trains and
+    saves. The prepared copies stay for the next block (``_reused``)."""
+    _on_the_cpu(model, "CPU decode weights")
+    packed = packed_kernel_is_faster()
+    seams: list[tuple[nn.Module, str, object]] = []
+    stacked: list[str] = []
     with torch.no_grad():
-        replaced = _replace_linears(model, _cached_pack, skip=())
+        for protocol, names in STACKED_SEAMS.items():
+            for path, owner, slot in list(modules_with_seam(model, protocol)):
+                linears = [getattr(owner, name) for name in names]
+                if not all(_plain(linear) for linear in linears):
+                    continue
+                tensors = [t for linear in linears for t in (linear.weight, linear.bias)]
+                kind = "packed stack" if packed else "stack"
+                projection = _reused(kind, tensors, functools.partial(StackedProjection, linears, packed))
+                seams.append((owner, slot, getattr(owner, slot)))
+                setattr(owner, slot, projection)
+                stacked += [f"{path}.{name}" for name in names]
+        replaced = _replace_linears(model, _cached_pack, skip=stacked) if packed else []
     try:
         yield model
     finally:
@@ -137,6 +214,8 @@ def packed_linears(model: CausalLM) -> Iterator[CausalLM]:
             if original is None:
                 delattr(parent, name)  # a tied head: back to the plain attribute ``None`` it was
             setattr(parent, name, original)
+        for owner, slot, default in seams:
+            setattr(owner, slot, default)
 
 
 @torch.no_grad()

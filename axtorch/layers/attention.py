@@ -26,6 +26,7 @@ from axtorch.layers.norm import NormConfig
 from axtorch.layers.relative_position import PositionConfig
 from axtorch.layers.remat import ActivationWidths, activation_name
 from axtorch.layers.seams import Seams
+from axtorch.layers.shared_values import SharedValues
 
 
 @dataclass
@@ -129,6 +130,33 @@ def local_sequence(
     return keys, values, positions, segment_ids
 
 
+@runtime_checkable
+class QKVProjection(Protocol):
+    """The queries, keys and values, each [B, S, heads * head_dim], of ``attention``'s input ``x``.
+
+    The default, ``project_separately``, runs the three projections. Decoding on a CPU fills this
+    seam with one product by the three weights stacked (``axtorch.infer.cpu_weights``): one
+    longer read of memory and one call instead of three, the same values.
+    """
+
+    def __call__(
+        self, attention: GroupedQueryAttention, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
+def project_separately(
+    attention: GroupedQueryAttention, x: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The default ``QKVProjection``: ``q_proj``, ``k_proj`` and ``v_proj``, each under its remat name."""
+    with activation_name("attention_query"):
+        q = attention.q_proj(x)
+    with activation_name("attention_key"):
+        k = attention.k_proj(x)
+    with activation_name("attention_value"):
+        v = attention.v_proj(x)
+    return q, k, v
+
+
 @dataclass
 class AttentionInput:
     hidden_states: torch.Tensor  # [B, S, dim]
@@ -137,6 +165,8 @@ class AttentionInput:
     #: [B, S] document of each token of packed sequences (positions restart in each); None: one
     #: document per row. Attention then stays within a document (``DocumentMask``).
     segment_ids: Optional[torch.Tensor] = None
+    #: Tables every layer of this forward computes alike (rotary cos/sin, the mask), or None.
+    shared: Optional[SharedValues] = None
 
 
 @dataclass
@@ -147,7 +177,7 @@ class AttentionOutput:
 
 class GroupedQueryAttention(nn.Module):
     #: What a backend may replace (``axtorch.layers.seams``).
-    SEAMS: ClassVar[Seams] = {"sequence_exchange": SequenceExchange}
+    SEAMS: ClassVar[Seams] = {"sequence_exchange": SequenceExchange, "qkv_projection": QKVProjection}
 
     def __init__(self, config: AttentionConfig, dim: int):
         super().__init__()
@@ -165,6 +195,7 @@ class GroupedQueryAttention(nn.Module):
         self.mask = DocumentMask(config.mask.build())
         self.kernel = (config.kernel or SdpaKernelConfig()).build()
         self.sequence_exchange: SequenceExchange = local_sequence
+        self.qkv_projection: QKVProjection = project_separately
 
     def allocate_kv_cache(
         self,
@@ -192,13 +223,14 @@ class GroupedQueryAttention(nn.Module):
         batch, seq, _ = x.shape
         # Head counts come from the projections' outputs, so a tensor-parallel backend that splits
         # the projections by heads runs this code unchanged on its local heads.
+        q, k, v = self.qkv_projection(self, x)
         with activation_name("attention_query"):
-            q = self.query_norm(self.q_proj(x).view(batch, seq, -1, self.head_dim)).transpose(1, 2)
+            q = self.query_norm(q.view(batch, seq, -1, self.head_dim)).transpose(1, 2)
         with activation_name("attention_key"):
-            k = self.key_norm(self.k_proj(x).view(batch, seq, -1, self.head_dim)).transpose(1, 2)
+            k = self.key_norm(k.view(batch, seq, -1, self.head_dim)).transpose(1, 2)
         with activation_name("attention_value"):
-            v = self.v_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        q, k = self.position(q, k, inputs.positions)
+            v = v.view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        q, k = self.position(q, k, inputs.positions, inputs.shared)
 
         segments = inputs.segment_ids
         if inputs.kv_cache is not None:
@@ -224,7 +256,7 @@ class GroupedQueryAttention(nn.Module):
         )
         mask: Optional[torch.Tensor] = None
         if not fused_causal:
-            allowed = self.mask(inputs.positions, key_positions, segments, key_segments)
+            allowed = self.mask(inputs.positions, key_positions, segments, key_segments, inputs.shared)
             # With a bias, an additive float mask: the bias where allowed, -inf elsewhere.
             mask = allowed if bias is None else bias.to(q.dtype).masked_fill(~allowed, float("-inf"))
         with activation_name("attention_context"):

@@ -20,6 +20,8 @@ import torch
 from omegaconf import MISSING
 from torch import nn
 
+from axtorch.layers.shared_values import SharedValues
+
 
 @dataclass
 class MaskConfig:
@@ -120,9 +122,18 @@ class DocumentMask(AttentionMask):
         key_positions: torch.Tensor,
         query_segments: Optional[torch.Tensor] = None,
         key_segments: Optional[torch.Tensor] = None,
+        shared: Optional[SharedValues] = None,
     ) -> torch.Tensor:
-        """Boolean [B, 1, Sq, Sk] mask, True where attention is allowed."""
-        allowed = self.within(query_positions, key_positions)
+        """Boolean [B, 1, Sq, Sk] mask, True where attention is allowed.
+
+        With ``shared``, layers of the same mask over the same key positions (caches that share
+        their slot positions) share one mask.
+        """
+        if shared is None:
+            allowed = self.within(query_positions, key_positions)
+        else:
+            key = (type(self.within), self.window, id(query_positions), id(key_positions))
+            allowed = shared.get(key, lambda: self.within(query_positions, key_positions))
         if query_segments is None or key_segments is None:
             return allowed
         return allowed & same_segment(query_segments, key_segments)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import ClassVar, Optional
+from typing import ClassVar, Optional, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +18,7 @@ from torch import nn
 from axtorch.config.errors import ConfigError
 from axtorch.layers.linear import LinearConfig
 from axtorch.layers.remat import ActivationWidths, activation_name
+from axtorch.layers.seams import Seams
 
 
 class Activation(enum.Enum):
@@ -91,8 +92,27 @@ class MLPFeedForwardConfig(FeedForwardConfig):
         return MLPFeedForward(self, dim)
 
 
+@runtime_checkable
+class GateUpProjection(Protocol):
+    """The gate and up projections, each [B, S, hidden_dim], of ``feed_forward``'s input ``x``.
+
+    The default, ``project_gate_up``, runs the two projections. Decoding on a CPU fills this seam
+    with one product by the two weights stacked (``axtorch.infer.cpu_weights``), the same values.
+    """
+
+    def __call__(self, feed_forward: GatedFeedForward, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def project_gate_up(feed_forward: GatedFeedForward, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The default ``GateUpProjection``: ``gate_proj`` and ``up_proj``."""
+    return feed_forward.gate_proj(x), feed_forward.up_proj(x)
+
+
 class GatedFeedForward(nn.Module):
     """``down(act(gate(x)) * up(x))``."""
+
+    #: What a backend or a decoder may replace (``axtorch.layers.seams``).
+    SEAMS: ClassVar[Seams] = {"gate_up_projection": GateUpProjection}
 
     def __init__(self, config: GatedFeedForwardConfig, dim: int):
         super().__init__()
@@ -100,11 +120,13 @@ class GatedFeedForward(nn.Module):
         self.gate_proj = config.projection.build(dim, config.hidden_dim)
         self.up_proj = config.projection.build(dim, config.hidden_dim)
         self.down_proj = config.output_projection.build(config.hidden_dim, dim)
+        self.gate_up_projection: GateUpProjection = project_gate_up
 
     def forward(self, inputs: FeedForwardInput) -> FeedForwardOutput:
         x = inputs.hidden_states
         with activation_name("feed_forward_hidden"):
-            h = activate(self.gate_proj(x), self.activation) * self.up_proj(x)
+            gate, up = self.gate_up_projection(self, x)
+            h = activate(gate, self.activation) * up
         with activation_name("feed_forward_output"):
             return FeedForwardOutput(hidden_states=self.down_proj(h))
 

@@ -16,6 +16,7 @@ that applies the rotation.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -24,6 +25,7 @@ import torch
 from torch import nn
 
 from axtorch.layers.attention_mask import position_distance
+from axtorch.layers.shared_values import SharedValues
 
 
 @dataclass
@@ -46,13 +48,16 @@ class PositionEncoding(nn.Module):
     """What attention asks of a position encoding; the defaults leave attention position-blind.
 
     ``forward`` transforms queries [B, Hq, S, D] and keys [B, Hkv, S, D] at ``positions`` [B, S]
-    before their dot product. ``score_bias`` returns a float [B, num_heads, Sq, Sk] added to the
-    scores (after the softmax scale and any soft cap, together with the mask), or None for no
-    bias; its query and key positions are [B, Sq] and [B, Sk], the keys being cache slots when
-    decoding with a KV cache.
+    before their dot product; what it derives from the positions alone it may take from
+    ``shared``, the other layers' (``SharedValues``: a decode step builds its tables once).
+    ``score_bias`` returns a float [B, num_heads, Sq, Sk] added to the scores (after the softmax
+    scale and any soft cap, together with the mask), or None for no bias; its query and key
+    positions are [B, Sq] and [B, Sk], the keys being cache slots when decoding with a KV cache.
     """
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, shared: Optional[SharedValues] = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return q, k
 
     def score_bias(
@@ -209,14 +214,27 @@ class RotaryEmbedding(PositionEncoding):
         self.config = config
         self.head_dim = head_dim
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate ``q`` [B, Hq, S, D] and ``k`` [B, Hkv, S, D] by ``positions`` [B, S]."""
-        inverse_frequencies = self.config.inverse_frequencies(self.head_dim, q.device)
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, shared: Optional[SharedValues] = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate ``q`` [B, Hq, S, D] and ``k`` [B, Hkv, S, D] by ``positions`` [B, S].
+
+        With ``shared``, layers of the same schedule and head size share one cos/sin table.
+        """
+        if shared is None:
+            cos, sin = self.cos_sin(positions, q.device)
+        else:
+            key = (type(self.config), dataclasses.astuple(self.config), self.head_dim, id(positions))
+            cos, sin = shared.get(key, lambda: self.cos_sin(positions, q.device))
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+    def cos_sin(self, positions: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 [B, 1, S, D] cos and sin of every position's angles, times the attention scaling."""
+        inverse_frequencies = self.config.inverse_frequencies(self.head_dim, device)
         angles = positions.float()[..., None] * inverse_frequencies  # [B, S, D/2]
         angles = torch.cat((angles, angles), dim=-1)[:, None]  # [B, 1, S, D]
         scaling = self.config.attention_scaling()
-        cos, sin = angles.cos() * scaling, angles.sin() * scaling
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return angles.cos() * scaling, angles.sin() * scaling
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

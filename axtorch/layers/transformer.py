@@ -21,6 +21,7 @@ from axtorch.layers.norm import NormConfig
 from axtorch.layers.remat import ActivationWidths, RematConfig, combine_widths
 from axtorch.layers.residual import ResidualConfig, build_residual
 from axtorch.layers.seams import Seams
+from axtorch.layers.shared_values import SharedValues
 
 
 @dataclass
@@ -56,6 +57,8 @@ class TransformerLayerInput:
     kv_cache: Optional[KVCache] = None
     #: [B, S] document of each token of packed sequences (``AttentionInput.segment_ids``).
     segment_ids: Optional[torch.Tensor] = None
+    #: Tables every layer of this forward computes alike (``AttentionInput.shared``), or None.
+    shared: Optional[SharedValues] = None
 
 
 @dataclass
@@ -94,7 +97,9 @@ class TransformerLayer(nn.Module):
         h, attention = self.attention_residual(
             inputs.hidden_states,
             self.attention_norm,
-            lambda x: self.attention(AttentionInput(x, inputs.positions, inputs.kv_cache, inputs.segment_ids)),
+            lambda x: self.attention(
+                AttentionInput(x, inputs.positions, inputs.kv_cache, inputs.segment_ids, inputs.shared)
+            ),
         )
         out, feed_forward = self.feed_forward_residual(
             h, self.feed_forward_norm, lambda x: self.feed_forward(FeedForwardInput(x))
@@ -282,11 +287,16 @@ def add_aux_loss(total: Optional[torch.Tensor], layer_loss: Optional[torch.Tenso
 
 
 def run_layers_unrolled(decoder: Decoder, inputs: DecoderInput) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """The default ``LayerRunner``: one layer after another, each with its KV cache if decoding."""
+    """The default ``LayerRunner``: one layer after another, each with its KV cache if decoding.
+
+    A decoding forward (with KV caches) builds its rotary tables and masks once for all layers
+    (``SharedValues``); training keeps each layer's own, so its graph and remat are unchanged.
+    """
     caches: list[Optional[KVCache]] = [None] * len(decoder.layers) if inputs.kv_caches is None else [*inputs.kv_caches]
+    shared = None if inputs.kv_caches is None else SharedValues()
     hidden_states, aux_loss = inputs.hidden_states, None
     for layer, cache in zip(decoder.layers, caches):
-        layer_input = TransformerLayerInput(hidden_states, inputs.positions, cache, inputs.segment_ids)
+        layer_input = TransformerLayerInput(hidden_states, inputs.positions, cache, inputs.segment_ids, shared)
         out = decoder.run_layer(layer, layer_input)
         hidden_states, aux_loss = out.hidden_states, add_aux_loss(aux_loss, out.aux_loss)
     return hidden_states, aux_loss

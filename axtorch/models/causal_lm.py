@@ -146,13 +146,20 @@ class CausalLM(nn.Module):
         Given ``max_write``, the most tokens any one forward writes (the prompt, then 1), a
         sliding-window layer keeps a ring of ``window + max_write - 1`` slots rather than ``max_len``.
         """
-        return [
+        caches = [
             # ModuleList iterates as plain nn.Module; the decoder's layers are all TransformerLayers.
             cast(TransformerLayer, layer).attention.allocate_kv_cache(
                 batch_size, max_len, dtype=dtype, device=device, max_write=max_write
             )
             for layer in self.decoder.layers
         ]
+        # Every layer writes the same positions, so caches of one shape hold the same slot
+        # positions: one tensor serves them all, and a mask built from it serves every such layer
+        # of a decode step (``SharedValues``).
+        slot_positions: dict[tuple[int, Optional[int]], torch.Tensor] = {}
+        for cache in caches:
+            cache.slot_positions = slot_positions.setdefault((cache.max_len, cache.window), cache.slot_positions)
+        return caches
 
     def forward(self, inputs: CausalLMInput) -> CausalLMOutput:
         ids = inputs.input_ids

@@ -104,10 +104,11 @@ def test_backends_find_layers_without_duck_typing():
 
 
 def test_every_declared_seam_holds_a_default_of_its_protocol(moe_model):
-    # Attention, mixture of experts and decoder each declare one; a new seam shows up here.
+    # Attention, the gated feed-forward, mixture of experts and decoder declare them; a new seam shows up here.
     assert {name: sorted(seams) for name, seams in _seams_by_class().items()} == {
         "Decoder": ["layer_runner"],
-        "GroupedQueryAttention": ["sequence_exchange"],
+        "GatedFeedForward": ["gate_up_projection"],
+        "GroupedQueryAttention": ["qkv_projection", "sequence_exchange"],
         "MixtureOfExperts": ["expert_compute"],
     }
     filled = 0
@@ -115,7 +116,7 @@ def test_every_declared_seam_holds_a_default_of_its_protocol(moe_model):
         for name, protocol in declared_seams(module).items():
             assert isinstance(getattr(module, name), protocol), f"{type(module).__name__}.{name}"
             filled += 1
-    assert filled == 1 + 2 * len(moe_model.decoder.layers)  # the decoder; attention and experts in each layer
+    assert filled == 1 + 3 * len(moe_model.decoder.layers)  # the decoder; attention's two and experts' in each layer
 
 
 def test_fill_seams_fills_slots_by_protocol_only(moe_model):

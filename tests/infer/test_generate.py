@@ -195,9 +195,18 @@ def test_packed_fp32_weights_give_the_logits_and_the_greedy_tokens(kind):
     assert generate_ids(packed, PROMPTS, 12) == greedy
 
 
+@pytest.fixture
+def two_threads():
+    """oneDNN's packed kernel is the decode kernel from two threads on (``packed_kernel_is_faster``)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_a_library_generate_call_on_the_cpu_decodes_through_packed_weights_and_gives_back_the_model(
-    tokenizer, tied, monkeypatch
+    tokenizer, tied, monkeypatch, two_threads
 ):
     model = _model([*MODELS["dense"], f"model.vocab_size={tokenizer.vocab_size}", f"model.tie_embeddings={tied}"])
     state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
@@ -210,7 +219,7 @@ def test_a_library_generate_call_on_the_cpu_decodes_through_packed_weights_and_g
     unpacked = generate(model, tokenizer, prompts, max_new_tokens=12, sampling=sampling, pack=False)
     assert not packed_calls
     packed = generate(model, tokenizer, prompts, max_new_tokens=12, sampling=sampling)  # the default
-    assert len(packed_calls) >= 12 * (len(model.decoder.layers) * 7 + 1)  # q k v o, gate up down, head per step
+    assert len(packed_calls) >= 12 * (len(model.decoder.layers) * 4 + 1)  # qkv stacked, o, gate+up, down, head
     assert packed == unpacked
     assert dict(model.named_modules()) == modules and (model.lm_head is None) == tied  # its own modules back
     torch.testing.assert_close(model.state_dict(), state, atol=0, rtol=0)
@@ -311,17 +320,21 @@ def test_generate_command_continues_prompts_from_a_trained_run(tmp_path, data_ca
     assert two_sources.returncode == 2 and "exactly one of checkpoint=DIR, gguf=FILE or hf=DIR" in two_sources.stderr
 
 
-def test_library_generate_calls_reuse_the_packed_weights_until_a_weight_changes(monkeypatch):
+def test_library_generate_calls_reuse_the_packed_weights_until_a_weight_changes(monkeypatch, two_threads):
     model = _model(MODELS["dense"])
     packings = []
     init = PackedLinear.__init__
     monkeypatch.setattr(PackedLinear, "__init__", lambda self, w, b: packings.append(1) or init(self, w, b))
     first = generate_ids(model, PROMPTS, 6)
     per_call = len(packings)
-    assert per_call == len(model.decoder.layers) * 7 + 1  # q k v o, gate up down, and the head
+    assert per_call == len(model.decoder.layers) * 4 + 1  # q+k+v stacked, o, gate+up stacked, down; the head
     assert generate_ids(model, PROMPTS, 6) == first and len(packings) == per_call  # nothing packed again
     with torch.no_grad():
         model.decoder.layers[-1].feed_forward.down_proj.weight.mul_(-50.0)  # in place, as an optimizer step
     changed = generate_ids(model, PROMPTS, 6)
     assert len(packings) == per_call + 1  # that weight alone
     assert changed == generate_ids(model, PROMPTS, 6, pack=False) != first
+    with torch.no_grad():
+        model.decoder.layers[0].attention.k_proj.weight.mul_(-2.0)
+    generate_ids(model, PROMPTS, 6)
+    assert len(packings) == per_call + 2  # the stack that holds it

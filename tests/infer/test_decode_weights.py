@@ -1,0 +1,95 @@
+"""CPU decode weight formats (``cpu_weights.decode_weights``): stacked q/k/v and gate/up, and the
+kernel chosen by the thread count, give the plain modules' logits and tokens and leave the model as
+it was; a linear holding an adapter is left alone."""
+
+import pytest
+import torch
+
+from axtorch.compose.experiment_loader import load_experiment_config
+from axtorch.infer import decode_weights, generate_ids
+from axtorch.infer.cpu_weights import PackedLinear, StackedProjection
+from axtorch.layers.attention import project_separately
+from axtorch.layers.feed_forward import project_gate_up
+from axtorch.layers.norm import RMSNormConfig
+from axtorch.models import CausalLMInput
+from axtorch.models.lora import LoRA, LoRAConfig
+from axtorch.train.trainer import build_model
+
+MODELS = {
+    "dense": ["experiment=debug"],
+    "biased untied": [
+        "experiment=debug",
+        "model.decoder.layer.attention.qkv_projection.bias=true",
+        "model.tie_embeddings=false",
+    ],
+    "moe": ["experiment=debug", "model=mixtral_tiny"],
+}
+PROMPTS = [[5, 17, 300, 2], [9, 4]]
+
+
+def _model(overrides):
+    torch.manual_seed(0)
+    model = build_model(load_experiment_config(overrides), torch.device("cpu")).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias"):
+                parameter.normal_()  # zero-initialised: a lost bias would not show
+    return model
+
+
+@pytest.fixture(params=[1, 2], ids=["1 thread", "2 threads"])
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_decode_weights_give_the_plain_modules_logits_and_tokens_and_give_the_model_back(kind, threads):
+    model = _model(MODELS[kind])
+    tokens = torch.randint(0, 500, (2, 12), generator=torch.Generator().manual_seed(2))
+    expected = model(CausalLMInput(input_ids=tokens)).logits
+    greedy = generate_ids(model, PROMPTS, 10, pack=False)
+    modules = dict(model.named_modules())
+    with decode_weights(model):
+        attention, feed_forward = model.decoder.layers[0].attention, model.decoder.layers[0].feed_forward
+        assert isinstance(attention.qkv_projection, StackedProjection)
+        assert (kind == "moe") != isinstance(getattr(feed_forward, "gate_up_projection", None), StackedProjection)
+        # One thread: torch's linear streams faster (no oneDNN packing); two: oneDNN's packed kernel.
+        assert isinstance(attention.o_proj, PackedLinear) == (threads > 1)
+        assert isinstance(attention.qkv_projection.product, PackedLinear) == (threads > 1)
+        got = model(CausalLMInput(input_ids=tokens)).logits
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert generate_ids(model, PROMPTS, 10) == greedy
+    assert dict(model.named_modules()) == modules
+    assert model.decoder.layers[0].attention.qkv_projection is project_separately
+    if kind != "moe":
+        assert model.decoder.layers[0].feed_forward.gate_up_projection is project_gate_up
+
+
+def test_a_projection_holding_an_adapter_is_not_stacked_and_keeps_its_output():
+    model = _model(MODELS["dense"])
+    attention = model.decoder.layers[0].attention
+    attention.v_proj.adapter = LoRA(LoRAConfig(rank=2), attention.v_proj.in_features, attention.v_proj.out_features)
+    with torch.no_grad():
+        attention.v_proj.adapter.lora_a.normal_()
+        attention.v_proj.adapter.lora_b.normal_()
+    tokens = torch.randint(0, 500, (1, 8), generator=torch.Generator().manual_seed(3))
+    expected = model(CausalLMInput(input_ids=tokens)).logits
+    with decode_weights(model):
+        assert attention.qkv_projection is project_separately
+        assert isinstance(model.decoder.layers[1].attention.qkv_projection, StackedProjection)
+        torch.testing.assert_close(model(CausalLMInput(input_ids=tokens)).logits, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 576), (2, 7, 192), (1, 33, 1000)])
+def test_the_float32_inference_rms_norm_is_bit_for_bit_the_training_one(shape):
+    norm = RMSNormConfig(eps=1e-5).build(shape[-1])
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(4)) * 7
+    with torch.no_grad():
+        inference = norm(x)  # torch.rms_norm, one call
+    training = norm(x.requires_grad_())  # the steps written out, differentiable
+    torch.testing.assert_close(inference, training.detach(), atol=0, rtol=0)
