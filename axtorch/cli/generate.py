@@ -15,16 +15,16 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
 from axtorch.cli.key_values import read_config
 from axtorch.config.errors import ConfigError
-from axtorch.data.chat import ChatTemplate
 from axtorch.data.tokenizer import Tokenizer
 from axtorch.infer import generate
 from axtorch.infer.cpu_weights import quantize_int8
+from axtorch.infer.decoding import prompt_text
 from axtorch.infer.sampling import SamplingConfig
 from axtorch.models.causal_lm import CausalLM
 from axtorch.parallel.single import resolve_device
@@ -47,9 +47,10 @@ class GenerateConfig:
     #: Tokens to decode after each prompt, at most.
     max_new_tokens: int = 64
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    #: Strings that end a row (its text is cut before them), besides the end-of-sequence token.
+    #: Strings that end a row (its text is cut before them), besides the model's end-of-sequence
+    #: and end-of-turn tokens.
     stop: list[str] = field(default_factory=list)
-    #: Wrap each prompt as a user message in the model's chat template.
+    #: Wrap each prompt as a user message in the model's chat template (``generate``'s ``chat``).
     chat: bool = False
     #: "int8": int8 weights for the attention projections and the output head (CPU only).
     quantize: Optional[str] = None
@@ -86,31 +87,20 @@ class GenerateConfig:
         self.sampling.validate("sampling")
 
 
-def load_source(config: GenerateConfig, device: torch.device) -> tuple[CausalLM, Tokenizer, dict[str, Any]]:
-    """(model, tokenizer, the tokenizer's ``tokenizer_config.json`` settings: chat template, special tokens)."""
+def load_source(config: GenerateConfig, device: torch.device) -> tuple[CausalLM, Tokenizer]:
+    """The model and its tokenizer, with the settings (chat template, special tokens) that came with it."""
     if config.checkpoint:
-        model, tokenizer = load_trained_model(Path(config.checkpoint), device)
-        return model, tokenizer, tokenizer.settings
+        return load_trained_model(Path(config.checkpoint), device)
     if config.gguf:
-        from axtorch.interop.gguf import from_gguf, tokenizer_settings
+        from axtorch.interop.gguf import from_gguf
 
         model, _, tokenizer = from_gguf(config.gguf)
-        return model.to(device).eval(), tokenizer, tokenizer_settings(config.gguf)
+        return model.to(device).eval(), tokenizer
     from axtorch.interop.hf import from_hf, hf_tokenizer
 
     model, _ = from_hf(str(config.hf))
     tokenizer, _ = hf_tokenizer(str(config.hf))
-    return model.to(device).eval(), tokenizer, tokenizer.settings
-
-
-def render_chat(settings: dict[str, Any], prompt: str) -> str:
-    """``prompt`` as one user message in the model's chat template, ready for the assistant's reply
-    (rendered as ``data=chat`` renders training conversations, and transformers' ``apply_chat_template``)."""
-    if not isinstance(settings.get("chat_template"), (str, list)):
-        raise ConfigError("chat", True, "false for this model", reason="its tokenizer has no chat template")
-    template = ChatTemplate.from_settings(settings, "the tokenizer's settings")
-    text, _ = template.render([{"role": "user", "content": prompt}], add_generation_prompt=True)
-    return text
+    return model.to(device).eval(), tokenizer
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,12 +116,9 @@ def main(argv: list[str] | None = None) -> int:
             device, step_boundary = decode_device()
         else:
             device = resolve_device(config.device, "device")
-        model, tokenizer, settings = load_source(config, device)
-        stop = list(config.stop)
-        if config.chat:
-            prompts = [render_chat(settings, prompt) for prompt in prompts]
-            if isinstance(settings.get("eos_token"), str):  # the end of the assistant's turn
-                stop.append(settings["eos_token"])
+        model, tokenizer = load_source(config, device)
+        # What each row continues: with chat, the prompt as the model's template renders it.
+        shown = [prompt_text(tokenizer, prompt) for prompt in prompts] if config.chat else prompts
         if config.quantize == "int8":
             model = quantize_int8(model)
     except (ConfigError, CheckpointError, ValueError, OSError, ImportError) as error:
@@ -139,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     stream = None
     if len(prompts) == 1:  # one prompt: its text appears as it is decoded
-        print(prompts[0], end="", flush=True)
+        print(shown[0], end="", flush=True)
         stream = lambda _, text: print(text, end="", flush=True)  # noqa: E731
     results = generate(
         model,
@@ -147,18 +134,19 @@ def main(argv: list[str] | None = None) -> int:
         prompts,
         max_new_tokens=config.max_new_tokens,
         sampling=config.sampling,
-        stop=stop,
+        stop=config.stop,
         seeds=[config.seed + row for row in range(len(prompts))],
         stream=stream,
         sync_every=1 if stream else 8,
         compile=config.compile,
         step_boundary=step_boundary,
         pack=config.pack,
+        chat=config.chat,
     )
     if stream:
         print()
         return 0
-    for index, (prompt, result) in enumerate(zip(prompts, results)):
+    for index, (prompt, result) in enumerate(zip(shown, results)):
         print(f"--- prompt {index} ({result.finish_reason}, {len(result.token_ids)} new tokens)")
         print(prompt + result.text)
     return 0

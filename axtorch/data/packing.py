@@ -59,22 +59,22 @@ def _batched(documents: Iterator[str], size: int) -> Iterator[list[str]]:
 def tokenize_documents(
     source: DocumentSource, tokenizer: Tokenizer, val_fraction: float, seed: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """All documents' tokens, each followed by EOS, each document's length (EOS included), and
-    whether it is held out (``axtorch.data.held_out``).
+    """All documents' tokens, each as ``Tokenizer.document_ids`` makes it (BOS if the model's
+    tokenizer adds one, EOS after), each document's length, and whether it is held out
+    (``axtorch.data.held_out``).
 
     The whole stream is held in memory (2 bytes a token for vocabularies up to 65536), which is
     what lets the split fall back to the stream's last tokens once all are known.
     """
     dtype = token_dtype(tokenizer.vocab_size)
-    eos = (tokenizer.eos_id,)
     chunks: list[np.ndarray] = []
     lengths: list[int] = []
     held_out: list[bool] = []
     with tqdm(desc="tokenizing", unit=" docs") as progress:
         for documents in _batched(source.iter_documents(), ENCODE_BATCH_DOCUMENTS):
-            encoded = tokenizer.encode_batch(documents)
-            batch_lengths = [len(ids) + 1 for ids in encoded]
-            flat = chain.from_iterable(chain(ids, eos) for ids in encoded)
+            encoded = tokenizer.document_ids(documents)
+            batch_lengths = [len(ids) for ids in encoded]
+            flat = chain.from_iterable(encoded)
             chunks.append(np.fromiter(flat, dtype=dtype, count=sum(batch_lengths)))
             lengths.extend(batch_lengths)
             held_out.extend(is_held_out(text, val_fraction, seed) for text in documents)

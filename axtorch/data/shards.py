@@ -79,7 +79,7 @@ class TokenShardsSource(DocumentSource):
                 for shard in manifest["splits"][split]
             ]
             for ids in _shard_documents(files, dtype):
-                yield tokenizer.decode(ids[:-1] if ids.size and ids[-1] == tokenizer.eos_id else ids)
+                yield tokenizer.document_text(ids.tolist())
 
     def fingerprint(self) -> str:
         manifest = json.loads((self.directory / MANIFEST_FILE).read_text())
@@ -151,11 +151,10 @@ def _start_worker(tokenizer_path: str, eos_token: str) -> None:
 def _encode(
     tokenizer: Tokenizer, documents: list[str], val_fraction: float, seed: int
 ) -> list[tuple[np.ndarray, bool]]:
-    """Each document's tokens with EOS, and whether it is held out."""
-    eos = tokenizer.eos_id
+    """Each document's tokens (``Tokenizer.document_ids``), and whether it is held out."""
     return [
-        (np.array([*ids, eos], dtype=np.uint32), is_held_out(text, val_fraction, seed))
-        for text, ids in zip(documents, tokenizer.encode_batch(documents))
+        (np.array(ids, dtype=np.uint32), is_held_out(text, val_fraction, seed))
+        for text, ids in zip(documents, tokenizer.document_ids(documents))
     ]
 
 

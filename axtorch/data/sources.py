@@ -91,10 +91,10 @@ class PartitionedSource(DocumentSource):
             yield text
 
     def encode_documents(self, documents: list[str], tokenizer: Tokenizer, mark_starts: bool) -> list[np.ndarray]:
-        """Each document's tokens as streaming packs them (``document_tokens``): its text's ids, then
-        EOS, every token a target; ``mark_starts``: ``DOCUMENT_START`` on the first."""
-        eos = tokenizer.eos_id
-        return [flag_document([*ids, eos], mark_start=mark_starts) for ids in tokenizer.encode_batch(documents)]
+        """Each document's tokens as streaming packs them (``document_tokens``): BOS if the model's
+        tokenizer adds one, its text's ids, then EOS (``Tokenizer.document_ids``), every token a
+        target; ``mark_starts``: ``DOCUMENT_START`` on the first."""
+        return [flag_document(ids, mark_start=mark_starts) for ids in tokenizer.document_ids(documents)]
 
 
 def require_text(value: Any, field: str, where: str) -> str:

@@ -12,18 +12,20 @@ stream text.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Optional, Protocol, Union, cast
 
 import torch
 
-from axtorch.infer.cpu_weights import can_pack, decode_weights
+from axtorch.infer.cpu_weights import can_pack, packed_linears
 from axtorch.infer.sampling import SamplingConfig, apply_penalties, sample_next_token
 from axtorch.models.causal_lm import CausalLM, CausalLMInput
 
-#: A prompt as text, or as token ids.
-Prompt = Union[str, Sequence[int]]
+#: A chat message: ``{"role": "user", "content": "..."}``.
+Message = Mapping[str, str]
+#: A prompt as text, as token ids, or (``chat=True``) as a conversation.
+Prompt = Union[str, Sequence[int], Sequence[Message]]
 
 
 class Tokenizer(Protocol):
@@ -32,9 +34,35 @@ class Tokenizer(Protocol):
     @property
     def eos_id(self) -> int: ...
 
+    #: The token a text starts with (the model's tokenizer adds it), or None.
+    bos_id: Optional[int]
+    #: The ids that end a reply: EOS and the model's end-of-turn tokens.
+    stop_ids: tuple[int, ...]
+
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, ids: list[int]) -> str: ...
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> str: ...
+
+
+def prompt_text(tokenizer: Tokenizer, prompt: Union[str, Sequence[Message]]) -> str:
+    """A chat prompt as ``generate(chat=True)`` reads it: a text is one user turn, rendered with the
+    conversation through the tokenizer's chat template, the assistant's turn opened."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+    return tokenizer.chat_prompt(messages)
+
+
+def _prompt_ids(tokenizer: Tokenizer, prompt: Prompt, chat: bool) -> list[int]:
+    if chat:
+        if not isinstance(prompt, str) and not all(isinstance(message, Mapping) for message in prompt):
+            raise ValueError("with chat=True a prompt is a user message (str) or a list of {role, content} messages")
+        return tokenizer.encode(prompt_text(tokenizer, cast(Union[str, Sequence[Message]], prompt)))
+    if isinstance(prompt, str):
+        return ([] if tokenizer.bos_id is None else [tokenizer.bos_id]) + tokenizer.encode(prompt)
+    if not all(isinstance(token, int) for token in prompt):
+        raise ValueError("a list of messages is a prompt only with chat=True")
+    return list(cast(Sequence[int], prompt))
 
 
 @dataclass
@@ -79,12 +107,10 @@ def decode_tokens(
     ``step_boundary`` is called after the prefill and after each decode step: on XLA it is
     ``torch_xla.sync``, which cuts the lazy graph there, so that every decode step is the same
     fixed-shape program, compiled once (``axtorch.parallel.xla.decode_device``).
-    ``pack`` decodes float32 weights on a CPU in decode formats (``cpu_weights.decode_weights``):
-    q/k/v and gate/up each one stacked matrix, and the kernel that streams weights faster at the
-    thread count (oneDNN's packed layout from two threads on); the same math up to summation order.
-    The model's own modules are put back when decoding ends. ``pack=False`` keeps the model's
-    modules as they are; elsewhere, and with ``compile`` (inductor cannot lower packed weights),
-    it changes nothing.
+    ``pack`` decodes float32 weights on a CPU through oneDNN's packed layout (``cpu_weights.packed_linears``):
+    the same math up to summation order, about twice the speed; the model's own modules are put back
+    when decoding ends. ``pack=False`` keeps torch's linears; elsewhere, and with ``compile`` (inductor
+    cannot lower the packed weights), it changes nothing.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt must contain at least one token")
@@ -109,7 +135,7 @@ def decode_tokens(
     unpack = contextlib.ExitStack()
     try:
         if pack and not compile and can_pack(model):
-            unpack.enter_context(decode_weights(model))
+            unpack.enter_context(packed_linears(model))
         # The prompts are written in one call, then one token per call: sliding-window layers keep rings.
         caches = model.allocate_kv_caches(batch, total, dtype=parameter.dtype, device=device, max_write=max(lengths))
         ids = torch.zeros(batch, max(lengths), dtype=torch.long)
@@ -219,18 +245,25 @@ def generate(
     compile: bool = False,
     step_boundary: Optional[Callable[[], None]] = None,
     pack: bool = True,
+    chat: bool = False,
 ) -> list[Generation]:
     """Continue every prompt (text or token ids) in one batch; each row stops on its own.
 
-    A row ends at the tokenizer's end-of-sequence token or one of ``stop_token_ids`` (not
+    A text prompt starts with the tokenizer's BOS when the model's tokenizer adds one (Gemma's
+    ``<bos>``); token ids are taken as they are. ``chat=True`` answers each prompt as the model's
+    assistant: a text is one user turn, a list of ``{"role", "content"}`` messages a conversation,
+    rendered through the tokenizer's own chat template with the assistant's turn opened
+    (``prompt_text``; transformers' ``apply_chat_template(add_generation_prompt=True)``), which
+    puts in any BOS itself. A row ends at one of the tokenizer's ``stop_ids`` (its EOS and the
+    model's end-of-turn tokens, e.g. Gemma's ``<end_of_turn>``) or ``stop_token_ids`` (not
     included), at the first of the ``stop`` strings (the text is cut before it), or after
     ``max_new_tokens``. ``stream(row, text)`` receives each row's new text as it is decoded,
     holding back what could still turn out to be the start of a stop string. ``pack`` (on by
-    default) is ``decode_tokens``'s: on a CPU, float32 weights decode in their decode formats.
+    default) is ``decode_tokens``'s: on a CPU, float32 weights decode through oneDNN's packed layout.
     """
     sampling = sampling or SamplingConfig()
-    encoded = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
-    stop_ids = {tokenizer.eos_id, *stop_token_ids}
+    encoded = [_prompt_ids(tokenizer, prompt, chat) for prompt in prompts]
+    stop_ids = {*tokenizer.stop_ids, *stop_token_ids}
     rows = [_Row() for _ in encoded]
     chunks = decode_tokens(
         model,

@@ -64,6 +64,25 @@ SHARED_EXPERT_GATE = "ffn_gate_inp_shexp"
 #: brought them (GPT-2's byte-level BPE, Llama's SentencePiece), whatever the file's architecture.
 BYTE_LEVEL_BPE_TOKENIZER = "gpt2"
 SENTENCEPIECE_TOKENIZER = "llama"
+#: Tokens that end a reply wherever a vocabulary has them, as llama.cpp recognises them by their
+#: text (``llama_vocab``'s end-of-generation set): Gemma's ``<end_of_turn>``, ChatML's ``<|im_end|>``,
+#: Llama 3's ``<|eot_id|>``, ... A GGUF names only one EOS; a chat model ends its turn with these.
+END_OF_GENERATION_TOKENS = frozenset(
+    {
+        "<|eot_id|>",
+        "<|im_end|>",
+        "<|end|>",
+        "<|return|>",
+        "<|call|>",
+        "<end_of_turn>",
+        "<|endoftext|>",
+        "<|eom_id|>",
+        "<EOT>",
+        "_<EOT>",
+        "<|end_of_text|>",
+        "<end_of_utterance>",
+    }
+)
 #: Llama 3.1's per-pair RoPE frequency divisors, as llama.cpp stores them.
 ROPE_FACTORS = "rope_freqs.weight"
 GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -191,20 +210,35 @@ def _reader(path: str | os.PathLike[str]) -> GGUFReader:
     return GGUFReader(path)
 
 
-def tokenizer_settings(path: str | os.PathLike[str]) -> dict[str, str]:
-    """What HF's ``tokenizer_config.json`` would hold for the GGUF's tokenizer: its chat template and
-    the text of its BOS and EOS tokens, as far as the file names them (``axtorch.data.chat`` reads it)."""
-    reader = _reader(path)
+def tokenizer_settings(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """What HF's ``tokenizer_config.json`` would hold for the GGUF's tokenizer (``_settings``)."""
+    return _settings(_reader(path))
+
+
+def _settings(reader: GGUFReader) -> dict[str, Any]:
+    """The GGUF's chat template, the text of its BOS and EOS tokens as far as the file names them,
+    and whether texts start with BOS (``tokenizer.ggml.add_bos_token``; without it, llama.cpp's
+    default: SentencePiece vocabularies add one, byte-level BPE ones do not)."""
     tokens = _metadata(reader, "tokenizer.ggml.tokens")
-    settings = {}
+    settings: dict[str, Any] = {}
     for name in ("bos", "eos"):
         token_id = _metadata(reader, f"tokenizer.ggml.{name}_token_id", None)
         if token_id is not None:
             settings[f"{name}_token"] = str(tokens[int(token_id)])
+    sentencepiece = _metadata(reader, "tokenizer.ggml.model") == SENTENCEPIECE_TOKENIZER
+    settings["add_bos_token"] = bool(_metadata(reader, "tokenizer.ggml.add_bos_token", sentencepiece))
     template = _metadata(reader, "tokenizer.chat_template", None)
     if template is not None:
         settings["chat_template"] = str(template)
     return settings
+
+
+def _end_of_generation_ids(reader: GGUFReader, tokens: list[str]) -> list[int]:
+    """The ids llama.cpp ends generation on: the EOS, end-of-turn and end-of-message ids the file
+    names, and every token whose text is one of ``END_OF_GENERATION_TOKENS``."""
+    named = (_metadata(reader, f"tokenizer.ggml.{name}_token_id", None) for name in ("eos", "eot", "eom"))
+    by_text = (index for index, token in enumerate(tokens) if token in END_OF_GENERATION_TOKENS)
+    return sorted({*(int(token_id) for token_id in named if token_id is not None), *by_text})
 
 
 def _metadata(reader: GGUFReader, key: str, default: Any = _REQUIRED) -> Any:
@@ -380,7 +414,7 @@ def _tokenizer(reader: GGUFReader) -> Tokenizer:
             _metadata(reader, "tokenizer.ggml.token_type"),
             bool(_metadata(reader, "tokenizer.ggml.add_space_prefix", True)),
         )
-        return Tokenizer(inner, eos_token=tokens[_metadata(reader, "tokenizer.ggml.eos_token_id")])
+        return _with_special_tokens(reader, inner, tokens)
     if kind != BYTE_LEVEL_BPE_TOKENIZER:
         raise ValueError(
             f"GGUF tokenizer.ggml.model={kind!r} is not supported; supported: {BYTE_LEVEL_BPE_TOKENIZER!r} "
@@ -408,4 +442,11 @@ def _tokenizer(reader: GGUFReader) -> Tokenizer:
     inner.add_tokens(
         [AddedToken(token, normalized=False) for token, kind in zip(tokens, types) if kind == TokenType.USER_DEFINED]
     )
-    return Tokenizer(inner, eos_token=tokens[_metadata(reader, "tokenizer.ggml.eos_token_id")])
+    return _with_special_tokens(reader, inner, tokens)
+
+
+def _with_special_tokens(reader: GGUFReader, inner: tokenizers.Tokenizer, tokens: list[str]) -> Tokenizer:
+    """``inner`` ending documents at the GGUF's EOS, starting them with its BOS where the file adds
+    one, ending replies at its end-of-generation tokens, and carrying its chat template."""
+    eos_token = tokens[_metadata(reader, "tokenizer.ggml.eos_token_id")]
+    return Tokenizer(inner, eos_token, _settings(reader), _end_of_generation_ids(reader, tokens))

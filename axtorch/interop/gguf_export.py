@@ -101,8 +101,9 @@ def to_gguf(model: CausalLM, tokenizer: Tokenizer, path: str | os.PathLike[str],
     # may differ from the token the run packed documents with; llama.cpp stops at the file's EOS.
     end_of_turn = tokenizer.settings.get("eos_token")
     writer.add_eos_token_id(vocab["tokens"].index(end_of_turn) if end_of_turn in vocab["tokens"] else tokenizer.eos_id)
-    writer.add_bos_token_id(tokenizer.eos_id)  # axtorch packs documents after EOS, never a BOS
-    writer.add_add_bos_token(False)
+    # Texts start with BOS where the run's documents did (Gemma's <bos>, from init_from's tokenizer).
+    writer.add_bos_token_id(tokenizer.eos_id if tokenizer.bos_id is None else tokenizer.bos_id)
+    writer.add_add_bos_token(tokenizer.bos_id is not None)
     template = tokenizer.settings.get("chat_template")  # the run's, from init_from's tokenizer
     if isinstance(template, str):
         writer.add_chat_template(template)

@@ -4,12 +4,13 @@ The run's own model config must describe the same network as the imported one (c
 matching preset, e.g. ``model=smollm2_135m``); anything that differs, apart from initialisation
 settings, a router's loss weights and the maximum length (unless it sizes a learned position
 table), is an error naming the differing keys rather than a silent partial load. The tokenizer
-comes with the weights: a GGUF's own, or the HF directory's ``tokenizer.json``.
+comes with the weights: a GGUF's own, or the HF directory's ``tokenizer.json``, with what the
+model's own tokenizer adds (BOS) and ends with (EOS, end-of-turn), which the data path takes
+unless ``data.tokenizer.eos_token`` names another EOS.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -19,8 +20,6 @@ import torch
 
 from axtorch.config.errors import ConfigError
 from axtorch.config.serialize import config_to_dict
-from axtorch.data.sources import write_file_atomically
-from axtorch.data.tokenizer import TOKENIZER_SETTINGS_FILE
 from axtorch.models.causal_lm import CausalLM, CausalLMConfig
 
 #: Settings that do not change the network a checkpoint holds: initialisation, the maximum length,
@@ -79,14 +78,13 @@ def load_pretrained(source: str, scratch_dir: Path) -> Pretrained:
                 "init_from", source, "an HF directory with a tokenizer.json", reason=f"no {tokenizer_path}"
             )
         return Pretrained(model, config, tokenizer_path)
-    from axtorch.interop.gguf import from_gguf, tokenizer_settings
+    from axtorch.interop.gguf import from_gguf
 
     model, config, tokenizer = from_gguf(path)
     scratch_dir.mkdir(parents=True, exist_ok=True)
+    # With its settings and end-of-turn ids beside it, where ``Tokenizer.load`` finds them: the
+    # BOS and EOS every document gets, the chat template (``data=chat``), where generation stops.
     tokenizer.save(tokenizer_path)
-    # Beside the tokenizer, where ``Tokenizer.load`` finds its chat template (``data=chat``).
-    settings = json.dumps(tokenizer_settings(path), indent=2).encode()
-    write_file_atomically(tokenizer_path.parent / TOKENIZER_SETTINGS_FILE, lambda file: file.write(settings))
     return Pretrained(model, config, tokenizer_path)
 
 

@@ -1,12 +1,19 @@
-"""Tokenizer: byte-level BPE training is deterministic, cached, and round-trips any text."""
+"""Tokenizer: byte-level BPE training is deterministic, cached, and round-trips any text; a model's
+tokenizer brings its BOS, EOS and end-of-turn ids (its tokenizer_config.json, generation_config.json)."""
 
 import hashlib
+import json
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Optional
 
 import pytest
+import tokenizers
+from tokenizers import AddedToken, processors
 
 from axtorch.config.errors import ConfigError
-from axtorch.data import DocumentSource, Tokenizer, TokenizerConfig, load_or_train_tokenizer
+from axtorch.data import DocumentSource, Tokenizer, TokenizerConfig, load_or_train_tokenizer, shards
+from axtorch.data.packing import tokenize_documents
 
 WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "theta", "kappa", "lambda", "sigma", "omega"]
 DOCUMENTS = [
@@ -112,3 +119,71 @@ def test_bad_tokenizer_config(tmp_path, config, key):
     with pytest.raises(ConfigError) as error:
         load_or_train_tokenizer(config, ListSource(DOCUMENTS), tmp_path)
     assert error.value.key == key
+
+
+def _model_tokenizer_files(directory: Path, settings: dict, end_ids: Optional[list] = None, bos_template=False) -> Path:
+    """A trained BPE with the special tokens <s> and <|im_end|>, and an HF-style tokenizer_config.json
+    (and generation_config.json) beside it, as an imported model's tokenizer comes."""
+    trained = load_or_train_tokenizer(CONFIG, ListSource(DOCUMENTS), directory / "trained")
+    inner = tokenizers.Tokenizer.from_file(str(directory / "trained" / "tokenizer.json"))
+    inner.add_special_tokens([AddedToken("<s>", special=True), AddedToken("<|im_end|>", special=True)])
+    if bos_template:  # BOS from the post-processor alone, as an HF tokenizer.json may add it
+        inner.post_processor = processors.TemplateProcessing(
+            single="<s> $A", special_tokens=[("<s>", inner.token_to_id("<s>"))]
+        )
+    (directory / "model").mkdir()
+    inner.save(str(directory / "model" / "tokenizer.json"))
+    (directory / "model" / "tokenizer_config.json").write_text(json.dumps(settings))
+    if end_ids is not None:
+        (directory / "model" / "generation_config.json").write_text(json.dumps({"eos_token_id": end_ids}))
+    assert trained.vocab_size == 300
+    return directory / "model" / "tokenizer.json"
+
+
+def test_a_model_tokenizer_that_adds_bos_starts_every_document_with_it_in_every_data_path(tmp_path):
+    """BOS and EOS as the model's tokenizer_config.json names them, whichever way the corpus is tokenized."""
+    settings = {"add_bos_token": True, "bos_token": "<s>", "eos_token": {"content": "<|im_end|>"}}
+    path = _model_tokenizer_files(tmp_path, settings)
+    tokenizer = load_or_train_tokenizer(TokenizerConfig(path=str(path)), ListSource(DOCUMENTS), tmp_path / "cache")
+    bos, eos = tokenizer.bos_id, tokenizer.eos_id
+    assert (tokenizer.decode([bos]), tokenizer.eos_token) == ("<s>", "<|im_end|>")
+    expected = [[bos, *tokenizer.encode(text), eos] for text in DOCUMENTS[:4]]
+    assert tokenizer.document_ids(DOCUMENTS[:4]) == expected
+    assert [tokenizer.document_text(ids) for ids in expected] == DOCUMENTS[:4]
+    packed, lengths, _ = tokenize_documents(ListSource(DOCUMENTS[:4]), tokenizer, 0.0, seed=0)
+    assert packed.tolist() == [token for ids in expected for token in ids]
+    assert lengths.tolist() == [len(ids) for ids in expected]
+    assert [tokens.tolist() for tokens, _ in shards._encode(tokenizer, DOCUMENTS[:4], 0.0, 0)] == expected
+    # The cached copy (what the run directory and token shards keep) starts and ends documents alike.
+    cached = Tokenizer.load(tmp_path / "cache" / "tokenizer.json")
+    assert cached.document_ids(DOCUMENTS[:4]) == expected
+    # An explicit data.tokenizer.eos_token still wins over the model's.
+    explicit = load_or_train_tokenizer(
+        TokenizerConfig(path=str(path), eos_token="<|endoftext|>"), ListSource(DOCUMENTS), tmp_path / "other"
+    )
+    assert explicit.document_ids(DOCUMENTS[:1])[0][-1] == explicit.encode("<|endoftext|>")[0] != eos
+
+
+def test_bos_comes_from_the_post_processor_when_the_settings_do_not_say(tmp_path):
+    path = _model_tokenizer_files(tmp_path, {}, bos_template=True)
+    tokenizer = Tokenizer.load(path)
+    assert tokenizer.decode([tokenizer.bos_id]) == "<s>" and tokenizer.eos_token == "<|endoftext|>"
+    assert tokenizer.encode(DOCUMENTS[0])[0] != tokenizer.bos_id  # encode itself adds nothing
+    assert Tokenizer.load(_model_tokenizer_files(tmp_path / "plain", {})).bos_id is None
+
+
+def test_a_tokenizer_without_model_settings_packs_as_before(tmp_path):
+    tokenizer = load_or_train_tokenizer(CONFIG, ListSource(DOCUMENTS), tmp_path)
+    assert (tokenizer.bos_id, tokenizer.eos_token, tokenizer.stop_ids) == (None, "<|endoftext|>", (tokenizer.eos_id,))
+    assert tokenizer.document_ids(DOCUMENTS[:1]) == [[*tokenizer.encode(DOCUMENTS[0]), tokenizer.eos_id]]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["tokenizer.json"]  # nothing beside it
+
+
+def test_end_of_turn_ids_travel_with_the_tokenizer(tmp_path):
+    """generation_config.json's eos_token_id list: the ids a reply ends at, kept by save and load."""
+    path = _model_tokenizer_files(tmp_path, {"eos_token": "<|endoftext|>"}, end_ids=[301])
+    tokenizer = Tokenizer.load(path)
+    assert tokenizer.stop_ids == (tokenizer.eos_id, 301) and tokenizer.decode([301]) == "<|im_end|>"
+    (tmp_path / "copy").mkdir()
+    tokenizer.save(tmp_path / "copy" / "tokenizer.json")
+    assert Tokenizer.load(tmp_path / "copy" / "tokenizer.json").stop_ids == tokenizer.stop_ids

@@ -92,9 +92,11 @@ def test_a_chat_tokenizers_template_and_end_of_turn_token_go_into_the_file(tmp_p
         "eos_token": end_of_turn,
     }
     to_gguf(_model(tokenizer), chat, tmp_path / "chat.gguf", "f32")
-    assert tokenizer_settings(tmp_path / "chat.gguf") == {"bos_token": "<|endoftext|>", **chat.settings}
+    expected = {"bos_token": "<|endoftext|>", "add_bos_token": False, **chat.settings}
+    assert tokenizer_settings(tmp_path / "chat.gguf") == expected
     to_gguf(_model(tokenizer), tokenizer, tmp_path / "plain.gguf", "f32")
-    assert tokenizer_settings(tmp_path / "plain.gguf") == {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"}
+    plain = tokenizer_settings(tmp_path / "plain.gguf")
+    assert plain == {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "add_bos_token": False}
 
 
 def test_what_no_gguf_architecture_can_express_is_refused_before_writing(tmp_path, tokenizer):

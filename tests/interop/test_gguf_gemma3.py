@@ -147,6 +147,7 @@ def test_export_to_gguf_reads_back_with_the_same_vocabulary_and_perplexity(ours,
         assert written.fields[key].contents() == original.fields[key].contents(), key
     back, config, back_tokenizer = from_gguf(tmp_path / "back.gguf")
     assert config.decoder.layer_configs() == model.config.decoder.layer_configs()
+    assert (back_tokenizer.bos_id, back_tokenizer.stop_ids) == (BOS, tokenizer.stop_ids)  # <bos>; <end_of_turn>
     ids = _stdlib_paragraph(tokenizer)
     assert back_tokenizer.encode(Path(os.__file__).read_text()[:5000]) == tokenizer.encode(
         Path(os.__file__).read_text()[:5000]

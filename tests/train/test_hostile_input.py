@@ -59,7 +59,7 @@ def test_non_utf8_bytes_are_replaced_not_fatal(tmp_path):
     corpus = prepare_corpus(config.data)  # the cache entry the run trained on
     seen = corpus.tokenizer.decode([*corpus.train_tokens, *corpus.val_tokens])
     assert seen.startswith("\ufffd\ufffd\ufffd broken plain words")
-    assert seen.endswith("sequences. \ufffd( end" + config.data.tokenizer.eos_token)
+    assert seen.endswith("sequences. \ufffd( end" + corpus.tokenizer.eos_token)
 
 
 def test_a_document_longer_than_the_sequence_spans_several_sequences(tmp_path):
