@@ -15,7 +15,6 @@ import math
 import operator
 import random
 import resource
-import shutil
 import time
 import warnings
 from collections.abc import Callable, Iterable
@@ -256,7 +255,8 @@ class Trainer:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / CONFIG_FILE).write_text(self.config_text)
-        shutil.copyfile(self.data.tokenizer_path, self.run_dir / TOKENIZER_FILE)
+        # With the model's tokenizer settings beside it (BOS, end of turn, chat template) for generate and export.
+        self.data.tokenizer.save(self.run_dir / TOKENIZER_FILE)
 
     # ---------------------------------------------------------------------------------- resume
 

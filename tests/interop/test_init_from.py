@@ -1,5 +1,7 @@
 """``init_from=hf:DIR`` starts training from imported weights and their tokenizer."""
 
+import json
+
 import pytest
 import torch
 
@@ -10,6 +12,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.config.errors import ConfigError
 from axtorch.interop import from_hf
+from axtorch.train.trained_model import load_trained_model
 from axtorch.train.trainer import Trainer
 
 
@@ -69,6 +72,21 @@ def test_training_starts_from_the_imported_weights_and_tokenizer(tmp_path, hf_di
     resumed = Trainer(_config(tmp_path, hf_dir, data_cache))  # weights come from the checkpoint now
     assert resumed.pretrained is None
     assert resumed.fit(until_step=3).step == 3
+
+
+def test_the_directorys_bos_and_end_of_turn_reach_the_data_and_the_runs_tokenizer(tmp_path, hf_dir, data_cache):
+    """tokenizer_config.json's add_bos_token/bos_token start every document; the run directory keeps
+    them, and generation_config.json's eos_token_id list, for generate and export."""
+    settings = {"add_bos_token": True, "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"}
+    (hf_dir / "tokenizer_config.json").write_text(json.dumps(settings))
+    (hf_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 5]}))
+    trainer = Trainer(_config(tmp_path, hf_dir, data_cache))
+    data_tokenizer = trainer.data.tokenizer
+    assert data_tokenizer.document_ids(["x"]) == [[0, *data_tokenizer.encode("x"), 0]]
+    assert data_tokenizer.stop_ids == (0, 5)
+    assert trainer.fit(until_step=1).step == 1
+    _, tokenizer = load_trained_model(tmp_path / "run", torch.device("cpu"))
+    assert (tokenizer.bos_id, tokenizer.stop_ids) == (0, (0, 5))
 
 
 def test_a_model_config_that_differs_from_the_weights_is_refused(tmp_path, hf_dir, data_cache):
