@@ -101,7 +101,7 @@ def set_initial_adapters(model) -> int:
 
 def _axtorch_side(model: str, mode: str, work: Path, seq_len: int, batch: int):
     """The Trainer of the model's preset on the GGUF; returns (step function, model, its FLOPs per token)."""
-    from axtorch.compose.experiment import load_experiment_config
+    from axtorch.compose.experiment_loader import load_experiment_config
     from axtorch.train.trainer import Trainer
 
     gguf, presets, _ = MODELS[model]

@@ -21,7 +21,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from axtorch.compose.experiment import load_experiment_config
+from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.data.tokenizer import Tokenizer, train_byte_level_bpe
 from axtorch.interop import gguf_export
 from axtorch.interop.gguf import from_gguf

@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 import transformers
 
-from axtorch.compose.experiment import load_experiment_config
+from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.interop.families.llama import LLAMA
 from axtorch.interop.families.llama_layout import axtorch_to_hf_state_dict
 from axtorch.models import CausalLMInput
