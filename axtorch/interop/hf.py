@@ -17,6 +17,7 @@ import tokenizers
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from tokenizers import processors
 
 from axtorch.data.tokenizer import Tokenizer
 from axtorch.interop.families import config_from_hf, family_for, hf_family, model_from_hf_tensors
@@ -54,12 +55,35 @@ def hf_tokenizer(directory: str | os.PathLike[str]) -> tuple[Tokenizer, Optional
 
 
 def save_hf_tokenizer(tokenizer: Tokenizer, directory: str | os.PathLike[str]) -> None:
-    """``tokenizer.json`` and a ``tokenizer_config.json`` naming its end-of-sequence token, as
-    ``transformers.AutoTokenizer`` and ``hf_tokenizer`` read them."""
+    """``tokenizer.json`` and a ``tokenizer_config.json`` with the model's special tokens and chat
+    template (the tokenizer's own settings), as ``transformers.AutoTokenizer`` and ``hf_tokenizer`` read them."""
     directory = Path(directory)
-    tokenizer.save(directory / "tokenizer.json")
-    settings = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tokenizer.eos_token, "add_bos_token": False}
+    tokenizer.save(directory / "tokenizer.json")  # with generation_config.json's end-of-turn ids
+    _adding_bos(tokenizer).save(str(directory / "tokenizer.json"))
+    settings = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_bos_token": False,  # unless the tokenizer's settings say it adds one
+        **tokenizer.settings,
+        "eos_token": tokenizer.eos_token,
+    }
     (directory / "tokenizer_config.json").write_text(json.dumps(settings, indent=2) + "\n")
+
+
+def _adding_bos(tokenizer: Tokenizer) -> tokenizers.Tokenizer:
+    """The tokenizer with a post-processor that starts every text with BOS where the model's
+    tokenizer adds one: transformers' generic ``PreTrainedTokenizerFast`` ignores ``add_bos_token``."""
+    inner = tokenizers.Tokenizer.from_str(json.dumps(tokenizer.description()))
+    bos_id = tokenizer.bos_id
+    if bos_id is None or inner.encode("a").ids[:1] == [bos_id]:
+        return inner
+    bos = inner.id_to_token(bos_id)
+    template = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B:1", special_tokens=[(bos, bos_id)]
+    )
+    inner.post_processor = (
+        template if inner.post_processor is None else processors.Sequence([inner.post_processor, template])
+    )
+    return inner
 
 
 def from_hf(directory: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> tuple[CausalLM, CausalLMConfig]:

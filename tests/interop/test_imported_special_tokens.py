@@ -29,6 +29,7 @@ from axtorch.infer import generate
 from axtorch.infer.decoding import prompt_text
 from axtorch.interop import from_gguf
 from axtorch.interop.gguf import tokenizer_from_gguf
+from axtorch.interop.hf import hf_tokenizer, save_hf_tokenizer
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
@@ -113,6 +114,21 @@ def test_generation_stops_at_the_models_end_of_turn(data_tokenizer, gguf_file):
     ends = {data_tokenizer.decode([token]) for token in data_tokenizer.stop_ids}
     expected = {"<eos>", "<end_of_turn>"} if "gemma" in gguf_file.name else {"<|im_end|>", "<|endoftext|>"}
     assert ends == expected
+
+
+def test_an_hf_export_keeps_bos_end_of_turn_and_template(data_tokenizer, reference_tokenizer, tmp_path):
+    """``axtorch-export to=hf:`` writes the tokenizer so that transformers reads what the model was
+    trained on: Gemma's <bos> first (a post-processor: a generic tokenizer ignores ``add_bos_token``)."""
+    save_hf_tokenizer(data_tokenizer, tmp_path)
+    exported = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    assert [exported(text)["input_ids"] for text in DOCUMENTS] == [
+        reference_tokenizer(t)["input_ids"] for t in DOCUMENTS
+    ]
+    assert exported.eos_token == data_tokenizer.eos_token
+    assert exported.chat_template == data_tokenizer.settings.get("chat_template")
+    reread, _ = hf_tokenizer(tmp_path)  # and axtorch reads it back with the same specials, BOS once
+    assert reread.document_ids(DOCUMENTS) == data_tokenizer.document_ids(DOCUMENTS)
+    assert reread.stop_ids == data_tokenizer.stop_ids
 
 
 def _chat_reference(model_path, prompt_ids: list[int], stop_ids, max_new_tokens: int) -> list[int]:
