@@ -55,7 +55,7 @@ MODELS = {  # name: (GGUF, axtorch presets, the token a row starts with: Gemma r
     "smollm2": (ASSETS / "smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf", ["model=smollm2_135m"], None),
     "gemma3": (
         ASSETS / "gemma3" / "gemma-3-270m-q4_k_m.gguf",
-        ["model=gemma3_270m", "model/norm_placement=sandwich", "data.tokenizer.eos_token='<eos>'"],
+        ["model=gemma3_270m"],
         2,
     ),
 }
