@@ -13,8 +13,8 @@ from typing import Any
 from axtorch.interop.families.family import Getter, GGUFLayout
 from axtorch.interop.families.gemma_layout import GEMMA_LAYOUT, refuse_bidirectional
 from axtorch.interop.families.llama_layout import (
+    LlamaLayout,
     attention_bias_field,
-    llama_layout_family,
     mask_from_layer_types,
     mlp_bias,
     sliding_window,
@@ -35,11 +35,11 @@ def _fields(config: CausalLMConfig, require: Callable[[bool, str], None]) -> dic
     return {"attention_bias": qkv}
 
 
-GEMMA = llama_layout_family(
-    "gemma",
-    "GemmaForCausalLM",
+GEMMA = LlamaLayout(
+    model_type="gemma",
+    architecture="GemmaForCausalLM",
     mask=_mask,
     fields=_fields,
     gguf=GGUFLayout("gemma", norm_offset=1.0),
     **GEMMA_LAYOUT,
-)
+).family()

@@ -10,7 +10,7 @@ global layers' 1,000,000).
 
 An axtorch model of either is a decoder whose ``layer`` is the global layer and whose
 ``local`` variant changes its mask (and, for Gemma 3, its RoPE) only. The family is built
-around a Llama-layout family (``llama_layout_family``), which reads and writes everything the
+around a Llama-layout family (``LlamaLayout``), which reads and writes everything the
 layers share; this file adds what differs between layers and what the shared layout refuses.
 """
 
@@ -24,9 +24,9 @@ from typing import Any, Optional
 from axtorch.interop.families.family import Family, Getter, GGUFLayout, requirement
 from axtorch.interop.families.layer_types import FULL, SLIDING, check_layer_types, layer_types_of, local_and_global
 from axtorch.interop.families.llama_layout import (
+    LlamaLayout,
     attention_bias_field,
     llama_biases,
-    llama_layout_family,
     mlp_bias,
     rope_from_hf,
 )
@@ -80,7 +80,7 @@ def _local_position(get: Getter, local_rope: bool, global_position: PositionConf
     return RotaryEmbeddingConfig(theta=float(get("rope_local_base_freq", 10000.0)))
 
 
-#: ``llama_layout_family`` arguments of every Gemma generation.
+#: ``LlamaLayout`` arguments of every Gemma generation.
 GEMMA_LAYOUT: dict[str, Any] = {
     "biases": llama_biases,
     "default_head_dim": 256,
@@ -115,9 +115,9 @@ def gemma_layout_family(
         require(not mlp_bias(config), "feed-forward biases")
         return {"attention_bias": attention_bias_field(config, require)}
 
-    shared = llama_layout_family(
-        model_type,
-        architecture,
+    shared = LlamaLayout(
+        model_type=model_type,
+        architecture=architecture,
         mask=lambda get: CausalMaskConfig(),
         fields=fields,
         qk_norm=qk_norm,
@@ -216,7 +216,7 @@ def gemma_layout_family(
             hf["rope_local_base_freq"] = local_position.theta
         return hf
 
-    return dataclasses.replace(shared, config_from_hf=config_from_hf, config_to_hf=config_to_hf)
+    return dataclasses.replace(shared.family(), config_from_hf=config_from_hf, config_to_hf=config_to_hf)
 
 
 def _override(base: PositionConfig, position: PositionConfig) -> PositionConfig | dict[str, float]:

@@ -7,9 +7,9 @@ from typing import Any
 
 from axtorch.interop.families.family import Getter, GGUFLayout
 from axtorch.interop.families.llama_layout import (
+    LlamaLayout,
     attention_bias_field,
     llama_biases,
-    llama_layout_family,
     mask_from_layer_types,
     mlp_bias,
     sliding_window,
@@ -31,9 +31,9 @@ def _fields(config: CausalLMConfig, require: Callable[[bool, str], None]) -> dic
     return {"attention_bias": qkv, "mlp_bias": mlp_bias(config)}
 
 
-LLAMA = llama_layout_family(
-    "llama",
-    "LlamaForCausalLM",
+LLAMA = LlamaLayout(
+    model_type="llama",
+    architecture="LlamaForCausalLM",
     mask=_mask,
     biases=llama_biases,
     fields=_fields,
@@ -43,4 +43,4 @@ LLAMA = llama_layout_family(
         interleaved_qk=True,
         holds=lambda hf: hf.get("sliding_window") is None and not hf.get("num_local_experts"),
     ),
-)
+).family()

@@ -3,7 +3,7 @@
 Llama, Mistral, Qwen2, Qwen3 and their mixture-of-experts variants have the same modules and
 parameter names and HF's weight layouts ([out, in] projections, rotate-half RoPE), so conversion
 is a renaming with no tensor surgery. They differ in config fields (biases, sliding windows,
-QK-norm, experts), which each family's file supplies to ``llama_layout_family``. A field that
+QK-norm, experts), which each family's file supplies to a ``LlamaLayout``. A field that
 axtorch cannot honour raises ``ValueError`` naming it: a silently different model is worse than
 no model.
 """
@@ -223,24 +223,9 @@ def qkv_biases(get: Getter) -> tuple[bool, bool, bool]:
     return True, False, False
 
 
-def llama_layout_family(
-    model_type: str,
-    architecture: str,
-    *,
-    mask: Callable[[Getter], MaskConfig],
-    biases: Biases,
-    fields: Callable[[CausalLMConfig, Callable[[bool, str], None]], dict[str, Any]],
-    qk_norm: bool = False,
-    default_head_dim: Optional[int] = None,
-    default_activation: str = "silu",
-    default_tie: bool = False,
-    scaled_embedding: bool = False,
-    norm_offset: float = 0.0,
-    experts: Optional[ExpertFormat] = None,
-    names: NameTemplates = (),
-    gguf: Optional[GGUFLayout] = None,
-) -> Family:
-    """A family of the Llama layout.
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LlamaLayout:
+    """A family of the Llama layout: what its HF config says, and what only it requires.
 
     ``mask`` and ``biases`` read what the family's HF config says about them; ``fields(config,
     require)`` checks what only this family requires and returns its own ``config.json`` fields;
@@ -251,45 +236,70 @@ def llama_layout_family(
     RMSNorms multiply by ``offset + weight`` (Gemma's ``1 + weight``), so the offset is added to
     its norm weights on import and taken off on export; ``experts``: every layer's MLP is a
     mixture of experts in this format; ``names``: the family's own parameter names (see
-    ``NameTemplates``).
+    ``NameTemplates``). ``family()`` is the ``Family`` the registry holds.
     """
-    require = requirement(architecture)
 
-    def config_from_hf(get: Getter) -> CausalLMConfig:
+    model_type: str
+    architecture: str
+    mask: Callable[[Getter], MaskConfig]
+    biases: Biases
+    fields: Callable[[CausalLMConfig, Callable[[bool, str], None]], dict[str, Any]]
+    qk_norm: bool = False
+    default_head_dim: Optional[int] = None
+    default_activation: str = "silu"
+    default_tie: bool = False
+    scaled_embedding: bool = False
+    norm_offset: float = 0.0
+    experts: Optional[ExpertFormat] = None
+    names: NameTemplates = ()
+    gguf: Optional[GGUFLayout] = None
+
+    def family(self) -> Family:
+        return Family(
+            model_type=self.model_type,
+            architecture=self.architecture,
+            config_from_hf=self.config_from_hf,
+            config_to_hf=self.config_to_hf,
+            tensors_from_hf=self.tensors_from_hf,
+            tensors_to_hf=self.tensors_to_hf,
+            gguf=self.gguf,
+        )
+
+    def config_from_hf(self, get: Getter) -> CausalLMConfig:
         if get("quantization_config") is not None:
             raise ValueError("HF config quantization_config is set: quantized checkpoints are not supported")
-        hidden_act = get("hidden_act", None) or get("hidden_activation", None) or default_activation
+        hidden_act = get("hidden_act", None) or get("hidden_activation", None) or self.default_activation
         if hidden_act not in ACTIVATIONS:
             raise ValueError(f"HF config hidden_act={hidden_act!r} is not supported; supported: {sorted(ACTIVATIONS)}")
         activation = ACTIVATIONS[hidden_act]
-        qkv_bias, output_bias, ffn_bias = biases(get)
+        qkv_bias, output_bias, ffn_bias = self.biases(get)
         norm_eps = get("rms_norm_eps", 1e-6)
-        qk = RMSNormConfig(eps=norm_eps) if qk_norm else None
+        qk = RMSNormConfig(eps=norm_eps) if self.qk_norm else None
         feed_forward: FeedForwardConfig = (
-            experts.read(get, activation)
-            if experts
+            self.experts.read(get, activation)
+            if self.experts
             else dense_feed_forward(get("intermediate_size"), activation, ffn_bias)
         )
         return CausalLMConfig(
             vocab_size=get("vocab_size"),
             dim=get("hidden_size"),
             max_seq_len=get("max_position_embeddings", 2048),
-            tie_embeddings=bool(get("tie_word_embeddings", default_tie)),
-            embedding=EmbeddingConfig(scale_by_sqrt_dim=scaled_embedding),
+            tie_embeddings=bool(get("tie_word_embeddings", self.default_tie)),
+            embedding=EmbeddingConfig(scale_by_sqrt_dim=self.scaled_embedding),
             decoder=DecoderConfig(
                 num_layers=get("num_hidden_layers"),
                 layer=TransformerLayerConfig(
                     attention=AttentionConfig(
                         num_heads=get("num_attention_heads"),
                         num_kv_heads=get("num_key_value_heads") or get("num_attention_heads"),
-                        head_dim=get("head_dim", default_head_dim),
+                        head_dim=get("head_dim", self.default_head_dim),
                         dropout=float(get("attention_dropout", 0.0)),
                         qkv_projection=LinearConfig(bias=qkv_bias),
                         output_projection=LinearConfig(bias=output_bias),
                         query_norm=qk,
                         key_norm=qk,
                         position=rope_from_hf(get),
-                        mask=mask(get),
+                        mask=self.mask(get),
                     ),
                     feed_forward=feed_forward,
                     norm=RMSNormConfig(eps=norm_eps),
@@ -298,77 +308,24 @@ def llama_layout_family(
             ),
         )
 
-    def config_to_hf(config: CausalLMConfig) -> dict[str, Any]:
+    def config_to_hf(self, config: CausalLMConfig) -> dict[str, Any]:
         """Only exact config types are accepted: a subclass may compute something else."""
+        require = requirement(self.architecture)
         layer = config.decoder.layer
-        attention, feed_forward, norm = layer.attention, layer.feed_forward, layer.norm
-        final_norm = config.decoder.final_norm or norm
-        require(type(norm) is RMSNormConfig, f"layer norm {type(norm).__name__} (it uses RMSNorm)")
-        require(
-            type(final_norm) is RMSNormConfig and final_norm.eps == norm.eps,
-            f"final norm {final_norm} differs from the layer norm {norm} (it has one rms_norm_eps)",
-        )
+        attention, norm = layer.attention, layer.norm
+        self._require_attention(config, require)
+        feed_forward_fields = self._feed_forward_fields(config, require)
+        self._require_model(config, require)
+        own_fields = self.fields(config, require)
         position = attention.position
-        require(
-            any(type(position) is cls for cls, _ in ROPE_TYPES.values()),
-            f"position encoding {type(position).__name__} (it uses RoPE: {sorted(ROPE_TYPES)})",
-        )
-        assert isinstance(position, RotaryEmbeddingConfig)  # every class of ROPE_TYPES is one
-        require(
-            type(attention.mask) in (CausalMaskConfig, SlidingWindowMaskConfig),
-            f"attention mask {type(attention.mask).__name__}",
-        )
-        if qk_norm:
-            require(
-                all(type(n) is RMSNormConfig and n.eps == norm.eps for n in (attention.query_norm, attention.key_norm)),
-                f"query/key norms {attention.query_norm} and {attention.key_norm} (it has RMSNorms on both, "
-                f"with the layer norm's eps {norm.eps})",
-            )
-        else:
-            require(attention.query_norm is None and attention.key_norm is None, "query/key norms")
-        if experts:
-            experts_fields = experts.write(config, require)
-        else:
-            require(
-                type(feed_forward) is GatedFeedForwardConfig,
-                f"feed-forward {type(feed_forward).__name__} (it uses a gated MLP)",
-            )
-            require(
-                feed_forward.projection.bias == feed_forward.output_projection.bias,
-                "bias on some feed-forward projections only (mlp_bias covers all three)",
-            )
-            experts_fields = {}
-        require(config.tie_embeddings or not config.lm_head.bias, "a bias on the output head")
-        require(config.logit_softcap is None, f"logits soft-capped by {config.logit_softcap}")
-        require(
-            all(layer == config.decoder.layer for layer in config.decoder.layer_configs()),
-            f"layers that differ (decoder.pattern={config.decoder.pattern})",
-        )
-        require(config.position_embedding is None, "absolute position embeddings (it has only RoPE)")
-        require(
-            config.embedding.multiplier == 1.0 and config.embedding.scale_by_sqrt_dim == scaled_embedding,
-            f"token embeddings scaled by multiplier={config.embedding.multiplier}, "
-            f"scale_by_sqrt_dim={config.embedding.scale_by_sqrt_dim} (it scales by "
-            f"{'sqrt(dim)' if scaled_embedding else 'nothing'})",
-        )
-        require(config.embedding_dropout == 0.0, f"embedding_dropout={config.embedding_dropout} (it has none)")
-        require(
-            layer.residual is None or (type(layer.residual) is PreNormResidualConfig and layer.residual.dropout == 0.0),
-            f"norm placement {layer.residual} (it is pre-norm, without residual dropout)",
-        )
-        require(
-            attention.softmax_scale is None and type(attention.kernel) in (type(None), SdpaKernelConfig),
-            f"attention softmax_scale={attention.softmax_scale}, kernel={type(attention.kernel).__name__} "
-            "(it scales by 1/sqrt(head_dim) and does not cap)",
-        )
-        own_fields = fields(config, require)
-        hidden_act = {ours: hf for hf, ours in ACTIVATIONS.items()}[feed_forward.activation]
+        assert isinstance(position, RotaryEmbeddingConfig)  # _require_attention checked it
+        hidden_act = {ours: hf for hf, ours in ACTIVATIONS.items()}[layer.feed_forward.activation]
         return {
-            "architectures": [architecture],
-            "model_type": model_type,
+            "architectures": [self.architecture],
+            "model_type": self.model_type,
             "vocab_size": config.vocab_size,
             "hidden_size": config.dim,
-            "intermediate_size": feed_forward.hidden_dim,
+            "intermediate_size": layer.feed_forward.hidden_dim,
             "num_hidden_layers": config.decoder.num_layers,
             "num_attention_heads": attention.num_heads,
             "num_key_value_heads": attention.resolved_kv_heads(),
@@ -379,30 +336,90 @@ def llama_layout_family(
             **rope_to_hf(position),
             "attention_dropout": attention.dropout,
             **own_fields,
-            **experts_fields,
+            **feed_forward_fields,
             "tie_word_embeddings": config.tie_embeddings,
         }
 
-    def tensors_from_hf(config: CausalLMConfig, tensors: Iterable[NamedTensor]) -> Iterator[NamedTensor]:
-        if experts:
-            tensors = stack_experts(tensors, config.decoder.layer.feed_forward, experts)
-        renamed = _renamed_from_hf(tensors, config.tie_embeddings, names)
-        return ((name, offset_norm(name, tensor, norm_offset)) for name, tensor in renamed)
+    def _require_attention(self, config: CausalLMConfig, require: Callable[[bool, str], None]) -> None:
+        """The layer's norms, position encoding, mask, QK-norm and kernel are the family's."""
+        layer = config.decoder.layer
+        attention, norm = layer.attention, layer.norm
+        final_norm = config.decoder.final_norm or norm
+        require(type(norm) is RMSNormConfig, f"layer norm {type(norm).__name__} (it uses RMSNorm)")
+        require(
+            type(final_norm) is RMSNormConfig and final_norm.eps == norm.eps,
+            f"final norm {final_norm} differs from the layer norm {norm} (it has one rms_norm_eps)",
+        )
+        require(
+            any(type(attention.position) is cls for cls, _ in ROPE_TYPES.values()),
+            f"position encoding {type(attention.position).__name__} (it uses RoPE: {sorted(ROPE_TYPES)})",
+        )
+        require(
+            type(attention.mask) in (CausalMaskConfig, SlidingWindowMaskConfig),
+            f"attention mask {type(attention.mask).__name__}",
+        )
+        if self.qk_norm:
+            require(
+                all(type(n) is RMSNormConfig and n.eps == norm.eps for n in (attention.query_norm, attention.key_norm)),
+                f"query/key norms {attention.query_norm} and {attention.key_norm} (it has RMSNorms on both, "
+                f"with the layer norm's eps {norm.eps})",
+            )
+        else:
+            require(attention.query_norm is None and attention.key_norm is None, "query/key norms")
+        require(
+            attention.softmax_scale is None and type(attention.kernel) in (type(None), SdpaKernelConfig),
+            f"attention softmax_scale={attention.softmax_scale}, kernel={type(attention.kernel).__name__} "
+            "(it scales by 1/sqrt(head_dim) and does not cap)",
+        )
 
-    def tensors_to_hf(config: CausalLMConfig, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        offset = {name: offset_norm(name, t, -norm_offset) for name, t in state.items()}
-        renamed = axtorch_to_hf_state_dict(offset, names)
-        return dict(unstack_experts(renamed.items(), experts)) if experts else renamed
+    def _feed_forward_fields(self, config: CausalLMConfig, require: Callable[[bool, str], None]) -> dict[str, Any]:
+        """The experts' ``config.json`` fields, or none for the family's gated MLP."""
+        if self.experts:
+            return self.experts.write(config, require)
+        feed_forward = config.decoder.layer.feed_forward
+        require(
+            type(feed_forward) is GatedFeedForwardConfig,
+            f"feed-forward {type(feed_forward).__name__} (it uses a gated MLP)",
+        )
+        assert isinstance(feed_forward, GatedFeedForwardConfig)
+        require(
+            feed_forward.projection.bias == feed_forward.output_projection.bias,
+            "bias on some feed-forward projections only (mlp_bias covers all three)",
+        )
+        return {}
 
-    return Family(
-        model_type=model_type,
-        architecture=architecture,
-        config_from_hf=config_from_hf,
-        config_to_hf=config_to_hf,
-        tensors_from_hf=tensors_from_hf,
-        tensors_to_hf=tensors_to_hf,
-        gguf=gguf,
-    )
+    def _require_model(self, config: CausalLMConfig, require: Callable[[bool, str], None]) -> None:
+        """Around the layers: one layer config throughout, the head, the embeddings and the residuals."""
+        layer = config.decoder.layer
+        require(config.tie_embeddings or not config.lm_head.bias, "a bias on the output head")
+        require(config.logit_softcap is None, f"logits soft-capped by {config.logit_softcap}")
+        require(
+            all(each == layer for each in config.decoder.layer_configs()),
+            f"layers that differ (decoder.pattern={config.decoder.pattern})",
+        )
+        require(config.position_embedding is None, "absolute position embeddings (it has only RoPE)")
+        require(
+            config.embedding.multiplier == 1.0 and config.embedding.scale_by_sqrt_dim == self.scaled_embedding,
+            f"token embeddings scaled by multiplier={config.embedding.multiplier}, "
+            f"scale_by_sqrt_dim={config.embedding.scale_by_sqrt_dim} (it scales by "
+            f"{'sqrt(dim)' if self.scaled_embedding else 'nothing'})",
+        )
+        require(config.embedding_dropout == 0.0, f"embedding_dropout={config.embedding_dropout} (it has none)")
+        require(
+            layer.residual is None or (type(layer.residual) is PreNormResidualConfig and layer.residual.dropout == 0.0),
+            f"norm placement {layer.residual} (it is pre-norm, without residual dropout)",
+        )
+
+    def tensors_from_hf(self, config: CausalLMConfig, tensors: Iterable[NamedTensor]) -> Iterator[NamedTensor]:
+        if self.experts:
+            tensors = stack_experts(tensors, config.decoder.layer.feed_forward, self.experts)
+        renamed = _renamed_from_hf(tensors, config.tie_embeddings, self.names)
+        return ((name, offset_norm(name, tensor, self.norm_offset)) for name, tensor in renamed)
+
+    def tensors_to_hf(self, config: CausalLMConfig, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        offset = {name: offset_norm(name, t, -self.norm_offset) for name, t in state.items()}
+        renamed = axtorch_to_hf_state_dict(offset, self.names)
+        return dict(unstack_experts(renamed.items(), self.experts)) if self.experts else renamed
 
 
 def offset_norm(name: str, tensor: torch.Tensor, offset: float) -> torch.Tensor:

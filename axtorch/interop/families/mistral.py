@@ -7,9 +7,9 @@ from typing import Any
 
 from axtorch.interop.families.family import Getter, GGUFLayout
 from axtorch.interop.families.llama_layout import (
+    LlamaLayout,
     attention_biases,
     llama_biases,
-    llama_layout_family,
     mask_from_layer_types,
     mlp_bias,
     sliding_window,
@@ -29,9 +29,9 @@ def _fields(config: CausalLMConfig, require: Callable[[bool, str], None]) -> dic
     return {"sliding_window": sliding_window(config)}
 
 
-MISTRAL = llama_layout_family(
-    "mistral",
-    "MistralForCausalLM",
+MISTRAL = LlamaLayout(
+    model_type="mistral",
+    architecture="MistralForCausalLM",
     mask=_mask,
     biases=llama_biases,
     fields=_fields,
@@ -43,4 +43,4 @@ MISTRAL = llama_layout_family(
         metadata=lambda hf: {"attention.sliding_window": hf["sliding_window"]} if hf["sliding_window"] else {},
         holds=lambda hf: hf.get("sliding_window") is not None and not hf.get("num_local_experts"),
     ),
-)
+).family()

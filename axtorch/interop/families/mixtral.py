@@ -19,9 +19,9 @@ from axtorch.interop.families.experts import (
 )
 from axtorch.interop.families.family import Getter, GGUFLayout
 from axtorch.interop.families.llama_layout import (
+    LlamaLayout,
     attention_biases,
     llama_biases,
-    llama_layout_family,
     mask_from_layer_types,
     sliding_window,
 )
@@ -82,9 +82,9 @@ def _fields(config: CausalLMConfig, require: Callable[[bool, str], None]) -> dic
     return {"sliding_window": sliding_window(config)}
 
 
-MIXTRAL = llama_layout_family(
-    "mixtral",
-    "MixtralForCausalLM",
+MIXTRAL = LlamaLayout(
+    model_type="mixtral",
+    architecture="MixtralForCausalLM",
     mask=lambda get: mask_from_layer_types(get("sliding_window"), get("layer_types")),
     biases=llama_biases,
     fields=_fields,
@@ -105,4 +105,4 @@ MIXTRAL = llama_layout_family(
         },
         holds=lambda hf: bool(hf.get("num_local_experts")),
     ),
-)
+).family()

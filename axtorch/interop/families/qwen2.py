@@ -9,7 +9,7 @@ from typing import Any
 
 from axtorch.interop.families.family import GGUFLayout
 from axtorch.interop.families.layer_types import refuse_sliding_window, with_qwen_windows
-from axtorch.interop.families.llama_layout import attention_biases, llama_layout_family, mlp_bias, qkv_biases
+from axtorch.interop.families.llama_layout import LlamaLayout, attention_biases, mlp_bias, qkv_biases
 from axtorch.layers.attention_mask import CausalMaskConfig
 from axtorch.models.causal_lm import CausalLMConfig
 
@@ -21,12 +21,12 @@ def _fields(config: CausalLMConfig, require: Callable[[bool, str], None]) -> dic
 
 
 QWEN2 = with_qwen_windows(
-    llama_layout_family(
-        "qwen2",
-        "Qwen2ForCausalLM",
+    LlamaLayout(
+        model_type="qwen2",
+        architecture="Qwen2ForCausalLM",
         mask=lambda get: CausalMaskConfig(),
         biases=qkv_biases,
         fields=_fields,
         gguf=GGUFLayout("qwen2", refuses=refuse_sliding_window),
-    )
+    ).family()
 )

@@ -20,7 +20,7 @@ from axtorch.interop.families.experts import (
 )
 from axtorch.interop.families.family import Getter, GGUFLayout
 from axtorch.interop.families.layer_types import refuse_sliding_window, with_qwen_windows
-from axtorch.interop.families.llama_layout import attention_biases, dense_feed_forward, llama_layout_family
+from axtorch.interop.families.llama_layout import LlamaLayout, attention_biases, dense_feed_forward
 from axtorch.layers.attention_mask import CausalMaskConfig
 from axtorch.layers.feed_forward import Activation
 from axtorch.layers.mixture_of_experts import MixtureOfExpertsConfig
@@ -68,9 +68,9 @@ def _fields(config: CausalLMConfig, require: Callable[[bool, str], None]) -> dic
 
 
 QWEN2_MOE = with_qwen_windows(
-    llama_layout_family(
-        "qwen2_moe",
-        "Qwen2MoeForCausalLM",
+    LlamaLayout(
+        model_type="qwen2_moe",
+        architecture="Qwen2MoeForCausalLM",
         mask=lambda get: CausalMaskConfig(),
         biases=lambda get: (bool(get("qkv_bias", True)), False, False),
         fields=_fields,
@@ -89,6 +89,6 @@ QWEN2_MOE = with_qwen_windows(
             },
             refuses=lambda hf: "renormalised top-k weights" if hf["norm_topk_prob"] else refuse_sliding_window(hf),
         ),
-    ),
+    ).family(),
     slides=_slides,
 )

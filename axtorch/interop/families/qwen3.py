@@ -8,7 +8,7 @@ from typing import Any
 
 from axtorch.interop.families.family import GGUFLayout
 from axtorch.interop.families.layer_types import refuse_sliding_window, with_qwen_windows
-from axtorch.interop.families.llama_layout import attention_bias_field, llama_biases, llama_layout_family, mlp_bias
+from axtorch.interop.families.llama_layout import LlamaLayout, attention_bias_field, llama_biases, mlp_bias
 from axtorch.layers.attention_mask import CausalMaskConfig
 from axtorch.models.causal_lm import CausalLMConfig
 
@@ -20,14 +20,14 @@ def _fields(config: CausalLMConfig, require: Callable[[bool, str], None]) -> dic
 
 
 QWEN3 = with_qwen_windows(
-    llama_layout_family(
-        "qwen3",
-        "Qwen3ForCausalLM",
+    LlamaLayout(
+        model_type="qwen3",
+        architecture="Qwen3ForCausalLM",
         mask=lambda get: CausalMaskConfig(),
         biases=llama_biases,
         fields=_fields,
         qk_norm=True,
         default_head_dim=128,
         gguf=GGUFLayout("qwen3", refuses=refuse_sliding_window),
-    )
+    ).family()
 )

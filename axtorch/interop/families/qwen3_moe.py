@@ -18,9 +18,9 @@ from axtorch.interop.families.experts import (
 from axtorch.interop.families.family import Getter, GGUFLayout
 from axtorch.interop.families.layer_types import refuse_sliding_window
 from axtorch.interop.families.llama_layout import (
+    LlamaLayout,
     attention_bias_field,
     llama_biases,
-    llama_layout_family,
     mask_from_layer_types,
     sliding_window,
 )
@@ -72,9 +72,9 @@ def _fields(config: CausalLMConfig, require: Callable[[bool, str], None]) -> dic
     }
 
 
-QWEN3_MOE = llama_layout_family(
-    "qwen3_moe",
-    "Qwen3MoeForCausalLM",
+QWEN3_MOE = LlamaLayout(
+    model_type="qwen3_moe",
+    architecture="Qwen3MoeForCausalLM",
     mask=_mask,
     biases=llama_biases,
     fields=_fields,
@@ -89,4 +89,4 @@ QWEN3_MOE = llama_layout_family(
             refuse_sliding_window(hf) if hf["norm_topk_prob"] else "top-k weights that are not renormalised"
         ),
     ),
-)
+).family()
