@@ -13,11 +13,13 @@ axtorch with ``axtorch.infer.generate_ids`` (right-padded batch, KV cache), tran
 ``generate`` (left-padded batch with an attention mask, its default dynamic cache). Tokens/s
 counts new tokens only, and the time includes the prompt's prefill. "same tokens" counts rows
 whose tokens agree between axtorch's default and transformers. axtorch runs three ways:
-"default", ``generate_ids(model, ...)`` as a library caller calls it on the loaded model (float32
-weights in oneDNN's packed layout, packed on the first call and reused after); "torch linears"
-(``pack=False``); and int8 (``quantize_int8``, then the layers it skips packed:
-``axtorch-generate quantize=int8``). The perplexity of each on a real text (by default the
-running Python's LICENSE.txt, present on every machine) is printed above the table.
+"default", ``generate_ids(model, ...)`` as a library caller calls it on the loaded model (its
+decode weight formats, ``cpu_weights.decode_weights``: q/k/v and gate/up stacked, torch's linear
+or oneDNN's packed kernel, whichever it timed the faster at the thread count, prepared on the
+first call and reused after); "torch linears" (``pack=False``: the model's own modules); and
+int8 (``quantize_int8``, then the layers it skips packed: ``axtorch-generate quantize=int8``).
+The perplexity of each on a real text (by default the running Python's LICENSE.txt, present on
+every machine) is printed above the table.
 
 Decoding a token reads every weight once, so at batch 1 its speed is bounded by the rate at
 which memory is read. Each repeat first measures that rate, STREAM-style: the best of
@@ -44,7 +46,7 @@ import torch
 import transformers
 
 from axtorch.infer.cpu_weights import DEFAULT_SKIP, pack_linears, quantize_int8
-from axtorch.infer.generate import generate_ids
+from axtorch.infer.decoding import generate_ids
 from axtorch.interop import from_gguf
 from axtorch.layers.linear import Linear
 from axtorch.models import CausalLMInput
@@ -173,11 +175,11 @@ def main() -> None:
         "| int8 / transformers | same tokens |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for run in runs.values():  # untimed: the default mode packs its weights here, on its first call
-        run(PROMPTS[:1])
     buffer = torch.ones(args.bandwidth_mib * 2**20 // 4)
     for threads in args.threads:
         torch.set_num_threads(threads)
+        for run in runs.values():  # untimed: the default mode times its kernels and prepares its weights here
+            run(PROMPTS[:1])
         for batch in args.batches:
             prompts = (PROMPTS * batch)[:batch]
             slots = max(len(tokenizer.encode(p)) for p in prompts) + new

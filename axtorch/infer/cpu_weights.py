@@ -1,20 +1,19 @@
 """Weight formats for decoding on a CPU: stacked projections, oneDNN's packed layout, and int8.
 
 Decoding one token reads every weight once, so on a CPU it runs at the speed at which the matmul
-kernel streams weights from memory. Which kernel streams faster depends on the thread count
-(``packed_kernel_is_faster``): on one thread torch's own ``linear`` (MKL's matrix-vector product)
-reads at 0.9-1.0 of this machine's measured bandwidth and oneDNN's packed kernel at 0.6-0.8; oneDNN,
-given its weights reordered once into its blocked layout (``PackedLinear``), splits a batch-1
-product across threads where MKL does not, so from two threads on it is the faster.
+kernel streams weights from memory. Which kernel streams faster, torch's own ``linear`` (MKL's
+matrix-vector product) or oneDNN's, given its weights reordered once into its blocked layout
+(``PackedLinear``), depends on the thread count and the machine: ``packed_kernel_is_faster``
+times both once per thread count.
 
 ``decode_weights`` prepares a model for the duration of a ``with`` block, what ``generate`` does
 by default: the queries', keys' and values' weights stacked into one matrix, and the gate's and
 up projection's into another, filled into the layers' declared seams (``QKVProjection``,
-``GateUpProjection``: one longer read and one call instead of three or two); on two threads or
-more every other linear and the head packed for oneDNN. The same float32 math up to summation
-order; the model's own modules and seams are put back afterwards. Each prepared copy is kept while
-its weights live and reused while they are unchanged: preparing reads and writes every weight
-once, which a short ``generate`` call would otherwise pay again each time.
+``GateUpProjection``: one longer read and one call instead of three or two); where oneDNN's
+kernel was timed the faster, the stacks, every other linear and the head packed for it. The same
+float32 math up to summation order; the model's own modules and seams are put back afterwards.
+Each prepared copy is kept while its weights live and reused while they are unchanged: preparing
+reads and writes every weight once, which a short ``generate`` call would otherwise pay again.
 
 ``quantize_int8`` stores each chosen weight matrix as int8 with one scale per output channel, and
 quantizes activations per call (fbgemm's dynamic quantization): a quarter of the bytes, at a cost
@@ -29,9 +28,11 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import functools
+import math
+import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from typing import Optional, TypeVar
+from typing import Optional, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -168,15 +169,39 @@ STACKED_SEAMS: dict[type, tuple[str, ...]] = {
 }
 
 
-def packed_kernel_is_faster() -> bool:
-    """Whether oneDNN's packed kernel streams a batch-1 product faster than torch's linear now.
+#: ``packed_kernel_is_faster``'s answers: thread count -> whether oneDNN's kernel was the faster.
+_FASTER_KERNEL: dict[int, bool] = {}
 
-    Measured on this project's 2-core CPU over SmolLM2-135M's matrices (docs/benchmarks.md): on
-    one thread MKL's matrix-vector product, torch's linear, reads at 0.9-1.0 of the bandwidth and
-    oneDNN at 0.6-0.8; oneDNN splits the product across threads where MKL does not, so from two
-    threads on it is the faster.
+
+def packed_kernel_is_faster(weights: Sequence[torch.Tensor], trials: int = 3) -> bool:
+    """Whether oneDNN's packed kernel streams batch-1 products by ``weights`` faster than torch's
+    linear at the current thread count: timed once per thread count and process, then remembered.
+
+    Neither wins everywhere. On this project's 2-core CPU torch's linear (MKL) read SmolLM2-135M's
+    matrices at 0.9-1.0 of the bandwidth on one thread and oneDNN at 0.6-0.8; on two threads
+    oneDNN, which splits a batch-1 product across threads, was once 1.5-2x faster and under a
+    later load the slower (docs/benchmarks.md). So the two are timed here, each over every weight,
+    the best of ``trials`` alternating passes.
     """
-    return torch.get_num_threads() > 1 and torch.backends.mkldnn.is_available()
+    threads = torch.get_num_threads()
+    if threads not in _FASTER_KERNEL:
+        faster = False
+        if torch.backends.mkldnn.is_available():
+            packed = [PackedLinear(weight, None) for weight in weights]
+            inputs = [weight.new_ones(1, weight.shape[1]) for weight in weights]
+            best = {"linear": math.inf, "packed": math.inf}
+            for _ in range(trials):
+                for kind in best:
+                    started = time.perf_counter()
+                    for x, weight, module in zip(inputs, weights, packed):
+                        if kind == "packed":
+                            module(x)
+                        else:
+                            F.linear(x, weight)
+                    best[kind] = min(best[kind], time.perf_counter() - started)
+            faster = best["packed"] < best["linear"]
+        _FASTER_KERNEL[threads] = faster
+    return _FASTER_KERNEL[threads]
 
 
 def can_pack(model: CausalLM) -> bool:
@@ -191,7 +216,11 @@ def decode_weights(model: CausalLM) -> Iterator[CausalLM]:
     its own modules and seams are put back afterwards, so the caller's model still trains and
     saves. The prepared copies stay for the next block (``_reused``)."""
     _on_the_cpu(model, "CPU decode weights")
-    packed = packed_kernel_is_faster()
+    with torch.no_grad():
+        weights = [cast(torch.Tensor, m.weight) for m in model.modules() if _plain(m)]
+        if model.lm_head is None:
+            weights.append(model.embedding.weight)  # the tied head
+        packed = packed_kernel_is_faster(weights)
     seams: list[tuple[nn.Module, str, object]] = []
     stacked: list[str] = []
     with torch.no_grad():

@@ -18,7 +18,7 @@ from typing import Optional, Protocol, Union, cast
 
 import torch
 
-from axtorch.infer.cpu_weights import can_pack, packed_linears
+from axtorch.infer.cpu_weights import can_pack, decode_weights
 from axtorch.infer.sampling import SamplingConfig, apply_penalties, sample_next_token
 from axtorch.models.causal_lm import CausalLM, CausalLMInput
 
@@ -107,10 +107,12 @@ def decode_tokens(
     ``step_boundary`` is called after the prefill and after each decode step: on XLA it is
     ``torch_xla.sync``, which cuts the lazy graph there, so that every decode step is the same
     fixed-shape program, compiled once (``axtorch.parallel.xla.decode_device``).
-    ``pack`` decodes float32 weights on a CPU through oneDNN's packed layout (``cpu_weights.packed_linears``):
-    the same math up to summation order, about twice the speed; the model's own modules are put back
-    when decoding ends. ``pack=False`` keeps torch's linears; elsewhere, and with ``compile`` (inductor
-    cannot lower the packed weights), it changes nothing.
+    ``pack`` decodes float32 weights on a CPU in decode formats (``cpu_weights.decode_weights``):
+    q/k/v and gate/up each one stacked matrix, and whichever of torch's linear and oneDNN's packed
+    kernel was timed the faster at the thread count; the same math up to summation order.
+    The model's own modules are put back when decoding ends. ``pack=False`` keeps the model's
+    modules as they are; elsewhere, and with ``compile`` (inductor cannot lower packed weights),
+    it changes nothing.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt must contain at least one token")
@@ -135,7 +137,7 @@ def decode_tokens(
     unpack = contextlib.ExitStack()
     try:
         if pack and not compile and can_pack(model):
-            unpack.enter_context(packed_linears(model))
+            unpack.enter_context(decode_weights(model))
         # The prompts are written in one call, then one token per call: sliding-window layers keep rings.
         caches = model.allocate_kv_caches(batch, total, dtype=parameter.dtype, device=device, max_write=max(lengths))
         ids = torch.zeros(batch, max(lengths), dtype=torch.long)
@@ -259,7 +261,7 @@ def generate(
     included), at the first of the ``stop`` strings (the text is cut before it), or after
     ``max_new_tokens``. ``stream(row, text)`` receives each row's new text as it is decoded,
     holding back what could still turn out to be the start of a stop string. ``pack`` (on by
-    default) is ``decode_tokens``'s: on a CPU, float32 weights decode through oneDNN's packed layout.
+    default) is ``decode_tokens``'s: on a CPU, float32 weights decode in their decode formats.
     """
     sampling = sampling or SamplingConfig()
     encoded = [_prompt_ids(tokenizer, prompt, chat) for prompt in prompts]

@@ -1,13 +1,13 @@
-"""CPU decode weight formats (``cpu_weights.decode_weights``): stacked q/k/v and gate/up, and the
-kernel chosen by the thread count, give the plain modules' logits and tokens and leave the model as
-it was; a linear holding an adapter is left alone."""
+"""CPU decode weight formats (``cpu_weights.decode_weights``): stacked q/k/v and gate/up, with
+either kernel (torch's linear, oneDNN's packed), give the plain modules' logits and tokens and leave
+the model as it was; the kernel is timed once per thread count; a linear holding an adapter is left alone."""
 
 import pytest
 import torch
 
 from axtorch.compose.experiment_loader import load_experiment_config
-from axtorch.infer import decode_weights, generate_ids
-from axtorch.infer.cpu_weights import PackedLinear, StackedProjection
+from axtorch.infer import cpu_weights, decode_weights, generate_ids
+from axtorch.infer.cpu_weights import PackedLinear, StackedProjection, packed_kernel_is_faster
 from axtorch.layers.attention import project_separately
 from axtorch.layers.feed_forward import project_gate_up
 from axtorch.layers.norm import RMSNormConfig
@@ -37,16 +37,15 @@ def _model(overrides):
     return model
 
 
-@pytest.fixture(params=[1, 2], ids=["1 thread", "2 threads"])
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
+@pytest.fixture(params=[False, True], ids=["torch linear", "oneDNN packed"])
+def packed(request, monkeypatch):
+    """Which kernel ``decode_weights`` takes, whatever the timing on this machine."""
+    monkeypatch.setattr(cpu_weights, "packed_kernel_is_faster", lambda weights: request.param)
+    return request.param
 
 
 @pytest.mark.parametrize("kind", list(MODELS))
-def test_decode_weights_give_the_plain_modules_logits_and_tokens_and_give_the_model_back(kind, threads):
+def test_decode_weights_give_the_plain_modules_logits_and_tokens_and_give_the_model_back(kind, packed):
     model = _model(MODELS[kind])
     tokens = torch.randint(0, 500, (2, 12), generator=torch.Generator().manual_seed(2))
     expected = model(CausalLMInput(input_ids=tokens)).logits
@@ -56,9 +55,8 @@ def test_decode_weights_give_the_plain_modules_logits_and_tokens_and_give_the_mo
         attention, feed_forward = model.decoder.layers[0].attention, model.decoder.layers[0].feed_forward
         assert isinstance(attention.qkv_projection, StackedProjection)
         assert (kind == "moe") != isinstance(getattr(feed_forward, "gate_up_projection", None), StackedProjection)
-        # One thread: torch's linear streams faster (no oneDNN packing); two: oneDNN's packed kernel.
-        assert isinstance(attention.o_proj, PackedLinear) == (threads > 1)
-        assert isinstance(attention.qkv_projection.product, PackedLinear) == (threads > 1)
+        assert isinstance(attention.o_proj, PackedLinear) == packed
+        assert isinstance(attention.qkv_projection.product, PackedLinear) == packed
         got = model(CausalLMInput(input_ids=tokens)).logits
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     assert generate_ids(model, PROMPTS, 10) == greedy
@@ -93,3 +91,20 @@ def test_the_float32_inference_rms_norm_is_bit_for_bit_the_training_one(shape):
         inference = norm(x)  # torch.rms_norm, one call
     training = norm(x.requires_grad_())  # the steps written out, differentiable
     torch.testing.assert_close(inference, training.detach(), atol=0, rtol=0)
+
+
+def test_the_kernel_is_timed_once_per_thread_count(monkeypatch):
+    monkeypatch.setattr(cpu_weights, "_FASTER_KERNEL", {})
+    packings = []
+    init = PackedLinear.__init__
+    monkeypatch.setattr(PackedLinear, "__init__", lambda self, w, b: packings.append(1) or init(self, w, b))
+    weights = [torch.randn(64, 32), torch.randn(96, 32)]
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 1, 2):
+            torch.set_num_threads(threads)
+            assert isinstance(packed_kernel_is_faster(weights), bool)
+    finally:
+        torch.set_num_threads(before)
+    assert len(packings) == 2 * len(weights)  # each thread count timed once, its answer kept
+    assert set(cpu_weights._FASTER_KERNEL) == {1, 2}

@@ -9,7 +9,7 @@ import torch
 
 from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.data.tokenizer import train_byte_level_bpe
-from axtorch.infer import SamplingConfig, generate, generate_ids, pack_linears, quantize_int8
+from axtorch.infer import SamplingConfig, cpu_weights, generate, generate_ids, pack_linears, quantize_int8
 from axtorch.infer.cpu_weights import PackedLinear
 from axtorch.infer.sampling import apply_penalties, sample_next_token
 from axtorch.interop.families import config_from_hf
@@ -196,17 +196,14 @@ def test_packed_fp32_weights_give_the_logits_and_the_greedy_tokens(kind):
 
 
 @pytest.fixture
-def two_threads():
-    """oneDNN's packed kernel is the decode kernel from two threads on (``packed_kernel_is_faster``)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
+def packed_kernel(monkeypatch):
+    """oneDNN's packed kernel as the decode kernel, whatever ``packed_kernel_is_faster`` times here."""
+    monkeypatch.setattr(cpu_weights, "packed_kernel_is_faster", lambda weights: True)
 
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_a_library_generate_call_on_the_cpu_decodes_through_packed_weights_and_gives_back_the_model(
-    tokenizer, tied, monkeypatch, two_threads
+    tokenizer, tied, monkeypatch, packed_kernel
 ):
     model = _model([*MODELS["dense"], f"model.vocab_size={tokenizer.vocab_size}", f"model.tie_embeddings={tied}"])
     state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
@@ -320,7 +317,7 @@ def test_generate_command_continues_prompts_from_a_trained_run(tmp_path, data_ca
     assert two_sources.returncode == 2 and "exactly one of checkpoint=DIR, gguf=FILE or hf=DIR" in two_sources.stderr
 
 
-def test_library_generate_calls_reuse_the_packed_weights_until_a_weight_changes(monkeypatch, two_threads):
+def test_library_generate_calls_reuse_the_packed_weights_until_a_weight_changes(monkeypatch, packed_kernel):
     model = _model(MODELS["dense"])
     packings = []
     init = PackedLinear.__init__
