@@ -22,7 +22,7 @@ check: $(VENV)/.axtorch-test
 	$(VENV)/bin/ruff format --check axtorch tests benchmarks
 	$(VENV)/bin/mypy axtorch
 
-# One pytest worker per core, each taking whole scheduling groups (tests/conftest.py): a file (so
+# One pytest worker per core, each taking whole scheduling groups (tests/xdist_scheduling.py): a file (so
 # its module fixtures run once) or a finer group named there. The groups start in collection
 # order, which puts the groups with the most slow tests first (xdist would otherwise start the
 # groups with the most tests first). Most tests wait on subprocesses (torchrun, XLA workers, the

@@ -1,9 +1,9 @@
 import os
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from xdist_scheduling import scheduling_group
 
 
 @pytest.fixture(scope="session")
@@ -68,26 +68,6 @@ def random_hf_model():
     return build
 
 
-#: Tests whose cases run in finer scheduling groups than their file, by the case's id: a documented
-#: command's id is ``<document>:<line>``, and a document's commands share its directory (one group
-#: per document), while different documents share nothing.
-FINER_GROUPS: dict[str, Callable[[str], str]] = {
-    "tests/docs/test_doc_commands.py::test_doc_command": lambda case: case.rpartition(":")[0],
-}
-
-
-def scheduling_group(nodeid: str) -> str:
-    """The group a test runs in under ``make test``: its file's, or a finer one of FINER_GROUPS.
-
-    Each group runs whole on one pytest-xdist worker, so a file's module fixtures run once and a
-    document's commands run in order in one directory.
-    """
-    path, _, rest = nodeid.partition("::")
-    function, _, case = rest.partition("[")
-    split = FINER_GROUPS.get(f"{path}::{function}")
-    return f"{path}::{split(case.removesuffix(']'))}" if split is not None and case else path
-
-
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
     """``--dist loadgroup`` by scheduling_group, on the controller, which sees only node ids.
@@ -114,6 +94,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     at the end (the scheduler keeps this order: ``--no-loadscope-reorder``)."""
     marked = [item.nodeid for item in items if item.get_closest_marker("xdist_group") is not None]
     if marked:  # pytest 9.2 never lets xdist see them (pytest_xdist_make_scheduler above)
-        raise pytest.UsageError(f"xdist_group marks are not read; name the group in FINER_GROUPS: {marked[:3]}")
+        raise pytest.UsageError(
+            f"xdist_group marks are not read; name the group in tests/xdist_scheduling.py FINER_GROUPS: {marked[:3]}"
+        )
     slow = Counter(scheduling_group(item.nodeid) for item in items if item.get_closest_marker("slow") is not None)
     items.sort(key=lambda item: -slow[scheduling_group(item.nodeid)])

@@ -1,5 +1,6 @@
-"""``make test``'s scheduling groups (tests/conftest.py): each runs whole on one pytest-xdist worker,
-so a file's module fixture runs once, and the documented commands split by document."""
+"""``make test``'s scheduling groups (tests/xdist_scheduling.py, handed to xdist by tests/conftest.py):
+each runs whole on one pytest-xdist worker, so a file's module fixture runs once, and the documented
+commands split by document."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import scheduling_group
+from xdist_scheduling import scheduling_group
 
 REPO = Path(__file__).resolve().parents[1]
 #: A module whose fixture notes each set-up, and enough tests for both workers to want some.
@@ -40,8 +41,9 @@ def test_a_file_is_a_group_and_the_documented_commands_split_by_document():
 
 
 def _suite(directory: Path, slow: dict[str, bool]) -> None:
-    """The real conftest and a MODULE per name, marked slow or not."""
-    (directory / "conftest.py").write_text((REPO / "tests" / "conftest.py").read_text())
+    """The real conftest (with its scheduling rule) and a MODULE per name, marked slow or not."""
+    for helper in ("conftest.py", "xdist_scheduling.py"):
+        (directory / helper).write_text((REPO / "tests" / helper).read_text())
     (directory / "pytest.ini").write_text("[pytest]\nmarkers =\n    slow: slow\n")
     for name, is_slow in slow.items():
         mark = "pytestmark = pytest.mark.slow\n" if is_slow else ""
