@@ -58,8 +58,9 @@ def save_hf_tokenizer(tokenizer: Tokenizer, directory: str | os.PathLike[str]) -
     """``tokenizer.json`` and a ``tokenizer_config.json`` with the model's special tokens and chat
     template (the tokenizer's own settings), as ``transformers.AutoTokenizer`` and ``hf_tokenizer`` read them."""
     directory = Path(directory)
-    tokenizer.save(directory / "tokenizer.json")  # with generation_config.json's end-of-turn ids
-    _adding_bos(tokenizer).save(str(directory / "tokenizer.json"))
+    # One write of tokenizer.json (with the BOS post-processor) and generation_config.json's end-of-turn ids.
+    exported = Tokenizer(_adding_bos(tokenizer), tokenizer.eos_token, tokenizer.settings, tokenizer.stop_ids)
+    exported.save(directory / "tokenizer.json")
     settings = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "add_bos_token": False,  # unless the tokenizer's settings say it adds one
