@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -105,13 +106,21 @@ def layer_ranges(
 
 
 def balanced_starts(layer_costs: Sequence[int], stages: int) -> list[int]:
+    """The first layer of each of ``stages`` contiguous stages whose largest cost is the least it can be
+    (``_balanced_starts``, computed once per costs and stage count)."""
+    return list(_balanced_starts(tuple(layer_costs), stages))
+
+
+@functools.lru_cache(maxsize=256)
+def _balanced_starts(layer_costs: tuple[int, ...], stages: int) -> tuple[int, ...]:
     """The first layer of each of ``stages`` contiguous stages whose largest cost is the least it can be.
 
     A step waits for its slowest stage, so that largest cost is what a split decides. Among the
     splits that reach it, the most even (the least sum of squared stage costs) is taken, and
     among those the one whose earlier stages are longer: equal costs thus give exactly the even
     split by layer count, the extra layers to the first stages. Integer costs keep ties exact.
-    Dynamic programming over suffixes, O(stages x layers^2).
+    Dynamic programming over suffixes, O(stages x layers^2): cached, as a plan search asks for the
+    same split for every mesh with the same stage count (2145 times for llama3_405b on 2048 devices).
     """
     num_layers = len(layer_costs)
     prefix = list(itertools.accumulate(layer_costs, initial=0))
@@ -143,7 +152,7 @@ def balanced_starts(layer_costs: Sequence[int], stages: int) -> list[int]:
     starts = [0]
     for s in range(stages, 1, -1):
         starts.append(first_end[s][starts[-1]])
-    return starts
+    return tuple(starts)
 
 
 def stages_of_process(pipe_rank: int, pipe: int, stages_per_process: int) -> list[int]:
