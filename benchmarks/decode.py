@@ -12,12 +12,16 @@ Both decode exactly ``--new-tokens`` tokens per row (no stop token) from the sam
 axtorch with ``axtorch.infer.generate_ids`` (right-padded batch, KV cache), transformers with
 ``generate`` (left-padded batch with an attention mask, its default dynamic cache). Tokens/s
 counts new tokens only, and the time includes the prompt's prefill. "same tokens" counts rows
-whose tokens agree between axtorch's default and transformers. axtorch runs three ways:
-"default", ``generate_ids(model, ...)`` as a library caller calls it on the loaded model (its
-decode weight formats, ``cpu_weights.decode_weights``: q/k/v and gate/up stacked, torch's linear
-or oneDNN's packed kernel, whichever it timed the faster at the thread count, prepared on the
-first call and reused after); "torch linears" (``pack=False``: the model's own modules); and
-int8 (``quantize_int8``, then the layers it skips packed: ``axtorch-generate quantize=int8``).
+whose tokens agree with transformers'. axtorch runs four ways: "default",
+``generate_ids(model, ...)`` as a library caller calls it on the loaded model (its decode weight
+formats, ``cpu_weights.decode_weights``: q/k/v and gate/up stacked, torch's linear or oneDNN's
+packed kernel, whichever it timed the faster at the thread count, prepared on the first call and
+reused after); "compiled", the same with ``compile=True`` (``torch.compile`` of the decode step,
+inductor's C++ wrapper, the KV cache's length rounded up to a multiple of 256); "torch linears"
+(``pack=False``: the model's own modules); and int8 (``quantize_int8``, then the layers it skips
+packed: ``axtorch-generate quantize=int8``). Each run's first call, untimed, is printed: the
+compiled one compiles there. ``--gguf`` takes another model's file, e.g. Gemma 3 270M's (the
+interop tests cache it under ``~/.cache/axtorch/test-assets/gemma3/``).
 The perplexity of each on a real text (by default the running Python's LICENSE.txt, present on
 every machine) is printed above the table.
 
@@ -46,7 +50,7 @@ import torch
 import transformers
 
 from axtorch.infer.cpu_weights import DEFAULT_SKIP, pack_linears, quantize_int8
-from axtorch.infer.decoding import generate_ids
+from axtorch.infer.decoding import compiled_cache_length, generate_ids
 from axtorch.interop import from_gguf
 from axtorch.layers.linear import Linear
 from axtorch.models import CausalLMInput
@@ -83,15 +87,15 @@ def read_bandwidth(buffer: torch.Tensor, trials: int) -> float:
     return best
 
 
-def bytes_per_forward(model, int8_skip: list[str] | None, batch: int, cache_slots: int) -> int:
+def bytes_per_forward(model, int8_skip: list[str] | None, batch: int, cache_slots: int, max_write: int) -> int:
     """The bytes one forward of ``batch`` tokens reads: weights in their decode format, the KV cache.
 
     A tied head reads the embedding table whole; an untied one its own matrix, and the lookup
     ``batch`` rows of the table. ``int8_skip`` None: every linear in float32; else the int8
     mode's: the linears and the head in int8 (one byte a weight and a float32 scale a row),
-    except those matching a pattern of ``int8_skip``.
+    except those matching a pattern of ``int8_skip``. The KV cache counts whole, as the model
+    allocates it for ``cache_slots`` positions (sliding-window layers: their rings).
     """
-    config = model.config
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     if model.lm_head is not None:
         table = model.embedding.weight
@@ -103,10 +107,10 @@ def bytes_per_forward(model, int8_skip: list[str] | None, batch: int, cache_slot
         for name, weight in linears:
             if not any(fnmatch.fnmatch(name, p) for p in int8_skip):
                 total -= weight.numel() * (weight.element_size() - 1) - weight.shape[0] * 4
-    attention = config.decoder.layer.attention
-    head_dim = attention.resolved_head_dim(config.dim)
-    cache = 2 * config.decoder.num_layers * batch * attention.resolved_kv_heads() * cache_slots * head_dim * 4
-    return total + cache
+    caches = model.allocate_kv_caches(
+        batch, cache_slots, dtype=torch.float32, device=torch.device("meta"), max_write=max_write
+    )
+    return total + sum(2 * cache.keys.numel() * 4 for cache in caches)
 
 
 @torch.no_grad()
@@ -124,7 +128,6 @@ def main() -> None:
     parser.add_argument("--threads", type=int, nargs="+", default=[torch.get_num_threads()])
     parser.add_argument("--bandwidth-mib", type=int, default=2048)
     parser.add_argument("--bandwidth-trials", type=int, default=3)
-    parser.add_argument("--compile", action="store_true", help="compile axtorch's decode step (all modes)")
     parser.add_argument("--text", type=Path, default=Path(sysconfig.get_path("stdlib")) / "LICENSE.txt")
     parser.add_argument("--text-tokens", type=int, default=1024)
     parser.add_argument(
@@ -147,11 +150,16 @@ def main() -> None:
     new = args.new_tokens
     int8 = pack_linears(quantize_int8(from_gguf(args.gguf)[0], skip=args.int8_skip))
 
-    def runner(model, pack: bool):
+    def runner(model, pack: bool = True, compile: bool = False):
         encode = tokenizer.encode
-        return lambda prompts: generate_ids(model, [encode(p) for p in prompts], new, compile=args.compile, pack=pack)
+        return lambda prompts: generate_ids(model, [encode(p) for p in prompts], new, compile=compile, pack=pack)
 
-    runs = {"default": runner(ours, True), "torch linears": runner(ours, False), "int8": runner(int8, False)}
+    runs = {
+        "default": runner(ours),
+        "compiled": runner(ours, compile=True),
+        "torch linears": runner(ours, pack=False),
+        "int8": runner(int8, pack=False),
+    }
     text_ids = torch.tensor([tokenizer.encode(args.text.read_text())[: args.text_tokens]])
     perplexities = {"fp32": perplexity(ours, text_ids), "int8": perplexity(int8, text_ids)}
 
@@ -163,28 +171,37 @@ def main() -> None:
 
     runs["transformers"] = run_theirs
     print(
-        f"SmolLM2-135M-Instruct (GGUF Q4_1 -> fp32), greedy, {new} new tokens; torch {torch.__version__}, "
-        f"transformers {transformers.__version__}"
+        f"{args.gguf.name} (dequantised to fp32), {sum(p.numel() for p in ours.parameters()) / 1e6:.0f}M parameters, "
+        f"greedy, {new} new tokens; torch {torch.__version__}, transformers {transformers.__version__}"
     )
     print(f"int8 mode leaves in fp32: {args.int8_skip or 'nothing'}")
     print(f"perplexity on {args.text.name} ({args.text_tokens} tokens): ", end="")
     print(", ".join(f"{name} {value:.3f}" for name, value in perplexities.items()))
+    names = list(runs)
     print(
-        "| threads | batch | read GB/s | default tok/s | torch linears tok/s | int8 tok/s | transformers tok/s "
-        "| default % of bandwidth | torch linears % | int8 % | transformers % | default / transformers "
-        "| int8 / transformers | same tokens |"
+        "| threads | batch | read GB/s | "
+        + " | ".join(f"{name} tok/s" for name in names)
+        + " | "
+        + " | ".join(f"{name} % of bandwidth" for name in names)
+        + " | default / transformers | compiled / transformers | same tokens |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|" + "---|" * (2 * len(names) + 3))
     buffer = torch.ones(args.bandwidth_mib * 2**20 // 4)
     for threads in args.threads:
         torch.set_num_threads(threads)
-        for run in runs.values():  # untimed: the default mode times its kernels and prepares its weights here
-            run(PROMPTS[:1])
         for batch in args.batches:
             prompts = (PROMPTS * batch)[:batch]
-            slots = max(len(tokenizer.encode(p)) for p in prompts) + new
-            read = {name: bytes_per_forward(ours, None, batch, slots) for name in runs}
-            read["int8"] = bytes_per_forward(ours, args.int8_skip, batch, slots)
+            for name, run in runs.items():  # untimed: the default mode times its kernels and prepares
+                started = time.perf_counter()  # its weights here, the compiled one compiles its step
+                run(prompts)
+                print(
+                    f"{threads} thread(s), batch {batch}, first call of {name}: {time.perf_counter() - started:.1f} s"
+                )
+            longest = max(len(tokenizer.encode(p)) for p in prompts)
+            read = {name: bytes_per_forward(ours, None, batch, longest + new, longest) for name in runs}
+            compiled_slots = compiled_cache_length(longest + new, ours.config.max_seq_len)
+            read["compiled"] = bytes_per_forward(ours, None, batch, compiled_slots, longest)
+            read["int8"] = bytes_per_forward(ours, args.int8_skip, batch, longest + new, longest)
             bandwidths: list[float] = []
             seconds: dict[str, list[float]] = {name: [] for name in runs}
             fractions: dict[str, list[float]] = {name: [] for name in runs}
@@ -200,12 +217,15 @@ def main() -> None:
                 order.reverse()
             speed = {name: batch * new / statistics.median(s) for name, s in seconds.items()}
             percent = " | ".join(f"{100 * statistics.median(fractions[name]):.0f}%" for name in runs)
-            same = sum(a == b for a, b in zip(outputs["default"], outputs["transformers"]))
+            same = "; ".join(
+                f"{name} {sum(a == b for a, b in zip(outputs[name], outputs['transformers']))}/{batch}"
+                for name in ("default", "compiled")
+            )
             print(
                 f"| {threads} | {batch} | {statistics.median(bandwidths) / 1e9:.1f} | "
                 + " | ".join(f"{speed[name]:.1f}" for name in runs)
                 + f" | {percent} | {speed['default'] / speed['transformers']:.2f}x | "
-                f"{speed['int8'] / speed['transformers']:.2f}x | {same}/{batch} |",
+                f"{speed['compiled'] / speed['transformers']:.2f}x | {same} |",
                 flush=True,
             )
 

@@ -102,8 +102,9 @@ def decode_tokens(
     Rows go on decoding after their stop token (their later tokens are to be ignored) until the
     consumer stops iterating or ``max_new_tokens`` is reached. Row ``b`` samples from a generator
     seeded with ``seeds[b]`` (default: its index), so its tokens do not depend on the other rows.
-    ``compile`` runs the decode step through ``torch.compile`` (static shapes, so it compiles once
-    per batch size; on CUDA with ``mode="reduce-overhead"``, i.e. CUDA graphs); the prefill stays eager.
+    ``compile`` runs the decode step through ``torch.compile`` (static shapes: the cache's length
+    rounded up to ``COMPILED_CACHE_MULTIPLE``, so it compiles once per batch size and length bucket;
+    on CUDA with CUDA graphs, on a CPU with inductor's C++ wrapper); the prefill stays eager.
     ``step_boundary`` is called after the prefill and after each decode step: on XLA it is
     ``torch_xla.sync``, which cuts the lazy graph there, so that every decode step is the same
     fixed-shape program, compiled once (``axtorch.parallel.xla.decode_device``).
@@ -111,8 +112,8 @@ def decode_tokens(
     q/k/v and gate/up each one stacked matrix, and whichever of torch's linear and oneDNN's packed
     kernel was timed the faster at the thread count; the same math up to summation order.
     The model's own modules are put back when decoding ends. ``pack=False`` keeps the model's
-    modules as they are; elsewhere, and with ``compile`` (inductor cannot lower packed weights),
-    it changes nothing.
+    modules as they are; elsewhere it changes nothing. With ``compile`` the stacks use torch's
+    kernel (inductor cannot lower oneDNN's packed weights).
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt must contain at least one token")
@@ -136,10 +137,11 @@ def decode_tokens(
     model.eval()
     unpack = contextlib.ExitStack()
     try:
-        if pack and not compile and can_pack(model):
-            unpack.enter_context(decode_weights(model))
+        if pack and can_pack(model):
+            unpack.enter_context(decode_weights(model, packed=False if compile else None))
         # The prompts are written in one call, then one token per call: sliding-window layers keep rings.
-        caches = model.allocate_kv_caches(batch, total, dtype=parameter.dtype, device=device, max_write=max(lengths))
+        slots = compiled_cache_length(total, model.config.max_seq_len) if compile else total
+        caches = model.allocate_kv_caches(batch, slots, dtype=parameter.dtype, device=device, max_write=max(lengths))
         ids = torch.zeros(batch, max(lengths), dtype=torch.long)
         seen = torch.zeros(batch, vocab, dtype=torch.bool)
         for row, prompt in enumerate(prompts):
@@ -159,8 +161,7 @@ def decode_tokens(
             generators = [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
         decode_step = model
         if compile:
-            mode = "reduce-overhead" if device.type == "cuda" else None
-            decode_step = cast(CausalLM, torch.compile(model, dynamic=False, mode=mode))
+            decode_step = _compiled(model, device)
         pending: list[torch.Tensor] = []
         for step in range(max_new_tokens):
             if sampling.penalised:
@@ -178,13 +179,46 @@ def decode_tokens(
                 generated_counts.scatter_add_(1, token[:, None], torch.ones_like(generated_counts[:, :1]))
                 seen.scatter_(1, token[:, None], True)
             step_input = CausalLMInput(input_ids=token[:, None], positions=next_position, kv_caches=caches)
-            logits = decode_step(step_input).logits[:, -1]
+            with _guards_checked(compile, first=step == 0):
+                logits = decode_step(step_input).logits[:, -1]
             next_position = next_position + 1
             if step_boundary is not None:
                 step_boundary()
     finally:
         unpack.close()
         model.train(was_training)
+
+
+#: Under ``compile`` the KV cache's length is rounded up to a multiple of this: the decode step's
+#: shapes, and so its compiled program, then serve every call whose prompt and new tokens fit.
+COMPILED_CACHE_MULTIPLE = 256
+
+
+def compiled_cache_length(total: int, max_seq_len: int) -> int:
+    """``total`` rounded up to ``COMPILED_CACHE_MULTIPLE``, at most ``max_seq_len``: slots past a
+    row's position hold future positions, so the causal mask hides them and the tokens are the same."""
+    return min(-(-total // COMPILED_CACHE_MULTIPLE) * COMPILED_CACHE_MULTIPLE, max_seq_len)
+
+
+def _compiled(model: CausalLM, device: torch.device) -> CausalLM:
+    """The decode step through ``torch.compile``: on CUDA with CUDA graphs; on a CPU with inductor's
+    C++ wrapper, which calls the step's kernels from generated C++ rather than Python (a batch-1
+    step is mostly small kernels besides the weight products; ``docs/benchmarks.md``)."""
+    if device.type == "cuda":
+        return cast(CausalLM, torch.compile(model, dynamic=False, mode="reduce-overhead"))
+    if device.type == "cpu":
+        return cast(CausalLM, torch.compile(model, dynamic=False, options={"cpp_wrapper": True}))
+    return cast(CausalLM, torch.compile(model, dynamic=False))
+
+
+def _guards_checked(compiled: bool, first: bool) -> contextlib.AbstractContextManager:
+    """Which of the compiled step's guards run: all at a call's first step (a changed model or
+    shape recompiles); at later steps, which give the same step inputs of the same kinds, only
+    those that tell cached programs apart. Checking the guards on every parameter and cache took
+    about 1.5 ms a step, 3% of a batch-1 step of SmolLM2-135M on a CPU."""
+    if compiled and not first:
+        return torch.compiler.set_stance(skip_guard_eval_unsafe=True)
+    return contextlib.nullcontext()
 
 
 def generate_ids(

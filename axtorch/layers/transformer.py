@@ -291,9 +291,11 @@ def run_layers_unrolled(decoder: Decoder, inputs: DecoderInput) -> tuple[torch.T
 
     A decoding forward (with KV caches) builds its rotary tables and masks once for all layers
     (``SharedValues``); training keeps each layer's own, so its graph and remat are unchanged.
+    A compiled forward keeps them too: the compiler merges the identical computations itself, and
+    keys that name tensors by ``id`` would make it recompile at every step.
     """
     caches: list[Optional[KVCache]] = [None] * len(decoder.layers) if inputs.kv_caches is None else [*inputs.kv_caches]
-    shared = None if inputs.kv_caches is None else SharedValues()
+    shared = None if inputs.kv_caches is None or torch.compiler.is_compiling() else SharedValues()
     hidden_states, aux_loss = inputs.hidden_states, None
     for layer, cache in zip(decoder.layers, caches):
         layer_input = TransformerLayerInput(hidden_states, inputs.positions, cache, inputs.segment_ids, shared)

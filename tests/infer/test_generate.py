@@ -6,6 +6,7 @@ import sys
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.data.tokenizer import train_byte_level_bpe
@@ -96,11 +97,17 @@ def test_seeded_sampling_is_reproducible_per_row_whatever_the_batch():
 
 
 @pytest.mark.slow
-def test_a_compiled_decode_step_gives_the_eager_tokens():
+def test_a_compiled_decode_step_gives_the_eager_tokens_and_compiles_once_per_length_bucket():
     model = _model(MODELS["dense"])
     sampling = SamplingConfig(temperature=0.8, top_k=40)
     eager = generate_ids(model, PROMPTS, 8, sampling, seeds=[1, 2, 3])
+    torch._dynamo.reset()
+    counters["stats"].clear()
     assert generate_ids(model, PROMPTS, 8, sampling, seeds=[1, 2, 3], compile=True) == eager
+    # Another length in the same bucket of cache slots reuses the program: no step recompiles
+    # (a step that did, e.g. on a guard naming a tensor that lives one step, would count here).
+    assert generate_ids(model, PROMPTS, 5, sampling, seeds=[1, 2, 3], compile=True) == [row[:5] for row in eager]
+    assert counters["stats"]["unique_graphs"] == 1
 
 
 def test_greedy_decoding_equals_a_full_forward_per_token():
