@@ -50,10 +50,10 @@ def _wait_for_step(run_dir: Path, step: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def straight(slurm, tmp_path_factory):
+def straight(slurm, tmp_path_factory, data_cache):
     """One device's first steps, and the same run as a Slurm job of 2 processes, uninterrupted."""
     root = tmp_path_factory.mktemp("slurm-runs")
-    cache = root / "cache"
+    cache = data_cache
     train_on_one_device(root / "single", cache, *LONG)
     job = _submit(slurm, root / "straight.out", debug_overrides(root / "straight", cache, *FSDP2, *LONG))
     return root, slurm.wait_until_finished(job)
@@ -67,11 +67,11 @@ def test_a_job_submitted_as_documented_matches_one_device(straight):
     torch.testing.assert_close(torch.tensor(distributed[:STEPS]), torch.tensor(single), rtol=1e-5, atol=1e-5)
 
 
-def test_a_preempted_job_saves_requeues_uncounted_and_resumes_exactly(slurm, straight):
+def test_a_preempted_job_saves_requeues_uncounted_and_resumes_exactly(slurm, straight, data_cache):
     root, _ = straight
     run_dir, out = root / "preempted", root / "preempted.out"
     # MAX_REQUEUES=0: a preemption counted as a failure would end the job instead of requeueing it.
-    job = _submit(slurm, out, debug_overrides(run_dir, root / "cache", *FSDP2, *LONG), MAX_REQUEUES="0")
+    job = _submit(slurm, out, debug_overrides(run_dir, data_cache, *FSDP2, *LONG), MAX_REQUEUES="0")
     # What --signal=B:TERM@120 sends before the time limit: SIGTERM to the batch script alone.
     _wait_for_step(run_dir, 5)
     slurm.scancel("--batch", "--signal=TERM", str(job))
@@ -96,11 +96,11 @@ def test_a_preempted_job_saves_requeues_uncounted_and_resumes_exactly(slurm, str
         assert torch.equal(tensor, got[name]), name
 
 
-def test_a_failing_job_requeues_itself_max_requeues_times(slurm, tmp_path):
+def test_a_failing_job_requeues_itself_max_requeues_times(slurm, tmp_path, data_cache):
     """The script sees only srun's exit status: a torchrun that fails at once (``false``) stands in
     for a failed training run, without two minutes of Python start-ups on a loaded machine."""
     out = tmp_path / "failing.out"
-    overrides = debug_overrides(tmp_path / "run", tmp_path / "cache", *FSDP2)
+    overrides = debug_overrides(tmp_path / "run", data_cache, *FSDP2)
     job = _submit(slurm, out, overrides, MAX_REQUEUES="1", TORCHRUN="false")
     slurm.wait_until_requeued(job, 1)
     record = slurm.wait_until_finished(job)

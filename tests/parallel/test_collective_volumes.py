@@ -21,10 +21,12 @@ PROCESSES = 2
 Volumes = dict[str, dict[str, float]]
 
 
-def _measured_and_predicted(tmp_path: Path, sharding: str, *overrides: str) -> tuple[list[Volumes], dict[str, float]]:
+def _measured_and_predicted(
+    tmp_path: Path, cache: Path, sharding: str, *overrides: str
+) -> tuple[list[Volumes], dict[str, float]]:
     """Every process's measured volumes, and the planner's bytes per device for the same step."""
     overrides = (*overrides, f"sharding={sharding}")
-    run_overrides = debug_overrides(tmp_path / "run", tmp_path / "cache", "backend=native", *overrides)
+    run_overrides = debug_overrides(tmp_path / "run", cache, "backend=native", *overrides)
     out = tmp_path / "volumes.json"
     run_torchrun(PROCESSES, str(WORKER), str(out), *run_overrides, tail=12000)
     config, mesh = load_plan_inputs(["experiment=debug", *overrides])
@@ -40,15 +42,15 @@ def _fsdp_sent(volumes: Volumes) -> float:
 
 
 @pytest.mark.slow
-def test_fsdp_gathers_and_reduce_scatters_move_the_predicted_bytes(tmp_path):
-    measured, predicted = _measured_and_predicted(tmp_path, "fsdp", "mesh.fsdp=2")
+def test_fsdp_gathers_and_reduce_scatters_move_the_predicted_bytes(tmp_path, data_cache):
+    measured, predicted = _measured_and_predicted(tmp_path, data_cache, "fsdp", "mesh.fsdp=2")
     # Gathered twice and reduce-scattered once: half of each of the debug model's 139,584 parameters.
     assert _fsdp_sent(measured[0]) == pytest.approx(predicted["fsdp"], rel=0.01)
 
 
 @pytest.mark.slow
-def test_tensor_parallel_all_reduces_and_head_gather_move_the_predicted_bytes(tmp_path):
-    measured, predicted = _measured_and_predicted(tmp_path, "fsdp_tp", "mesh.model=2")
+def test_tensor_parallel_all_reduces_and_head_gather_move_the_predicted_bytes(tmp_path, data_cache):
+    measured, predicted = _measured_and_predicted(tmp_path, data_cache, "fsdp_tp", "mesh.model=2")
     # Per layer 2 all-reduces forward, 5 backward (q, k, v, gate, up each its own); the embedding's
     # all-reduce; the head's weight gathered for the fused loss. What remains is scalars: the
     # gradient norm's partial sums over split gradients, the loss's token count and sums (72 bytes).
@@ -58,8 +60,8 @@ def test_tensor_parallel_all_reduces_and_head_gather_move_the_predicted_bytes(tm
 
 
 @pytest.mark.slow
-def test_pipeline_stages_send_the_predicted_activations_and_gradients(tmp_path):
-    measured, predicted = _measured_and_predicted(tmp_path, "fsdp", "mesh.pipe=2")
+def test_pipeline_stages_send_the_predicted_activations_and_gradients(tmp_path, data_cache):
+    measured, predicted = _measured_and_predicted(tmp_path, data_cache, "fsdp", "mesh.pipe=2")
     # The first stage sends each micro-batch's activations on, the second their gradients back:
     # the same bytes, and nothing else of any size (the collectives left are the loss's scalars).
     for volumes in measured:
@@ -68,8 +70,8 @@ def test_pipeline_stages_send_the_predicted_activations_and_gradients(tmp_path):
 
 
 @pytest.mark.slow
-def test_expert_all_to_alls_exchange_the_predicted_rows(tmp_path):
-    measured, predicted = _measured_and_predicted(tmp_path, "fsdp_ep", "mesh.expert=2", *MOE)
+def test_expert_all_to_alls_exchange_the_predicted_rows(tmp_path, data_cache):
+    measured, predicted = _measured_and_predicted(tmp_path, data_cache, "fsdp_ep", "mesh.expert=2", *MOE)
     uniform_share = (PROCESSES - 1) / PROCESSES  # of a process's rows, routed to the other's experts
     # Dispatch, combine and both their gradients: between them the processes exchange every
     # token's top-k rows 4 times per layer, however they are routed (the per-layer exchange of the

@@ -32,8 +32,8 @@ STACK = [
 
 
 @pytest.mark.slow
-def test_native_fsdp_losses_of_a_stack_match_a_single_device(tmp_path):
-    cache = tmp_path / "cache"
+def test_native_fsdp_losses_of_a_stack_match_a_single_device(tmp_path, data_cache):
+    cache = data_cache
     train_on_one_device(tmp_path / "single", cache, *STACK)
     overrides = debug_overrides(tmp_path / "fsdp2", cache, "backend=native", "mesh.fsdp=2", "sharding=fsdp", *STACK)
     assert [report["step"] for report in _torchrun(2, tmp_path / "fsdp2", STEPS, overrides)] == [STEPS, STEPS]
@@ -43,13 +43,13 @@ def test_native_fsdp_losses_of_a_stack_match_a_single_device(tmp_path):
 
 
 @pytest.mark.slow
-def test_native_pipeline_splits_a_stack_by_its_layers_cost(tmp_path):
+def test_native_pipeline_splits_a_stack_by_its_layers_cost(tmp_path, data_cache):
     """A global layer with a 8x wider feed-forward, then 3 local ones: 2 stages by layer count
     would be 2 + 2 layers (the first stage twice the second's FLOPs); by cost the global layer is
     a stage alone. The run holds that split and trains with one device's losses."""
     stack = [*STACK, "model.decoder.pattern=[global,local,local,local]"]
     stack.append("+model.decoder.variants.global.feed_forward.hidden_dim=1024")
-    cache = tmp_path / "cache"
+    cache = data_cache
     train_on_one_device(tmp_path / "single", cache, *stack)
     overrides = debug_overrides(tmp_path / "pp2", cache, "backend=native", "mesh.pipe=2", *stack)
     reports = _torchrun(2, tmp_path / "pp2", STEPS, overrides)

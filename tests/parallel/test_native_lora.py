@@ -25,8 +25,8 @@ LORA = ("model/adapter=lora", "model.adapter.target='(q|v|down)_proj'")
 
 
 @pytest.mark.slow
-def test_lora_under_fsdp_trains_as_one_device_does(tmp_path):
-    cache = tmp_path / "cache"
+def test_lora_under_fsdp_trains_as_one_device_does(tmp_path, data_cache):
+    cache = data_cache
     train_on_one_device(tmp_path / "single", cache, *LORA)
     out = tmp_path / "fsdp2"
     overrides = debug_overrides(out, cache, "backend=native", "mesh.fsdp=2", "sharding=fsdp", *LORA)
@@ -41,9 +41,9 @@ def test_lora_under_fsdp_trains_as_one_device_does(tmp_path):
 
 
 @pytest.mark.slow
-def test_lora_under_fsdp_and_tensor_parallelism_trains_as_one_device_does(tmp_path):
+def test_lora_under_fsdp_and_tensor_parallelism_trains_as_one_device_does(tmp_path, data_cache):
     """fsdp=2 x model=2: the adapters of column-parallel q/v split B's rows, those of row-parallel down A's columns."""
-    cache = tmp_path / "cache"
+    cache = data_cache
     train_on_one_device(tmp_path / "single", cache, *LORA)
     out = tmp_path / "fsdp2_tp2"
     mesh = ("backend=native", "mesh.fsdp=2", "mesh.model=2", "sharding=fsdp_tp")
@@ -75,9 +75,9 @@ def test_lora_under_fsdp_and_tensor_parallelism_trains_as_one_device_does(tmp_pa
     ],
     ids=["fsdp", "fsdp-scan", "fsdp_tp"],
 )
-def test_lora_under_xla_sharding_trains_as_one_device_does(tmp_path, devices, mesh):
+def test_lora_under_xla_sharding_trains_as_one_device_does(tmp_path, data_cache, devices, mesh):
     """Unrolled, scanned over stacked layers (whose frozen stacks keep no gradients), and tensor-parallel."""
-    cache = tmp_path / "cache"
+    cache = data_cache
     train_on_one_device(tmp_path / "single", cache, *LORA)
     out = tmp_path / "xla"
     run_worker(devices, tmp_path / "xla.json", STEPS, debug_overrides(out, cache, *mesh, *LORA))

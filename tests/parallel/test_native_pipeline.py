@@ -32,8 +32,8 @@ FOUR_LAYERS = "model.decoder.num_layers=4"
     ],
     ids=["gpipe_uneven_split", "interleaved_1f1b"],
 )
-def test_each_schedule_matches_a_single_device(schedule, tmp_path):
-    cache = tmp_path / "cache"
+def test_each_schedule_matches_a_single_device(schedule, tmp_path, data_cache):
+    cache = data_cache
     train_on_one_device(tmp_path / "single", cache, FOUR_LAYERS)
     overrides = debug_overrides(tmp_path / "pp2", cache, "backend=native", "mesh.pipe=2", FOUR_LAYERS, *schedule)
     reports = _torchrun(2, tmp_path / "pp2", STEPS, overrides)

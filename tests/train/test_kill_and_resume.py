@@ -57,9 +57,9 @@ LAUNCHES = {
 
 
 @pytest.mark.parametrize("launch", list(LAUNCHES))
-def test_repeated_sigkills_then_a_resume_equal_an_uninterrupted_run(tmp_path, launch):
+def test_repeated_sigkills_then_a_resume_equal_an_uninterrupted_run(tmp_path, data_cache, launch):
     launcher, extra = LAUNCHES[launch]
-    cache, run_dir = tmp_path / "cache", tmp_path / "run"
+    cache, run_dir = data_cache, tmp_path / "run"
     command = [*launcher, "-m", "axtorch.train", *_overrides(run_dir, cache, *extra)]
     alternate = launch == "one_device"
     subprocess.run(
@@ -90,14 +90,14 @@ def test_repeated_sigkills_then_a_resume_equal_an_uninterrupted_run(tmp_path, la
     _assert_equal_parameters(run_dir, tmp_path / "straight")
 
 
-def test_the_torchrun_launcher_restarts_a_killed_worker_and_the_run_ends_exact(tmp_path):
+def test_the_torchrun_launcher_restarts_a_killed_worker_and_the_run_ends_exact(tmp_path, data_cache):
     """One worker dies (SIGKILL) under launch/torchrun_single_node.sh: torchrun restarts the group in
     place, the restarted workers resume from the newest checkpoint, and the run exits 0 with the
     parameters of an uninterrupted run."""
     launcher = Path(__file__).resolve().parents[2] / "launch" / "torchrun_single_node.sh"
     env = {**os.environ, "NPROC": "2", "TORCHRUN": str(TORCHRUN_EXECUTABLE)}
     parallel = LAUNCHES["torchrun_async"][1]
-    cache = tmp_path / "cache"
+    cache = data_cache
     straight = subprocess.run(
         [str(launcher), *_overrides(tmp_path / "straight", cache, *parallel)], capture_output=True, env=env, timeout=600
     )

@@ -61,9 +61,9 @@ def _assert_resumed_run_equals_uninterrupted(command, straight_command, run_dir:
 
 
 @pytest.mark.parametrize("signal_number", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_saves_at_a_step_boundary_and_exits_0(tmp_path, signal_number):
+def test_a_signal_saves_at_a_step_boundary_and_exits_0(tmp_path, data_cache, signal_number):
     run_dir = tmp_path / "run"
-    command = _command(run_dir, tmp_path / "cache", [sys.executable])
+    command = _command(run_dir, data_cache, [sys.executable])
     result = _interrupt(command, run_dir, signal_number)
     assert result.returncode == 0, result.stderr[-2000:]
     step = _preempted_step(result.stdout)
@@ -72,20 +72,20 @@ def test_a_signal_saves_at_a_step_boundary_and_exits_0(tmp_path, signal_number):
     checkpoint = list_checkpoints(run_dir / "checkpoints")[-1]
     assert checkpoint.name == f"step_{step:08d}" and checkpoint_problems(checkpoint) == []
     if signal_number == signal.SIGTERM:
-        straight = _command(tmp_path / "straight", tmp_path / "cache", [sys.executable])
+        straight = _command(tmp_path / "straight", data_cache, [sys.executable])
         _assert_resumed_run_equals_uninterrupted(command, straight, run_dir, tmp_path / "straight")
 
 
-def test_under_torchrun_every_rank_stops_at_the_same_step_and_the_resume_is_exact(tmp_path):
+def test_under_torchrun_every_rank_stops_at_the_same_step_and_the_resume_is_exact(tmp_path, data_cache):
     launcher = torchrun(2)
     parallel = ("backend=native", "mesh.fsdp=2", "sharding=fsdp")
     run_dir = tmp_path / "run"
-    command = _command(run_dir, tmp_path / "cache", launcher, *parallel)
+    command = _command(run_dir, data_cache, launcher, *parallel)
     result = _interrupt(command, run_dir, signal.SIGTERM)
     # torchrun forwards the signal to its workers, then reports it itself (its own non-zero exit);
     # the workers agree on a step (a save whose ranks disagreed would hang), save and exit 0.
     step = _preempted_step(result.stdout)
     checkpoint = list_checkpoints(run_dir / "checkpoints")[-1]
     assert checkpoint.name == f"step_{step:08d}" and checkpoint_problems(checkpoint) == []
-    straight = _command(tmp_path / "straight", tmp_path / "cache", launcher, *parallel)
+    straight = _command(tmp_path / "straight", data_cache, launcher, *parallel)
     _assert_resumed_run_equals_uninterrupted(command, straight, run_dir, tmp_path / "straight")
