@@ -192,7 +192,7 @@ class GroupedQueryAttention(nn.Module):
         self.query_norm = _build_optional_norm(config.query_norm, self.head_dim)
         self.key_norm = _build_optional_norm(config.key_norm, self.head_dim)
         self.position = config.position.build(self.head_dim)
-        self.mask = DocumentMask(config.mask.build())
+        self.mask = DocumentMask(config.mask)
         self.kernel = (config.kernel or SdpaKernelConfig()).build()
         self.sequence_exchange: SequenceExchange = local_sequence
         self.qkv_projection: QKVProjection = project_separately

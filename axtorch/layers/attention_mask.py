@@ -13,6 +13,7 @@ another document.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -110,11 +111,14 @@ class DocumentMask(AttentionMask):
     unchanged, so a plain causal mask keeps its fused kernel path.
     """
 
-    def __init__(self, within: AttentionMask):
+    def __init__(self, within: MaskConfig):
         super().__init__()
-        self.within = within
-        self.window = within.window
-        self.is_plain_causal = within.is_plain_causal
+        self.within = within.build()
+        self.window = self.within.window
+        self.is_plain_causal = self.within.is_plain_causal
+        #: What the configured mask computes from positions: its config's type and fields, so
+        #: layers with equal masks share one under ``SharedValues`` whatever the mask's parameters.
+        self.rule = (type(within), dataclasses.astuple(within))
 
     def forward(
         self,
@@ -132,7 +136,7 @@ class DocumentMask(AttentionMask):
         if shared is None:
             allowed = self.within(query_positions, key_positions)
         else:
-            key = (type(self.within), self.window, id(query_positions), id(key_positions))
+            key = (self.rule, id(query_positions), id(key_positions))
             allowed = shared.get(key, lambda: self.within(query_positions, key_positions))
         if query_segments is None or key_segments is None:
             return allowed

@@ -92,7 +92,7 @@ def test_positions_restart_and_segments_count_documents():
 def test_the_document_mask_is_the_configured_mask_within_each_document():
     positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3]])
     segments = torch.tensor([[1, 1, 1, 2, 2, 2, 2]])
-    window = DocumentMask(SlidingWindowMaskConfig(window=2).build())
+    window = DocumentMask(SlidingWindowMaskConfig(window=2))
     allowed = window(positions, positions, segments, segments)[0, 0].int().tolist()
     assert allowed == [
         [1, 0, 0, 0, 0, 0, 0],
@@ -103,7 +103,7 @@ def test_the_document_mask_is_the_configured_mask_within_each_document():
         [0, 0, 0, 0, 1, 1, 0],
         [0, 0, 0, 0, 0, 1, 1],
     ]
-    causal = DocumentMask(CausalMaskConfig().build())
+    causal = DocumentMask(CausalMaskConfig())
     assert causal.is_plain_causal
     assert torch.equal(causal(positions, positions), CausalMaskConfig().build()(positions, positions))
 
