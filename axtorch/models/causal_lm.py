@@ -21,6 +21,7 @@ from axtorch.layers.softcap import SoftCapConfig
 from axtorch.layers.transformer import DecoderConfig, DecoderInput, TransformerLayer
 from axtorch.models.adapter import AdapterConfig
 from axtorch.models.float8 import Float8Config
+from axtorch.models.frozen_base import FrozenBaseConfig
 from axtorch.models.transforms import ModelTransformConfig
 
 
@@ -46,6 +47,8 @@ class CausalLMConfig:
     float8: Optional[Float8Config] = None
     #: Adapters on a frozen model (``model/adapter=lora``): a model transform (see ``transforms``).
     adapter: Optional[AdapterConfig] = None
+    #: The frozen base's stored format under adapters (``model/frozen_base=int8``); None: as loaded.
+    frozen_base: Optional[FrozenBaseConfig] = None
 
     def validate(self, key: str = "model") -> None:
         for name in ("vocab_size", "dim", "max_seq_len"):
@@ -62,6 +65,25 @@ class CausalLMConfig:
             self.float8.validate(f"{key}.float8")
         if self.adapter is not None:
             self.adapter.validate(f"{key}.adapter")
+        if self.frozen_base is not None:
+            self._validate_frozen_base(key, self.frozen_base.format)
+
+    def _validate_frozen_base(self, key: str, frozen_format: str) -> None:
+        if self.adapter is None:
+            raise ConfigError(
+                f"{key}.frozen_base",
+                frozen_format,
+                "none unless model.adapter is set (e.g. model/adapter=lora)",
+                reason="without adapters every weight trains, and a trained weight cannot be stored in "
+                f"{frozen_format}: there would be no frozen base",
+            )
+        if self.float8 is not None:
+            raise ConfigError(
+                f"{key}.float8",
+                self.float8.recipe,
+                f"none with model.frozen_base={frozen_format}",
+                reason=f"a frozen base linear is stored either in {frozen_format} or as torchao's float8 linear",
+            )
 
     def transforms(self) -> list[ModelTransformConfig]:
         """The transforms training applies to the built model (``axtorch.models.transforms``).
@@ -69,8 +91,10 @@ class CausalLMConfig:
         ``build()`` itself, and so inference, leaves them out (a run's adapters reach inference
         merged into the weights: ``axtorch.train.trained_model``).
         """
-        # Adapters first: float8 then converts their frozen base linears and keeps the adapters in them.
-        return [transform for transform in (self.adapter, self.float8) if transform is not None]
+        # Adapters first: float8 then converts their frozen base linears and keeps the adapters in
+        # them; the frozen base's format applies to the loaded values.
+        transforms = (self.adapter, self.float8, self.frozen_base)
+        return [transform for transform in transforms if transform is not None]
 
     def build(self) -> CausalLM:
         return CausalLM(self)

@@ -1,7 +1,9 @@
 """Model transforms: changes to a built model that its config names and one function applies.
 
 A transform rewrites modules of a model built from its config, in place and on the meta device,
-before a backend shards it: float8 training linears (``model/float8``) are one. The config lists
+before a backend shards it: float8 training linears (``model/float8``) are one. A transform that
+rewrites the weights' values (an int8 frozen base, ``model/frozen_base``) says so
+(``needs_values``) and runs instead once they are loaded, before the optimizer is built. The config lists
 its transforms (``CausalLMConfig.transforms()``) and ``apply_model_transforms`` applies them, so
 no caller special-cases any one of them. ``CausalLMConfig.build()`` stays the layers as
 configured: inference from a run, and the seeded initial values, do not depend on training
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 from torch import nn
 
@@ -27,6 +29,9 @@ class ModelTransform(Protocol):
 class ModelTransformConfig:
     """A transform's settings: a slot type of ``CausalLMConfig`` (e.g. ``model.float8``)."""
 
+    #: Whether ``apply`` needs the model's loaded values rather than its structure on the meta device.
+    needs_values: ClassVar[bool] = False
+
     def validate(self, key: str) -> None:
         """Raise ``ConfigError`` for settings this torch build cannot run."""
 
@@ -34,7 +39,9 @@ class ModelTransformConfig:
         raise NotImplementedError(f"{type(self).__name__} must build its transform")
 
 
-def apply_model_transforms(transforms: Sequence[ModelTransformConfig], model: nn.Module) -> None:
-    """Apply each of ``transforms`` to ``model``, in order."""
+def apply_model_transforms(transforms: Sequence[ModelTransformConfig], model: nn.Module, loaded: bool = False) -> None:
+    """Apply, in order, each of ``transforms`` whose ``needs_values`` is ``loaded``: those of the
+    meta-device model before its values are loaded, or those of the loaded one."""
     for config in transforms:
-        config.build().apply(model)
+        if config.needs_values == loaded:
+            config.build().apply(model)

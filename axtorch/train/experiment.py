@@ -97,6 +97,15 @@ class ExperimentConfig:
             self._validate_pipeline()
         if self.model.float8 is not None:
             self._validate_float8(self.model.float8.recipe)
+        frozen_base = self.model.frozen_base
+        if frozen_base is not None and self.backend is not BackendKind.single:
+            raise ConfigError(
+                "backend",
+                self.backend.value,
+                f"single with model.frozen_base={frozen_base.format}",
+                reason="the int8 base is quantised after loading, where FSDP and XLA shard float parameters; "
+                "its buffers would be neither sharded nor placed by the sharding rules",
+            )
         if self.execution.layer_runner is LayerRunnerKind.scan and self.backend is not BackendKind.xla:
             raise ConfigError(
                 "execution.layer_runner",

@@ -106,6 +106,7 @@ def build_parallel_model(
         initial_parameter_values(initial) if pretrained is None else pretrained.release_parameters()
     )
     materialize(backend, model, with_fresh_adapters(values, whole), whole_model=model is whole)
+    apply_model_transforms(transforms, model, loaded=True)  # e.g. an int8 frozen base, before any optimizer
     return model
 
 
