@@ -12,6 +12,7 @@ writes such files.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from collections.abc import Iterator
@@ -204,10 +205,33 @@ def tokenizer_from_gguf(path: str | os.PathLike[str]) -> Tokenizer:
 
 def _reader(path: str | os.PathLike[str]) -> GGUFReader:
     try:
-        from gguf import GGUFReader
+        reader = _plain_array_reader()
     except ImportError as error:
         raise ImportError("GGUF files need the gguf package: pip install 'gguf>=0.10'") from error
-    return GGUFReader(path)
+    return reader(path)
+
+
+@functools.cache
+def _plain_array_reader() -> type[GGUFReader]:
+    """``GGUFReader`` whose arrays are plain ndarray views of the mapped file, not ``np.memmap``s.
+
+    The reader takes a view per string of the vocabulary and merges (millions for Gemma 3's 262k
+    tokens), and each view of numpy's ``memmap`` subclass runs Python (``__array_finalize__``):
+    opening Gemma 3 270M's file took 7.7 s, 2.5 s with plain views of the same read-only mapping.
+    """
+    import numpy as np
+    from gguf import GGUFReader
+
+    class PlainArrayReader(GGUFReader):
+        @property  # type: ignore[override]
+        def data(self) -> np.ndarray:
+            return self._mapped
+
+        @data.setter
+        def data(self, mapped: np.ndarray) -> None:
+            self._mapped = mapped.view(np.ndarray)
+
+    return PlainArrayReader
 
 
 def tokenizer_settings(path: str | os.PathLike[str]) -> dict[str, Any]:
