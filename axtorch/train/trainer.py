@@ -44,7 +44,6 @@ from axtorch.train.adapters import BASE_DIGEST_KEY, base_digest, check_base, wit
 from axtorch.train.checkpoint import Checkpointer, list_checkpoints, read_trainer_state
 from axtorch.train.checkpoint_manifest import CheckpointError
 from axtorch.train.config import Precision, SaveErrorPolicy, TrainerConfig
-from axtorch.train.curves import plot_runs
 from axtorch.train.experiment import ExperimentConfig
 from axtorch.train.flops import layer_flops_per_token, mfu, model_flops_per_token
 from axtorch.train.goodput import GoodputRecorder
@@ -555,6 +554,8 @@ class Trainer:
         self.goodput.add("checkpoint", time.perf_counter() - waiting)
         _best_effort("recording goodput", self.goodput.write)
         if plot and self.config.trainer.plot and self.backend.is_main_process:
+            from axtorch.train.curves import plot_runs  # matplotlib: 0.35 s of start-up, only for the plot
+
             _best_effort(f"plotting {LOSS_PLOT_FILE}", plot_runs, [self.run_dir], self.run_dir / LOSS_PLOT_FILE)
 
     def _log_event(self, metrics: Optional[MetricsLogger], event: dict[str, float]) -> None:

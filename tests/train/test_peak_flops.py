@@ -13,8 +13,8 @@ from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.config.errors import ConfigError
 from axtorch.parallel.chips import chip_named
 from axtorch.parallel.single import SingleDeviceBackend
+from axtorch.train import curves as curves_module
 from axtorch.train import peak_flops as peak_flops_module
-from axtorch.train import trainer as trainer_module
 from axtorch.train.flops import model_flops_per_token
 from axtorch.train.peak_flops import datasheet_peak_flops, resolve_peak_flops
 from axtorch.train.trainer import Trainer
@@ -147,7 +147,7 @@ def test_failing_tensorboard_plot_and_metrics_warn_and_training_goes_on(tmp_path
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(SummaryWriter, "add_scalar", broken)
-    monkeypatch.setattr(trainer_module, "plot_runs", broken)
+    monkeypatch.setattr(curves_module, "plot_runs", broken)
     monkeypatch.setattr(peak_flops_module, "measure_matmul_peak_flops", broken)
     result, train, messages = _fit(tmp_path, data_cache)
     assert result.step == 3 and result.final_eval_loss is not None
