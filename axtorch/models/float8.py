@@ -29,7 +29,7 @@ from torch import nn
 
 from axtorch.config.errors import ConfigError
 from axtorch.layers.linear import Linear
-from axtorch.models.transforms import ModelTransformConfig
+from axtorch.models.transforms import ModelTransformConfig, replace_submodule
 
 #: torchao's float8 matmul needs both dimensions of every weight divisible by this.
 _FLOAT8_MULTIPLE = 16
@@ -95,14 +95,12 @@ class Float8Linears:
         linear_class, torchao_config = _torchao_float8(self.config.recipe)
         converted = [name for name, module in model.named_modules() if self.eligible(name, module)]
         for name in converted:
-            parent_name, _, child = name.rpartition(".")
-            parent = model.get_submodule(parent_name)
-            linear = getattr(parent, child)
+            linear = model.get_submodule(name)
             float8_linear = linear_class.from_float(linear, config=torchao_config)
             if linear.adapter is not None:  # a LoRA on a frozen base: same child, same names, full precision
                 float8_linear.adapter = linear.adapter
                 float8_linear.register_forward_hook(_add_adapter_output)
-            setattr(parent, child, float8_linear)
+            replace_submodule(model, name, float8_linear)
         return converted
 
 

@@ -28,7 +28,7 @@ from torch import nn
 from axtorch.config.errors import ConfigError
 from axtorch.layers.int8_linear import DequantizationScratch, FrozenInt8Linear
 from axtorch.layers.linear import Linear
-from axtorch.models.transforms import ModelTransformConfig
+from axtorch.models.transforms import ModelTransformConfig, replace_submodule
 
 
 @dataclass
@@ -76,14 +76,15 @@ class Int8FrozenBase:
                 reason=f"nothing would be stored in {self.config.format}",
             )
         scratch = DequantizationScratch()  # one per model: its products run one at a time
+        on_the_cpu = False
         for name in converted:
             linear = model.get_submodule(name)
             assert isinstance(linear, Linear)
             if linear.weight.is_meta:
                 raise ValueError(f"{name}: quantising a frozen base needs its loaded weights, not meta tensors")
-            device = linear.weight.device
-            _replace(model, name, FrozenInt8Linear(linear, scratch))  # the float32 weight goes with the old module
-        if device.type == "cpu":
+            on_the_cpu |= linear.weight.device.type == "cpu"
+            replace_submodule(model, name, FrozenInt8Linear(linear, scratch))  # the float32 weight goes with it
+        if on_the_cpu:
             _keep_large_allocations_mapped()
         return converted
 
@@ -92,7 +93,7 @@ def float_linears(model: nn.Module) -> int:
     """Every ``FrozenInt8Linear`` of ``model`` back to a ``Linear`` of its dequantised weight; returns how many."""
     converted = [(name, m) for name, m in model.named_modules() if isinstance(m, FrozenInt8Linear)]
     for name, module in converted:
-        _replace(model, name, module.to_linear())
+        replace_submodule(model, name, module.to_linear())
     return len(converted)
 
 
@@ -113,8 +114,3 @@ def _keep_large_allocations_mapped() -> None:
     """
     if platform.libc_ver()[0] == "glibc":
         ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, _GLIBC_DEFAULT_MMAP_THRESHOLD)
-
-
-def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent_name), child, module)

@@ -45,3 +45,9 @@ def apply_model_transforms(transforms: Sequence[ModelTransformConfig], model: nn
     for config in transforms:
         if config.needs_values == loaded:
             config.build().apply(model)
+
+
+def replace_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    """Put ``module`` in place of ``model``'s submodule ``name`` (qualified: ``decoder.layers.0.attention.q_proj``)."""
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name), child, module)
