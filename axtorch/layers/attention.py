@@ -224,12 +224,14 @@ class GroupedQueryAttention(nn.Module):
         # Head counts come from the projections' outputs, so a tensor-parallel backend that splits
         # the projections by heads runs this code unchanged on its local heads.
         q, k, v = self.qkv_projection(self, x)
-        with activation_name("attention_query"):
-            q = self.query_norm(q.view(batch, seq, -1, self.head_dim)).transpose(1, 2)
-        with activation_name("attention_key"):
-            k = self.key_norm(k.view(batch, seq, -1, self.head_dim)).transpose(1, 2)
-        with activation_name("attention_value"):
-            v = v.view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        q, k = q.view(batch, seq, -1, self.head_dim), k.view(batch, seq, -1, self.head_dim)
+        if self.query_norm is not None:
+            with activation_name("attention_query"):
+                q = self.query_norm(q)
+        if self.key_norm is not None:
+            with activation_name("attention_key"):
+                k = self.key_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(batch, seq, -1, self.head_dim).transpose(1, 2)
         q, k = self.position(q, k, inputs.positions, inputs.shared)
 
         segments = inputs.segment_ids
@@ -274,5 +276,5 @@ class GroupedQueryAttention(nn.Module):
             return AttentionOutput(hidden_states=self.o_proj(out), kv_cache=inputs.kv_cache)
 
 
-def _build_optional_norm(config: Optional[NormConfig], dim: int) -> nn.Module:
-    return nn.Identity() if config is None else config.build(dim)
+def _build_optional_norm(config: Optional[NormConfig], dim: int) -> Optional[nn.Module]:
+    return None if config is None else config.build(dim)

@@ -213,6 +213,9 @@ class RotaryEmbedding(PositionEncoding):
             raise ValueError(f"rotary embedding needs an even head_dim, got {head_dim}")
         self.config = config
         self.head_dim = head_dim
+        #: What the cos/sin tables depend on besides the positions: layers with equal schedules
+        #: and head sizes share one table under ``SharedValues``.
+        self.table_key = (type(config), dataclasses.astuple(config), head_dim)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, shared: Optional[SharedValues] = None
@@ -224,23 +227,27 @@ class RotaryEmbedding(PositionEncoding):
         if shared is None:
             cos, sin = self.cos_sin(positions, q.device)
         else:
-            key = (type(self.config), dataclasses.astuple(self.config), self.head_dim, id(positions))
-            cos, sin = shared.get(key, lambda: self.cos_sin(positions, q.device))
+            cos, sin = shared.get((self.table_key, id(positions)), lambda: self.cos_sin(positions, q.device))
+        cos, sin = cos.to(q.dtype), sin.to(q.dtype)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
     def cos_sin(self, positions: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """float32 [B, 1, S, D] cos and sin of every position's angles, times the attention scaling."""
+        """float32 [B, 1, S, D] cos and sin of every position's angles, times the attention
+        scaling, with the first half of sin negated (the sign that rotating half the features
+        needs: ``_rotate``)."""
         inverse_frequencies = self.config.inverse_frequencies(self.head_dim, device)
         angles = positions.float()[..., None] * inverse_frequencies  # [B, S, D/2]
         angles = torch.cat((angles, angles), dim=-1)[:, None]  # [B, 1, S, D]
         scaling = self.config.attention_scaling()
-        return angles.cos() * scaling, angles.sin() * scaling
+        sin = angles.sin() * scaling
+        half = self.head_dim // 2
+        return angles.cos() * scaling, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated_half = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos.to(x.dtype) + rotated_half * sin.to(x.dtype)
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """``x cos + rotate_half(x) sin``, with ``rotate_half(x) = [-x2, x1]`` written as the halves
+    swapped (one ``roll``) times the signed sin: the same values, in four ops instead of nine."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class NoPosition(PositionEncoding):

@@ -88,7 +88,7 @@ class PreNormResidual(nn.Module):
 
     def forward(self, x: torch.Tensor, norm: nn.Module, sublayer: Sublayer[Output]) -> tuple[torch.Tensor, Output]:
         out = sublayer(norm(x))
-        return x + self.dropout(out.hidden_states), out
+        return x + _dropped(self.dropout, out.hidden_states), out
 
 
 class PostNormResidual(nn.Module):
@@ -100,7 +100,7 @@ class PostNormResidual(nn.Module):
 
     def forward(self, x: torch.Tensor, norm: nn.Module, sublayer: Sublayer[Output]) -> tuple[torch.Tensor, Output]:
         out = sublayer(x)
-        return norm(x + self.dropout(out.hidden_states)), out
+        return norm(x + _dropped(self.dropout, out.hidden_states)), out
 
 
 class SandwichNormResidual(nn.Module):
@@ -116,4 +116,10 @@ class SandwichNormResidual(nn.Module):
 
     def forward(self, x: torch.Tensor, norm: nn.Module, sublayer: Sublayer[Output]) -> tuple[torch.Tensor, Output]:
         out = sublayer(norm(x))
-        return x + self.dropout(self.post_norm(out.hidden_states)), out
+        return x + _dropped(self.dropout, self.post_norm(out.hidden_states)), out
+
+
+def _dropped(dropout: nn.Dropout, x: torch.Tensor) -> torch.Tensor:
+    """``dropout(x)``, skipping the module call where it is the identity (evaluation, or p = 0):
+    decoding joins two sublayers a layer to the stream at every token."""
+    return dropout(x) if dropout.training and dropout.p > 0 else x
