@@ -14,7 +14,12 @@ OLDEST_VENV := .venv-xla
 train: $(VENV)/.axtorch-base
 	$(VENV)/bin/axtorch-train $(ARGS)
 
-test: check test-newest test-oldest newcomer
+# The newcomer's journey (~3 min, mostly pip unpacking on one core) runs beside check and the
+# suites, started first, its output shown at the end (.ci/with_newcomer.sh). The venvs come first:
+# building the journey's wheel and an editable install would both write axtorch.egg-info.
+# MAKE_COMMAND, not MAKE: a line that expands MAKE runs even under `make -n`.
+test: $(VENV)/.axtorch-test $(OLDEST_VENV)/.axtorch-xla
+	PYTHON=$(PYTHON) .ci/with_newcomer.sh $(MAKE_COMMAND) --no-print-directory check test-newest test-oldest
 
 # Lint, formatting and types: fast, so they run first.
 check: $(VENV)/.axtorch-test

@@ -32,4 +32,4 @@ set -x
 PJRT_DEVICE=CPU CPU_NUM_DEVICES=2 "$work/venv-xla/bin/python" -m axtorch.train backend=xla mesh.fsdp=-1 experiment=debug \
   trainer.max_steps=2 run_dir=runs/xla data.cache_dir="$work/cache" trainer.progress_bar=false
 set +x
-echo "newcomer journey: ok"
+echo "newcomer journey: ok (${SECONDS} s)"
