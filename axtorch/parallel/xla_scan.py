@@ -22,7 +22,7 @@ import copy
 import functools
 import math
 import operator
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Optional
 
 import torch
@@ -37,6 +37,10 @@ from axtorch.layers.transformer import Decoder, DecoderInput, TransformerLayerIn
 StackKey = tuple[int, str]
 #: Where a scanned layer's parameter sits: (decoder, stacked name, group index).
 Slot = tuple[int, str, int]
+#: One group's slice of the stacked weights and buffers, by name within the group.
+_GroupWeights = tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]
+#: What the scan runs per group: (carry, the group's weights) -> (carry, no per-step output).
+_GroupStep = Callable[[tuple[torch.Tensor, ...], _GroupWeights], tuple[tuple[torch.Tensor, ...], None]]
 
 
 class _ScanStep(nn.Module):
@@ -82,6 +86,7 @@ class LayerScan:
         self.stacks: list[dict[StackKey, torch.Tensor]] = []  # this step's training forwards
         self.slots: dict[nn.Parameter, Slot] = {}  # the scanned layers' parameters
         self._templates: dict[int, _ScanStep] = {}  # per decoder: the layer the scan traces
+        self._group_steps: dict[tuple[int, bool, tuple[bool, ...]], _GroupStep] = {}  # see _group_step
         self._stacked_grads: dict[StackKey, torch.Tensor] = {}  # clipped, until the update
         self._indices: dict[int, torch.Tensor] = {}  # group index -> the same on the device
 
@@ -112,24 +117,46 @@ class LayerScan:
                 self.slots.update(
                     (param, (id(decoder), name, index)) for name, param in group.items() if name in trained
                 )
-        if id(decoder) not in self._templates:  # a copy: tracing swaps its weights for the stacked slices
-            self._templates[id(decoder)] = _ScanStep(copy.deepcopy(decoder.layers[:period]))
-        template = self._templates[id(decoder)]
-
-        def one_group(carry, weights):
-            return torch.func.functional_call(template, weights, carry, strict=True), None
-
+        one_group = self._group_step(decoder, tuple(tensor.requires_grad for tensor in stacked.values()))
         partition = default_partition if decoder.remat is None else min_cut_rematerialization_partition
         aux_loss = torch.zeros((), dtype=torch.float32, device=hidden_states.device)
         segments = () if inputs.segment_ids is None else (inputs.segment_ids.float(),)
         carry = (hidden_states, positions.float(), aux_loss, *segments)
-        (hidden_states, _, aux_loss, *_), _ = scan(one_group, carry, (stacked, stacked_buffers), partition_fn=partition)
+        (hidden_states, _, aux_loss, *_), _ = scan(
+            one_group, carry, (stacked, stacked_buffers), partition_fn=partition, is_fn_pure=True
+        )
         for layer in decoder.layers[num_groups * period :]:
             out = decoder.run_layer(
                 layer, TransformerLayerInput(hidden_states, positions, segment_ids=inputs.segment_ids)
             )
             hidden_states, aux_loss = out.hidden_states, add_aux_loss(aux_loss, out.aux_loss)
         return hidden_states, aux_loss
+
+    def _group_step(self, decoder: Decoder, trains: tuple[bool, ...]) -> _GroupStep:
+        """The function the scan traces for one of ``decoder``'s groups, the same object for the same
+        decoder, mode and trained weights (``trains``: each stacked weight's ``requires_grad``).
+
+        Scan keeps its traced forward and backward per function object and input shapes
+        (``is_fn_pure``): without it every forward traced the group again with AOTAutograd (0.4 s
+        a call for the debug model; a scanned debug run spent 10 of its 28 s so). The mode (dropout)
+        and which weights train are not in scan's key, so they pick the function: a group traced
+        under ``no_grad`` (evaluation) has no weight gradients to give a training step.
+        """
+        key = (id(decoder), decoder.training, trains)
+        if key in self._group_steps:
+            return self._group_steps[key]
+        period = decoder.config.period()
+        if id(decoder) not in self._templates:  # a copy: tracing swaps its weights for the stacked slices
+            self._templates[id(decoder)] = _ScanStep(copy.deepcopy(decoder.layers[:period]))
+        template = self._templates[id(decoder)]
+        training = decoder.training
+
+        def one_group(carry: tuple[torch.Tensor, ...], weights: _GroupWeights) -> tuple[tuple[torch.Tensor, ...], None]:
+            template.train(training)  # read while tracing, and scan traces only on a miss
+            return torch.func.functional_call(template, weights, carry, strict=True), None
+
+        self._group_steps[key] = one_group
+        return one_group
 
     def clip_grad_norm(self, parameters: list[nn.Parameter], max_norm: Optional[float]) -> torch.Tensor:
         """The global L2 norm from the stacked gradients; every gradient scaled to at most ``max_norm``.

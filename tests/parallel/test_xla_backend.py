@@ -99,6 +99,9 @@ def test_each_step_runs_its_programs_once_and_later_steps_compile_none(runs):
     layers = 2  # the debug model's: forward-backward, the update outside the layers, then each layer's
     assert [step["run"] for step in scanned] == [2 + layers] * STEPS
     assert scanned[0]["compiled"] == 3  # the layers' update compiled once
+    # The scanned group is traced (AOTAutograd) once, by the first training step, not by every forward.
+    assert [step["scan_traces"] for step in scanned] == [1] + [0] * (STEPS - 1)
+    assert [step["scan_traces"] for step in unrolled] == [0] * STEPS
     assert unrolled[0]["compiled"] == 2
     assert all(step["compiled"] == 0 for step in unrolled[1:] + scanned[1:])
 

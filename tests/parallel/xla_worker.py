@@ -12,6 +12,7 @@ import sys
 import torch
 import torch_xla.core.xla_model as xm
 import torch_xla.debug.metrics as metrics
+import torch_xla.experimental.scan as xla_scan
 
 from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.parallel.shutdown import exit_process
@@ -24,8 +25,22 @@ def _count(counter: str) -> int:
     return metrics.counter_value(counter) or 0
 
 
+def _count_scan_traces() -> list[int]:
+    """A counter of the scan's AOTAutograd traces of a layer group (one per ``aot_function`` call)."""
+    traces = [0]
+    aot_function = xla_scan.aot_function
+
+    def counted(*args, **kwargs):
+        traces[0] += 1
+        return aot_function(*args, **kwargs)
+
+    xla_scan.aot_function = counted
+    return traces
+
+
 def main() -> None:
     out, until_step, *overrides = sys.argv[1:]
+    traces = _count_scan_traces()
     trainer = Trainer(load_experiment_config(overrides))
     programs: list[dict[str, int]] = []  # per training step: XLA programs compiled and run
     fed_rows: list[list[list[int]]] = []  # the first step's input rows, as this host's loader gave them
@@ -34,10 +49,14 @@ def main() -> None:
     def counted_step(batch):
         if not fed_rows:
             fed_rows.append(batch["input_ids"].tolist())
-        before = _count("UncachedCompile"), _count("ExecuteReplicated")
+        before = _count("UncachedCompile"), _count("ExecuteReplicated"), traces[0]
         out = train_step(batch)
         programs.append(
-            {"compiled": _count("UncachedCompile") - before[0], "run": _count("ExecuteReplicated") - before[1]}
+            {
+                "compiled": _count("UncachedCompile") - before[0],
+                "run": _count("ExecuteReplicated") - before[1],
+                "scan_traces": traces[0] - before[2],
+            }
         )
         return out
 
