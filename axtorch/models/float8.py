@@ -14,13 +14,17 @@ adapters in full precision: a converted linear keeps its ``adapter`` child (so i
 names), which is not a ``Linear`` and so never converts, and a forward hook adds its output as
 ``Linear.forward`` does, since torchao's forward is not ours to compose into.
 
-The speed-up needs float8 tensor cores (H100 class); on a CPU the recipes run (slowly), which is
-enough to check that they compose with FSDP and how far the loss moves. torchao is an optional
-dependency (``pip install 'axtorch[float8]'``; torchao 0.14 with torch 2.9, newer with newer torch).
+The speed-up needs float8 tensor cores (H100 class). Without CUDA, tensorwise's float8 matmuls
+are emulated by torchao (the same float8 values and scales, multiplied in float32, with the
+kernel's results; torch's CPU ``_scaled_mm`` is a reference kernel ~1000x slower) and rowwise runs
+that kernel, slowly: enough to check that the recipes compose with FSDP and how far the loss moves.
+torchao is an optional dependency (``pip install 'axtorch[float8]'``; torchao 0.14 with torch 2.9,
+newer with newer torch).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -120,4 +124,12 @@ def _torchao_float8(recipe: str) -> tuple[Any, Any]:
             "none, or install torchao (pip install 'axtorch[float8]')",
             reason=f"float8 training runs through torchao, which does not import here: {error}",
         ) from error
-    return Float8Linear, Float8LinearConfig.from_recipe_name(recipe)
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    if recipe == "tensorwise" and not torch.cuda.is_available():
+        # torch's CPU _scaled_mm is a reference kernel, ~1000x slower than a float32 matmul of the
+        # same inputs (1.9 s for 1024x256 @ 256x256 on one thread, torch 2.9 and 2.13). torchao's
+        # emulation multiplies the same float8 values with their scales in float32, as the kernel
+        # does for tensorwise; rowwise's kernel output passes through bf16 (torchao's workaround),
+        # which the emulation would skip, so rowwise keeps the kernel.
+        config = dataclasses.replace(config, emulate=True)
+    return Float8Linear, config

@@ -1,5 +1,7 @@
 """Float8 training (``model/float8``, torchao): which linears convert, how far the loss moves, clear refusals."""
 
+import copy
+import dataclasses
 import sys
 
 import pytest
@@ -65,13 +67,37 @@ def test_linears_that_float8_matmuls_cannot_take_stay_as_they_are():
     assert len(converted) == 2 * 4
 
 
-@pytest.mark.parametrize(
-    "recipe",
-    [
-        "tensorwise",
-        pytest.param("rowwise", marks=pytest.mark.skipif(not ROWWISE_ON_CPU, reason="CPU rowwise needs torch >= 2.10")),
-    ],
-)
+RECIPES = [
+    "tensorwise",
+    pytest.param("rowwise", marks=pytest.mark.skipif(not ROWWISE_ON_CPU, reason="CPU rowwise needs torch >= 2.10")),
+]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the linears call torch's float8 matmul")
+def test_without_cuda_tensorwise_linears_emulate_torchs_float8_matmul_exactly():
+    """Emulated (torch's CPU ``_scaled_mm`` is a reference kernel, ~1000x slower than float32 at the
+    debug model's sizes), with the outputs and gradients of torch's kernel."""
+    from torchao.float8 import Float8LinearConfig
+    from torchao.float8.float8_linear import Float8Linear
+
+    model = build_model(load_experiment_config(["experiment=debug"]), torch.device("cpu"))
+    TensorwiseFloat8Config().build().apply(model)
+    assert model.decoder.layers[0].attention.q_proj.config.emulate
+    torch.manual_seed(0)
+    linear, inputs, upstream = torch.nn.Linear(32, 48, bias=False), torch.randn(16, 32), torch.randn(16, 48)
+    results = []
+    for emulate in (False, True):
+        config = dataclasses.replace(Float8LinearConfig.from_recipe_name("tensorwise"), emulate=emulate)
+        float8 = Float8Linear.from_float(copy.deepcopy(linear), config=config)
+        x = inputs.clone().requires_grad_()
+        out = float8(x)
+        out.backward(upstream)
+        results.append((out, x.grad, float8.weight.grad))
+    for kernel, emulated in zip(*results):
+        torch.testing.assert_close(emulated, kernel, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
 def test_float8_training_starts_from_the_same_weights_and_stays_near_fp32(tmp_path, fp32_losses, recipe):
     fp32 = fp32_losses
     trainer, float8 = _train(tmp_path, recipe, f"model/float8={recipe}")

@@ -176,7 +176,7 @@ def test_a_low_precision_policy_shards_with_fsdp_and_trains_as_one_device_does(
         pytest.importorskip("torchao.float8")
     cache = data_cache
     # One held-out batch, not four: the evaluations (before the first step and at the stop) are
-    # not compared here and were most of the time (CPU float8 matmuls are emulated, ~0.2 s each).
+    # not compared here and were most of the time (while CPU float8 matmuls ran torch's ~0.2 s kernel).
     policy = (override, "trainer.eval_batches=1")
     train_on_one_device(tmp_path / "single", cache, *policy)
     reports = _torchrun(
