@@ -34,6 +34,12 @@ the bytes a run read per second (per forward, prefill included: every weight in 
 is read in, int8 one byte per weight plus a float32 scale per output channel, the norms, and the
 whole KV cache, which attention reads at every step) over that repeat's bandwidth. The table
 gives medians over the repeats.
+
+"products alone" is the floor under any batch-1 step in the default formats: each repeat also
+times (best of ``--bandwidth-trials``) one pass of only the step's weight products, one batch-1
+product per matrix in layer order (the stacks, the other linears, the head), as the default path
+reads them; its "%" is the weights' bytes over that time and the bandwidth. What a step adds to
+it is every other op: norms, rotations, cache writes, attention, module calls.
 """
 
 from __future__ import annotations
@@ -49,10 +55,19 @@ from pathlib import Path
 import torch
 import transformers
 
-from axtorch.infer.cpu_weights import DEFAULT_SKIP, pack_linears, quantize_int8
+from axtorch.infer.cpu_weights import (
+    DEFAULT_SKIP,
+    STACKED_SEAMS,
+    PackedLinear,
+    StackedProjection,
+    decode_weights,
+    pack_linears,
+    quantize_int8,
+)
 from axtorch.infer.decoding import compiled_cache_length, generate_ids
 from axtorch.interop import from_gguf
 from axtorch.layers.linear import Linear
+from axtorch.layers.seams import modules_with_seam
 from axtorch.models import CausalLMInput
 
 DEFAULT_GGUF = Path.home() / ".cache" / "axtorch" / "test-assets" / "smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -111,6 +126,33 @@ def bytes_per_forward(model, int8_skip: list[str] | None, batch: int, cache_slot
         batch, cache_slots, dtype=torch.float32, device=torch.device("meta"), max_write=max_write
     )
     return total + sum(2 * cache.keys.numel() * 4 for cache in caches)
+
+
+@torch.no_grad()
+def products_alone_seconds(model, trials: int) -> float:
+    """The best of ``trials`` passes of only a batch-1 decode step's weight products, each matrix in
+    the format the default path reads it (``decode_weights``), in layer order."""
+    with decode_weights(model):
+        products, stacked = [], set()
+        for protocol, names in STACKED_SEAMS.items():
+            for _, owner, slot in modules_with_seam(model, protocol):
+                projection = getattr(owner, slot)
+                if isinstance(projection, StackedProjection):
+                    linears = [getattr(owner, name) for name in names]
+                    products.append((projection.product, linears[0].in_features))
+                    stacked.update(id(linear) for linear in linears)
+        for module in model.decoder.modules():
+            if isinstance(module, (Linear, PackedLinear)) and id(module) not in stacked:
+                products.append((module, module.in_features))
+        products.append((model.project, model.config.dim))
+        inputs = [torch.ones(1, 1, width) for _, width in products]
+        best = math.inf
+        for _ in range(trials):
+            started = time.perf_counter()
+            for (product, _), x in zip(products, inputs):
+                product(x)
+            best = min(best, time.perf_counter() - started)
+    return best
 
 
 @torch.no_grad()
@@ -183,10 +225,11 @@ def main() -> None:
         + " | ".join(f"{name} tok/s" for name in names)
         + " | "
         + " | ".join(f"{name} % of bandwidth" for name in names)
-        + " | default / transformers | compiled / transformers | same tokens |"
+        + " | products alone % | default / transformers | compiled / transformers | same tokens |"
     )
-    print("|---|---|---|" + "---|" * (2 * len(names) + 3))
+    print("|---|---|---|" + "---|" * (2 * len(names) + 4))
     buffer = torch.ones(args.bandwidth_mib * 2**20 // 4)
+    weight_bytes = bytes_per_forward(ours, None, 1, cache_slots=0, max_write=1)  # every weight, no cache
     for threads in args.threads:
         torch.set_num_threads(threads)
         for batch in args.batches:
@@ -205,10 +248,14 @@ def main() -> None:
             bandwidths: list[float] = []
             seconds: dict[str, list[float]] = {name: [] for name in runs}
             fractions: dict[str, list[float]] = {name: [] for name in runs}
+            floor_fractions: list[float] = []  # the products alone, batch 1 only
             outputs = {}
             order = list(runs)
             for _ in range(args.repeats):
                 bandwidths.append(read_bandwidth(buffer, args.bandwidth_trials))
+                if batch == 1:
+                    products = products_alone_seconds(ours, args.bandwidth_trials)
+                    floor_fractions.append(weight_bytes / products / bandwidths[-1])
                 for name in order:
                     started = time.perf_counter()
                     outputs[name] = runs[name](prompts)
@@ -217,6 +264,7 @@ def main() -> None:
                 order.reverse()
             speed = {name: batch * new / statistics.median(s) for name, s in seconds.items()}
             percent = " | ".join(f"{100 * statistics.median(fractions[name]):.0f}%" for name in runs)
+            floor = f"{100 * statistics.median(floor_fractions):.0f}%" if floor_fractions else "-"
             same = "; ".join(
                 f"{name} {sum(a == b for a, b in zip(outputs[name], outputs['transformers']))}/{batch}"
                 for name in ("default", "compiled")
@@ -224,7 +272,7 @@ def main() -> None:
             print(
                 f"| {threads} | {batch} | {statistics.median(bandwidths) / 1e9:.1f} | "
                 + " | ".join(f"{speed[name]:.1f}" for name in runs)
-                + f" | {percent} | {speed['default'] / speed['transformers']:.2f}x | "
+                + f" | {percent} | {floor} | {speed['default'] / speed['transformers']:.2f}x | "
                 f"{speed['compiled'] / speed['transformers']:.2f}x | {same} |",
                 flush=True,
             )

@@ -56,6 +56,7 @@ class PackedLinear(nn.Module):
         # Plain attributes, not buffers: an opaque oneDNN tensor has no storage to save or move.
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().float(), None)
         self.bias = None if bias is None else bias.detach().float()
+        self.in_features = weight.shape[1]  # as ``Linear``'s: the width of the input it takes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
