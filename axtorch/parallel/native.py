@@ -54,7 +54,6 @@ from axtorch.parallel.backend import HostFedBackend, StepRunner, WholeModel
 from axtorch.parallel.context import GatheredSequence, split_sequence
 from axtorch.parallel.experts import ExpertParallelCompute
 from axtorch.parallel.mesh import MeshConfig
-from axtorch.parallel.pipeline import Pipeline, keep_stages
 from axtorch.parallel.pipeline_config import PipelineConfig, layer_ranges, stages_of_process
 from axtorch.parallel.sharding import PartitionSpec, ShardingConfig, resolve_parameter_specs
 from axtorch.parallel.tensor_shards import Piece, owned_pieces
@@ -133,6 +132,10 @@ class NativeBackend(HostFedBackend):
         )
         pipe = self.sizes["pipe"]
         if pipe > 1:
+            # torch.distributed.pipelining imports torch._dynamo: 0.4 s of every native process's
+            # start-up (four per torchrun test), needed by pipelines only.
+            from axtorch.parallel.pipeline import Pipeline, keep_stages
+
             config = self.pipeline_config
             costs = self.layer_costs or [1] * model.config.decoder.num_layers
             ranges = layer_ranges(costs, config.num_stages(pipe), config.split_points)
