@@ -18,6 +18,10 @@ import torch
 from axtorch.parallel.hardware import runtime_device
 from axtorch.train.flops import measure_matmul_peak_flops
 
+#: The CPU matmul peak measured in this process, per dtype and thread count: ~1.4 s each time, so a
+#: second trainer in the same process (a notebook, a test run) reuses it.
+_MEASURED_CPU_PEAKS: dict[tuple[torch.dtype, int], float] = {}
+
 
 def datasheet_peak_flops(device_name: str, dtype: torch.dtype) -> Optional[float]:
     """Peak FLOP/s of one device named ``device_name`` for matmuls in ``dtype``; None if unknown."""
@@ -30,13 +34,17 @@ def resolve_peak_flops(
 ) -> Optional[float]:
     """Summed peak FLOP/s of the ``num_devices`` devices that run a step; None where none is known.
 
-    ``configured`` (per device, ``trainer.peak_flops``) wins; a CPU's peak is measured and shared
-    by the devices one process drives (XLA's virtual CPU devices); any other chip's comes from
+    ``configured`` (per device, ``trainer.peak_flops``) wins; a CPU's peak is measured (once per
+    process, dtype and thread count) and shared by the devices one process drives (XLA's virtual
+    CPU devices); any other chip's comes from
     the catalogue, and a chip the catalogue lacks warns once.
     """
     per_device = configured
     if per_device is None and device_name == "cpu":
-        per_device = measure_matmul_peak_flops(torch.device("cpu"), dtype) / devices_per_process
+        key = (dtype, torch.get_num_threads())
+        if key not in _MEASURED_CPU_PEAKS:
+            _MEASURED_CPU_PEAKS[key] = measure_matmul_peak_flops(torch.device("cpu"), dtype)
+        per_device = _MEASURED_CPU_PEAKS[key] / devices_per_process
     elif per_device is None:
         per_device = datasheet_peak_flops(device_name, dtype)
         if per_device is None:

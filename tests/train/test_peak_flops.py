@@ -140,6 +140,29 @@ def test_the_cpu_peak_is_measured_by_default(tmp_path, data_cache):
     assert not [m for m in messages if "peak FLOP/s" in m]
 
 
+def test_a_cpu_peak_is_measured_once_per_process_dtype_and_thread_count(monkeypatch):
+    """Measuring takes ~1.4 s, so the trainers after the first in a process reuse it; the devices one
+    process drives (XLA's virtual CPU devices) share it."""
+    measured = []
+
+    def measure(device, dtype):
+        measured.append((dtype, torch.get_num_threads()))
+        return 1e11
+
+    monkeypatch.setattr(peak_flops_module, "measure_matmul_peak_flops", measure)
+    monkeypatch.setattr(peak_flops_module, "_MEASURED_CPU_PEAKS", {})
+    threads = torch.get_num_threads()
+    assert resolve_peak_flops(None, "cpu", torch.float32, num_devices=1, devices_per_process=1) == 1e11
+    assert resolve_peak_flops(None, "cpu", torch.float32, num_devices=4, devices_per_process=2) == 2e11
+    resolve_peak_flops(None, "cpu", torch.bfloat16, num_devices=1, devices_per_process=1)
+    torch.set_num_threads(threads + 1)
+    try:
+        resolve_peak_flops(None, "cpu", torch.float32, num_devices=1, devices_per_process=1)
+    finally:
+        torch.set_num_threads(threads)
+    assert measured == [(torch.float32, threads), (torch.bfloat16, threads), (torch.float32, threads + 1)]
+
+
 def test_failing_tensorboard_plot_and_metrics_warn_and_training_goes_on(tmp_path, data_cache, monkeypatch):
     from torch.utils.tensorboard import SummaryWriter
 
@@ -149,6 +172,7 @@ def test_failing_tensorboard_plot_and_metrics_warn_and_training_goes_on(tmp_path
     monkeypatch.setattr(SummaryWriter, "add_scalar", broken)
     monkeypatch.setattr(curves_module, "plot_runs", broken)
     monkeypatch.setattr(peak_flops_module, "measure_matmul_peak_flops", broken)
+    monkeypatch.setattr(peak_flops_module, "_MEASURED_CPU_PEAKS", {})  # not one an earlier test measured
     result, train, messages = _fit(tmp_path, data_cache)
     assert result.step == 3 and result.final_eval_loss is not None
     assert [r["step"] for r in train] == [1, 2, 3]  # the JSONL record is complete without TensorBoard or MFU
