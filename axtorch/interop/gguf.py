@@ -182,7 +182,7 @@ def from_gguf(
     Weights are dequantised to float32, then cast to ``dtype``. Raises ``ValueError`` for
     anything axtorch cannot represent (other architectures, RoPE scaling, tokenizer kinds).
     """
-    reader = _reader(path)
+    reader = read_gguf(path)
     architecture = _metadata(reader, "general.architecture")
     if not gguf_families(architecture):
         raise ValueError(
@@ -200,10 +200,12 @@ def from_gguf(
 
 def tokenizer_from_gguf(path: str | os.PathLike[str]) -> Tokenizer:
     """The tokenizer a GGUF file carries, also from a vocabulary-only file (no tensors needed)."""
-    return _tokenizer(_reader(path))
+    return _tokenizer(read_gguf(path))
 
 
-def _reader(path: str | os.PathLike[str]) -> GGUFReader:
+def read_gguf(path: str | os.PathLike[str]) -> GGUFReader:
+    """gguf's reader of the file at ``path``, with plain-array views (``_plain_array_reader``): 3x
+    faster to open than ``gguf.GGUFReader`` on a large vocabulary."""
     try:
         reader = _plain_array_reader()
     except ImportError as error:
@@ -236,7 +238,7 @@ def _plain_array_reader() -> type[GGUFReader]:
 
 def tokenizer_settings(path: str | os.PathLike[str]) -> dict[str, Any]:
     """What HF's ``tokenizer_config.json`` would hold for the GGUF's tokenizer (``_settings``)."""
-    return _settings(_reader(path))
+    return _settings(read_gguf(path))
 
 
 def _settings(reader: GGUFReader) -> dict[str, Any]:

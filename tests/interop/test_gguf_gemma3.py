@@ -136,13 +136,12 @@ def test_decoding_past_the_window_equals_the_full_forward(ours):
 def test_export_to_gguf_reads_back_with_the_same_vocabulary_and_perplexity(ours, gemma3_gguf, tmp_path):
     """The way back out: the model in q8_0 and its 262k SentencePiece vocabulary (pieces and types as
     the original file has them; scores that rebuild the same merges) as llama.cpp's gemma3."""
-    import gguf
-
+    from axtorch.interop.gguf import read_gguf
     from axtorch.interop.gguf_export import to_gguf
 
     model, _, tokenizer = ours
     to_gguf(model, tokenizer, tmp_path / "back.gguf", "q8_0")
-    original, written = gguf.GGUFReader(gemma3_gguf), gguf.GGUFReader(tmp_path / "back.gguf")
+    original, written = read_gguf(gemma3_gguf), read_gguf(tmp_path / "back.gguf")
     for key in ("general.architecture", "tokenizer.ggml.model", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type"):
         assert written.fields[key].contents() == original.fields[key].contents(), key
     back, config, back_tokenizer = from_gguf(tmp_path / "back.gguf")
