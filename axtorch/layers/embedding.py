@@ -30,6 +30,10 @@ class EmbeddingConfig:
         return Embedding(self, vocab_size, dim)
 
 
+#: The dtypes an embedding's lookup may come out in (its table's).
+_ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 class Embedding(nn.Module):
     """Maps token ids [B, S] to vectors [B, S, dim]; ``weight`` is [vocab_size, dim].
 
@@ -42,6 +46,10 @@ class Embedding(nn.Module):
         self.config = config
         self.weight = nn.Parameter(torch.empty(vocab_size, dim))
         self.scale = config.multiplier * (math.sqrt(dim) if config.scale_by_sqrt_dim else 1.0)
+        # The factor rounded to each activation dtype first, as Gemma does, so that a bf16 model
+        # scales by exactly what HF's does; rounded here once, not in the forward, where reading
+        # a tensor back (``item``) would split a compiled graph.
+        self.scale_in = {dtype: torch.tensor(self.scale, dtype=dtype).item() for dtype in _ACTIVATION_DTYPES}
 
     def reset_parameters(self) -> None:
         initialize(self.weight, self.config.init)
@@ -50,9 +58,7 @@ class Embedding(nn.Module):
         vectors = F.embedding(ids, self.weight)
         if self.scale == 1.0:
             return vectors
-        # The factor is rounded to the activations' dtype first, as Gemma does, so that a bf16
-        # model scales by exactly what HF's does.
-        return vectors * torch.tensor(self.scale, dtype=vectors.dtype, device="cpu").item()
+        return vectors * self.scale_in[vectors.dtype]
 
     def attend(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Project hidden states onto the vocabulary with the same table (tied output head)."""

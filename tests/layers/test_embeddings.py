@@ -45,6 +45,15 @@ def test_bf16_lookup_is_scaled_by_the_factor_rounded_to_bf16_as_gemma_does():
     assert torch.equal(scaled(IDS), scaled.weight[IDS] * factor)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_scaled_lookup_compiles_into_one_graph_with_the_same_values(dtype):
+    # The factor's rounding to the dtype happens at build time: reading a tensor back in the
+    # forward split a compiled decode step in two (Gemma's scaled embeddings).
+    scaled = _table(EmbeddingConfig(scale_by_sqrt_dim=True), dtype=dtype)
+    assert torch._dynamo.explain(scaled)(IDS).graph_break_count == 0
+    assert torch.equal(torch.compile(scaled, backend="eager")(IDS), scaled(IDS))
+
+
 def test_learned_position_table_is_looked_up_by_absolute_position():
     table = LearnedPositionEmbeddingConfig().build(16, 8).double()
     torch.manual_seed(0)
