@@ -49,7 +49,9 @@ class Embedding(nn.Module):
         # The factor rounded to each activation dtype first, as Gemma does, so that a bf16 model
         # scales by exactly what HF's does; rounded here once, not in the forward, where reading
         # a tensor back (``item``) would split a compiled graph.
-        self.scale_in = {dtype: torch.tensor(self.scale, dtype=dtype).item() for dtype in _ACTIVATION_DTYPES}
+        self.scale_in = {
+            dtype: torch.tensor(self.scale, dtype=dtype, device="cpu").item() for dtype in _ACTIVATION_DTYPES
+        }
 
     def reset_parameters(self) -> None:
         initialize(self.weight, self.config.init)
