@@ -36,8 +36,8 @@ def resolve_peak_flops(
 
     ``configured`` (per device, ``trainer.peak_flops``) wins; a CPU's peak is measured (once per
     process, dtype and thread count) and shared by the devices one process drives (XLA's virtual
-    CPU devices); any other chip's comes from
-    the catalogue, and a chip the catalogue lacks warns once.
+    CPU devices); any other chip's comes from the catalogue, and a chip the catalogue lacks warns
+    once.
     """
     per_device = configured
     if per_device is None and device_name == "cpu":
