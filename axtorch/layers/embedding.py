@@ -30,7 +30,8 @@ class EmbeddingConfig:
         return Embedding(self, vocab_size, dim)
 
 
-#: The dtypes an embedding's lookup may come out in (its table's).
+#: The floating dtypes whose rounded scale is kept; a lookup in any other dtype is scaled by the
+#: unrounded factor.
 _ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -60,7 +61,7 @@ class Embedding(nn.Module):
         vectors = F.embedding(ids, self.weight)
         if self.scale == 1.0:
             return vectors
-        return vectors * self.scale_in[vectors.dtype]
+        return vectors * self.scale_in.get(vectors.dtype, self.scale)
 
     def attend(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Project hidden states onto the vocabulary with the same table (tied output head)."""

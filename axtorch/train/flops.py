@@ -137,13 +137,16 @@ def measure_matmul_peak_flops(
     device: torch.device,
     dtype: torch.dtype = torch.float32,
     size: int = 2048,
-    seconds: float = 1.0,
+    seconds: float = 0.25,
 ) -> float:
     """Achieved FLOP/s of a ``size x size`` matmul on ``device``: the MFU denominator where no datasheet peak applies.
 
-    It measures under the current settings (CPU threads, ``torch.backends.cuda.matmul.allow_tf32``),
-    which are the settings training runs under. Only CPU and CUDA are supported: timing a lazy
-    device such as XLA needs its own graph execution, and such chips have known peaks.
+    The best of at least two timings (each of enough matmuls to take ~20 ms) over ``seconds``,
+    after a warm-up: a peak, so the fastest sample, which another process's burst on a shared core
+    slows least. It measures under the current settings (CPU threads,
+    ``torch.backends.cuda.matmul.allow_tf32``), which are the settings training runs under. Only
+    CPU and CUDA are supported: timing a lazy device such as XLA needs its own graph execution,
+    and such chips have known peaks.
     """
     device = torch.device(device)
     if device.type not in ("cpu", "cuda"):
@@ -160,20 +163,21 @@ def measure_matmul_peak_flops(
     b = torch.randn(size, size, device=device, dtype=dtype, generator=generator)
     out = torch.empty_like(a)
 
-    def run(iterations: int) -> float:
+    def seconds_per_matmul(iterations: int) -> float:
         start = time.perf_counter()
         for _ in range(iterations):
             torch.matmul(a, b, out=out)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        return time.perf_counter() - start
+        return (time.perf_counter() - start) / iterations
 
-    run(1)  # library initialisation and kernel selection, not timed
-    estimate_iterations = 3
-    seconds_per_matmul = run(estimate_iterations) / estimate_iterations
-    iterations = max(1, math.ceil(seconds / max(seconds_per_matmul, 1e-9)))
-    elapsed = run(iterations)
-    return 2 * size**3 * iterations / elapsed
+    seconds_per_matmul(1)  # library initialisation and kernel selection, not timed
+    started = time.perf_counter()
+    samples = [seconds_per_matmul(1)]
+    group = max(1, math.ceil(0.02 / max(samples[0], 1e-9)))  # a GPU's sync and the timer stay small beside it
+    while len(samples) < 2 or time.perf_counter() - started < seconds:
+        samples.append(seconds_per_matmul(group))
+    return 2 * size**3 / min(samples)
 
 
 def mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float) -> float:

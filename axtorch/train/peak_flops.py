@@ -18,8 +18,9 @@ import torch
 from axtorch.parallel.hardware import runtime_device
 from axtorch.train.flops import measure_matmul_peak_flops
 
-#: The CPU matmul peak measured in this process, per dtype and thread count: ~1.4 s each time, so a
-#: second trainer in the same process (a notebook, a test run) reuses it.
+#: The CPU matmul peak measured in this process, per dtype and thread count (~0.6 s each time on
+#: this project's CPU), so that a second trainer in the same process (a notebook, a test run)
+#: reuses it.
 _MEASURED_CPU_PEAKS: dict[tuple[torch.dtype, int], float] = {}
 
 
