@@ -37,7 +37,7 @@ gives medians over the repeats.
 
 "products alone" is the floor under any batch-1 step in the default formats: each repeat also
 times (best of ``--bandwidth-trials``) one pass of only the step's weight products, one batch-1
-product per matrix in layer order (the stacks, the other linears, the head), as the default path
+product per matrix (the stacks, then the other linears, then the head), as the default path
 reads them; its "%" is the weights' bytes over that time and the bandwidth. What a step adds to
 it is every other op: norms, rotations, cache writes, attention, module calls.
 """
@@ -131,7 +131,7 @@ def bytes_per_forward(model, int8_skip: list[str] | None, batch: int, cache_slot
 @torch.no_grad()
 def products_alone_seconds(model, trials: int) -> float:
     """The best of ``trials`` passes of only a batch-1 decode step's weight products, each matrix in
-    the format the default path reads it (``decode_weights``), in layer order."""
+    the format the default path reads it (``decode_weights``): the stacks, then the other linears, then the head."""
     with decode_weights(model):
         products, stacked = [], set()
         for protocol, names in STACKED_SEAMS.items():
