@@ -19,6 +19,7 @@ import re
 from dataclasses import dataclass
 from typing import cast
 
+import torch
 from torch import nn
 
 from axtorch.config.errors import ConfigError
@@ -44,7 +45,7 @@ class AdapterConfig(ModelTransformConfig):
         """One adapter (a ``LinearAdapter``) for a linear of these features."""
         raise NotImplementedError(f"{type(self).__name__} must build its adapter")
 
-    def build(self) -> LinearAdapters:
+    def build(self, device: torch.device) -> LinearAdapters:
         return LinearAdapters(self)
 
 

@@ -14,10 +14,12 @@ adapters in full precision: a converted linear keeps its ``adapter`` child (so i
 names), which is not a ``Linear`` and so never converts, and a forward hook adds its output as
 ``Linear.forward`` does, since torchao's forward is not ours to compose into.
 
-The speed-up needs float8 tensor cores (H100 class). Without CUDA, tensorwise's float8 matmuls
-are emulated by torchao (the same float8 values and scales, multiplied in float32, with the
-kernel's results; torch's CPU ``_scaled_mm`` is a reference kernel ~1000x slower) and rowwise runs
-that kernel, slowly: enough to check that the recipes compose with FSDP and how far the loss moves.
+The speed-up needs float8 tensor cores (compute capability 8.9+: Ada, Hopper). The device the
+model trains on decides, not whether the machine has a GPU: elsewhere (the CPU, an older GPU, XLA)
+tensorwise's float8 matmuls are emulated by torchao (the same float8 values and scales, multiplied
+in float32, with the kernel's results; torch's CPU ``_scaled_mm`` is a reference kernel ~1000x
+slower), and rowwise runs that CPU kernel, slowly, where torch has one (2.10+) and refuses
+otherwise: enough to check that the recipes compose with FSDP and how far the loss moves.
 torchao is an optional dependency (``pip install 'axtorch[float8]'``; torchao 0.14 with torch 2.9,
 newer with newer torch).
 """
@@ -49,11 +51,8 @@ class Float8Config(ModelTransformConfig):
     #: logits feed the loss directly, and the router's choice is discrete, so both are sensitive.
     skip: list[str] = field(default_factory=lambda: ["lm_head", "router"])
 
-    def validate(self, key: str = "model.float8") -> None:
-        """Recipes that some torch builds cannot run refuse here."""
-
-    def build(self) -> Float8Linears:
-        return Float8Linears(self)
+    def build(self, device: torch.device) -> Float8Linears:
+        return Float8Linears(self, device)
 
 
 @dataclass
@@ -70,20 +69,44 @@ class RowwiseFloat8Config(Float8Config):
     recipe: ClassVar[str] = "rowwise"
 
     def validate(self, key: str = "model.float8") -> None:
-        if torch.__version__ < "2.10" and not torch.cuda.is_available():  # TorchVersion: compares as versions
-            raise ConfigError(
-                key,
-                "rowwise",
-                "tensorwise on a CPU with torch < 2.10",
-                reason=f"torch {torch.__version__}'s CPU float8 matmul takes one scale per tensor only",
-            )
+        """Without a GPU the model trains on the CPU, known before any compute; ``build`` checks the device in use."""
+        if not torch.cuda.is_available():
+            _check_rowwise_runs_on(torch.device("cpu"), key)
+
+
+def has_float8_matmul(device: torch.device) -> bool:
+    """Whether ``device`` multiplies float8 in hardware: a GPU of compute capability 8.9 or newer."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def _check_rowwise_runs_on(device: torch.device, key: str = "model.float8") -> None:
+    if has_float8_matmul(device):
+        return
+    if device.type == "cuda":
+        capability = ".".join(map(str, torch.cuda.get_device_capability(device)))
+        raise ConfigError(
+            key,
+            "rowwise",
+            "tensorwise (emulated) on a GPU without float8 tensor cores",
+            reason=f"{torch.cuda.get_device_name(device)} (compute capability {capability}) has no float8 matmul",
+        )
+    if torch.__version__ < "2.10":  # TorchVersion: compares as versions
+        raise ConfigError(
+            key,
+            "rowwise",
+            "tensorwise on a CPU with torch < 2.10",
+            reason=f"torch {torch.__version__}'s CPU float8 matmul takes one scale per tensor only",
+        )
 
 
 class Float8Linears:
     """A ``ModelTransform``: a model's eligible ``Linear`` layers become torchao's float8 training linears."""
 
-    def __init__(self, config: Float8Config):
+    def __init__(self, config: Float8Config, device: torch.device):
+        if config.recipe == "rowwise":
+            _check_rowwise_runs_on(device)
         self.config = config
+        self.device = device
 
     def eligible(self, name: str, module: nn.Module) -> bool:
         """A ``Linear`` whose name is not skipped and whose weight float8 matmuls can take."""
@@ -96,7 +119,7 @@ class Float8Linears:
 
     def apply(self, model: nn.Module) -> list[str]:
         """Swap in place (works on the meta device); returns the converted linears' names."""
-        linear_class, torchao_config = _torchao_float8(self.config.recipe)
+        linear_class, torchao_config = _torchao_float8(self.config.recipe, emulate=not has_float8_matmul(self.device))
         converted = [name for name, module in model.named_modules() if self.eligible(name, module)]
         for name in converted:
             linear = model.get_submodule(name)
@@ -113,7 +136,7 @@ def _add_adapter_output(module: nn.Module, args: tuple[torch.Tensor, ...], outpu
     return output + module.get_submodule("adapter")(args[0])
 
 
-def _torchao_float8(recipe: str) -> tuple[Any, Any]:
+def _torchao_float8(recipe: str, emulate: bool) -> tuple[Any, Any]:
     try:
         from torchao.float8 import Float8LinearConfig
         from torchao.float8.float8_linear import Float8Linear
@@ -125,11 +148,11 @@ def _torchao_float8(recipe: str) -> tuple[Any, Any]:
             reason=f"float8 training runs through torchao, which does not import here: {error}",
         ) from error
     config = Float8LinearConfig.from_recipe_name(recipe)
-    if recipe == "tensorwise" and not torch.cuda.is_available():
-        # torch's CPU _scaled_mm is a reference kernel, ~1000x slower than a float32 matmul of the
-        # same inputs (1.9 s for 1024x256 @ 256x256 on one thread, torch 2.9 and 2.13). torchao's
-        # emulation multiplies the same float8 values with their scales in float32, as the kernel
-        # does for tensorwise; rowwise's kernel output passes through bf16 (torchao's workaround),
-        # which the emulation would skip, so rowwise keeps the kernel.
+    if recipe == "tensorwise" and emulate:
+        # An older GPU has no float8 matmul, and torch's CPU _scaled_mm is a reference kernel, ~1000x
+        # slower than a float32 matmul of the same inputs (1.9 s for 1024x256 @ 256x256 on one
+        # thread, torch 2.9 and 2.13). torchao's emulation multiplies the same float8 values with
+        # their scales in float32, as the kernel does for tensorwise; rowwise's kernel output passes
+        # through bf16 (torchao's workaround), which the emulation would skip, so rowwise keeps the kernel.
         config = dataclasses.replace(config, emulate=True)
     return Float8Linear, config

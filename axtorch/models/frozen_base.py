@@ -23,6 +23,7 @@ import platform
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+import torch
 from torch import nn
 
 from axtorch.config.errors import ConfigError
@@ -48,7 +49,7 @@ class Int8FrozenBaseConfig(FrozenBaseConfig):
 
     format: ClassVar[str] = "int8"
 
-    def build(self) -> Int8FrozenBase:
+    def build(self, device: torch.device) -> Int8FrozenBase:
         return Int8FrozenBase(self)
 
 

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
+import torch
 from torch import nn
 
 
@@ -35,16 +36,19 @@ class ModelTransformConfig:
     def validate(self, key: str) -> None:
         """Raise ``ConfigError`` for settings this torch build cannot run."""
 
-    def build(self) -> ModelTransform:
+    def build(self, device: torch.device) -> ModelTransform:
+        """The transform for a model that runs on ``device`` (float8 emulates where it has no float8 matmul)."""
         raise NotImplementedError(f"{type(self).__name__} must build its transform")
 
 
-def apply_model_transforms(transforms: Sequence[ModelTransformConfig], model: nn.Module, loaded: bool = False) -> None:
+def apply_model_transforms(
+    transforms: Sequence[ModelTransformConfig], model: nn.Module, device: torch.device, loaded: bool = False
+) -> None:
     """Apply, in order, each of ``transforms`` whose ``needs_values`` is ``loaded``: those of the
-    meta-device model before its values are loaded, or those of the loaded one."""
+    meta-device model before its values are loaded, or those of the loaded one, which will run on ``device``."""
     for config in transforms:
         if config.needs_values == loaded:
-            config.build().apply(model)
+            config.build(device).apply(model)
 
 
 def replace_submodule(model: nn.Module, name: str, module: nn.Module) -> None:

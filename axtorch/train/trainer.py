@@ -97,7 +97,7 @@ def build_parallel_model(
         # A transform may swap in modules that initialise their own way (torchao's float8 linears
         # draw as torch's Linear does): the seeded values come from the model as configured.
         initial = config.model.build() if transforms else whole
-    apply_model_transforms(transforms, whole)
+    apply_model_transforms(transforms, whole, backend.device)
     model = backend.parallelize(whole)  # ``whole`` itself, or this process's pipeline stages of it
     torch.manual_seed(config.trainer.seed)
     # The seeded draws are the whole model's, so every pipeline stage gets its own.
@@ -105,7 +105,8 @@ def build_parallel_model(
         initial_parameter_values(initial) if pretrained is None else pretrained.release_parameters()
     )
     materialize(backend, model, with_fresh_adapters(values, whole), whole_model=model is whole)
-    apply_model_transforms(transforms, model, loaded=True)  # e.g. an int8 frozen base, before any optimizer
+    # e.g. an int8 frozen base, before any optimizer
+    apply_model_transforms(transforms, model, backend.device, loaded=True)
     return model
 
 

@@ -35,7 +35,7 @@ def _hf_and_ours(random_hf_model, lora: LoRAConfig):
     config = config_from_hf(hf_config)
     ours = config.build().double()
     ours.load_state_dict(hf_to_axtorch_state_dict(hf_model.state_dict(), config.tie_embeddings), strict=True)
-    lora.build().apply(ours)
+    lora.build(torch.device("cpu")).apply(ours)
     return hf_model, ours.double()
 
 

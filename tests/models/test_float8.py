@@ -9,7 +9,7 @@ import torch
 
 from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.config.errors import ConfigError
-from axtorch.models.float8 import TensorwiseFloat8Config
+from axtorch.models.float8 import RowwiseFloat8Config, TensorwiseFloat8Config
 from axtorch.train.checkpoint import read_model_tensors
 from axtorch.train.metrics import read_metrics
 from axtorch.train.trainer import Trainer, build_model
@@ -50,7 +50,7 @@ def test_the_decoder_linears_convert_and_keep_their_parameter_names():
     config = load_experiment_config(["experiment=debug"])
     model = build_model(config, torch.device("cpu"))
     names = dict(model.state_dict())
-    converted = TensorwiseFloat8Config().build().apply(model)
+    converted = TensorwiseFloat8Config().build(torch.device("cpu")).apply(model)
     assert len(converted) == 2 * 7  # q, k, v, o and the three feed-forward projections of 2 layers
     assert all(isinstance(model.get_submodule(name), Float8Linear) for name in converted)
     assert "lm_head" not in converted  # skipped by default
@@ -62,7 +62,7 @@ def test_the_decoder_linears_convert_and_keep_their_parameter_names():
 def test_linears_that_float8_matmuls_cannot_take_stay_as_they_are():
     config = load_experiment_config(["experiment=debug", "model.decoder.layer.feed_forward.hidden_dim=120"])
     model = build_model(config, torch.device("cpu"))
-    converted = TensorwiseFloat8Config().build().apply(model)
+    converted = TensorwiseFloat8Config().build(torch.device("cpu")).apply(model)
     assert not any("feed_forward" in name for name in converted)  # 120 is not a multiple of 16
     assert len(converted) == 2 * 4
 
@@ -73,15 +73,15 @@ RECIPES = [
 ]
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the linears call torch's float8 matmul")
-def test_without_cuda_tensorwise_linears_emulate_torchs_float8_matmul_exactly():
+def test_on_a_cpu_tensorwise_linears_emulate_torchs_float8_matmul_exactly():
     """Emulated (torch's CPU ``_scaled_mm`` is a reference kernel, ~1000x slower than float32 at the
-    debug model's sizes), with the outputs and gradients of torch's kernel."""
+    debug model's sizes), with the outputs and gradients of torch's kernel; on a CPU whether or not
+    the machine has a GPU."""
     from torchao.float8 import Float8LinearConfig
     from torchao.float8.float8_linear import Float8Linear
 
     model = build_model(load_experiment_config(["experiment=debug"]), torch.device("cpu"))
-    TensorwiseFloat8Config().build().apply(model)
+    TensorwiseFloat8Config().build(torch.device("cpu")).apply(model)
     assert model.decoder.layers[0].attention.q_proj.config.emulate
     torch.manual_seed(0)
     linear, inputs, upstream = torch.nn.Linear(32, 48, bias=False), torch.randn(16, 32), torch.randn(16, 48)
@@ -124,6 +124,23 @@ def test_lora_on_a_float8_base_trains_near_its_fp32_counterpart(tmp_path):
     saved = read_model_tensors(tmp_path / "float8" / "checkpoints" / "step_00000005")
     assert sorted(saved) == sorted(n for n, p in trainer.model.named_parameters() if ".adapter.lora_" in n)
     assert len(saved) == 2 * 7 * 2  # 2 layers of 7 projections, A and B
+
+
+@pytest.mark.parametrize(("capability", "emulated"), [((8, 0), True), ((9, 0), False)])
+def test_the_gpu_that_trains_decides_float8_emulation(monkeypatch, capability, emulated):
+    """An A100 (8.0) has no float8 matmul: tensorwise emulates and rowwise, which cannot, is refused
+    by name; an H100 (9.0) runs torch's kernel. The GPU is simulated: only its capability is read."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "the simulated GPU")
+    model = build_model(load_experiment_config(["experiment=debug"]), torch.device("cpu"))
+    TensorwiseFloat8Config().build(torch.device("cuda")).apply(model)
+    assert model.decoder.layers[0].attention.q_proj.config.emulate is emulated
+    if emulated:
+        refusal = r"'rowwise'.*capability 8\.0\) has no float8 matmul.*tensorwise \(emulated\)"
+        with pytest.raises(ConfigError, match=refusal):
+            RowwiseFloat8Config().build(torch.device("cuda"))
+    else:
+        RowwiseFloat8Config().build(torch.device("cuda"))
 
 
 @pytest.mark.skipif(ROWWISE_ON_CPU, reason="this torch runs rowwise on a CPU")

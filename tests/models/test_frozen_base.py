@@ -111,7 +111,7 @@ def test_the_base_linears_hold_a_quarter_of_the_bytes_and_release_their_float32_
     multiplied = active_non_embedding_parameters(model)
     del linears
 
-    converted = Int8FrozenBaseConfig().build().apply(model)
+    converted = Int8FrozenBaseConfig().build(torch.device("cpu")).apply(model)
 
     assert sorted(converted) == sorted(released)
     gc.collect()

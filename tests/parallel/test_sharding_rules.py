@@ -203,7 +203,7 @@ def test_lora_adapters_split_over_model_as_their_base_does(preset):
     config = load_experiment_config(overrides)
     with torch.device("meta"):
         model = config.model.build()
-    config.model.adapter.build().apply(model)
+    config.model.adapter.build(torch.device("cpu")).apply(model)
     mesh = MeshConfig(data=2, fsdp=2, model=2).resolve(8)
     specs = resolve_parameter_specs({n: tuple(p.shape) for n, p in model.named_parameters()}, config.sharding, mesh)
     adapters = {name: spec for name, spec in specs.items() if ".adapter." in name}
