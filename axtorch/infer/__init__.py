@@ -3,11 +3,12 @@
 ``from axtorch.infer import generate`` is the function; ``axtorch.infer.decoding`` defines it.
 """
 
-from axtorch.infer.cpu_weights import decode_weights, pack_linears, quantize_int8
+from axtorch.infer.cpu_weights import DecodeKernel, decode_weights, pack_linears, quantize_int8
 from axtorch.infer.decoding import Generation, TokenChunk, decode_tokens, generate, generate_ids
 from axtorch.infer.sampling import SamplingConfig
 
 __all__ = [
+    "DecodeKernel",
     "Generation",
     "SamplingConfig",
     "TokenChunk",

@@ -1,16 +1,18 @@
 """Weight formats for decoding on a CPU: stacked projections, oneDNN's packed layout, and int8.
 
 Decoding one token reads every weight once, so on a CPU it runs at the speed at which the matmul
-kernel streams weights from memory. Which kernel streams faster, torch's own ``linear`` (MKL's
-matrix-vector product) or oneDNN's, given its weights reordered once into its blocked layout
-(``PackedLinear``), depends on the thread count and the machine: ``packed_kernel_is_faster``
-times both once per thread count.
+kernel streams weights from memory. Which kernel streams fastest depends on the thread count and
+the machine (BLAS libraries tune their code paths per CPU vendor and model), so
+``fastest_kernel`` times the candidates (``DecodeKernel``) once per thread count: torch's own
+``linear`` (MKL's matrix-vector product) on the weights as stored; torch's matmul on copies
+stored ``[in, out]`` (``TransposedLinear``); oneDNN's kernel on copies reordered into its blocked
+layout (``PackedLinear``).
 
 ``decode_weights`` prepares a model for the duration of a ``with`` block, what ``generate`` does
 by default: the queries', keys' and values' weights stacked into one matrix, and the gate's and
 up projection's into another, filled into the layers' declared seams (``QKVProjection``,
-``GateUpProjection``: one longer read and one call instead of three or two); where oneDNN's
-kernel was timed the faster, the stacks, every other linear and the head packed for it. The same
+``GateUpProjection``: one longer read and one call instead of three or two); for the two copy
+kernels, the stacks, every other linear and the head copied into that kernel's layout. The same
 float32 math up to summation order; the model's own modules and seams are put back afterwards.
 Each prepared copy is kept while its weights live and reused while they are unchanged: preparing
 reads and writes every weight once, which a short ``generate`` call would otherwise pay again.
@@ -27,6 +29,7 @@ inference only: the rewritten model has no gradients and no state dict of its li
 from __future__ import annotations
 
 import contextlib
+import enum
 import fnmatch
 import functools
 import math
@@ -46,6 +49,31 @@ from axtorch.layers.int8_linear import quantize_per_channel_int8
 from axtorch.layers.linear import Linear
 from axtorch.layers.seams import modules_with_seam
 from axtorch.models.causal_lm import CausalLM
+
+
+class DecodeKernel(enum.Enum):
+    """How ``decode_weights`` multiplies by a weight: the candidates ``fastest_kernel`` times."""
+
+    #: torch's ``linear`` on the weights as stored, ``[out, in]`` (the stacks, copies anyway, ``[in, out]``).
+    linear = "torch linear"
+    #: torch's matmul, ``x @ W``, on copies stored ``[in, out]``: a layout some BLAS stream faster.
+    transposed = "torch, [in, out]"
+    #: oneDNN's kernel on copies in its blocked layout (``PackedLinear``).
+    packed = "oneDNN packed"
+
+
+class TransposedLinear(nn.Module):
+    """``x @ W.T + b`` in float32, with ``W.T`` stored as a contiguous copy (``[in, out]``)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.transposed = weight.detach().float().t().contiguous()
+        self.bias = None if bias is None else bias.detach().float()
+        self.in_features = weight.shape[1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x @ self.transposed
+        return out if self.bias is None else out + self.bias
 
 
 class PackedLinear(nn.Module):
@@ -142,8 +170,16 @@ def _reused(kind: str, tensors: Sequence[Optional[torch.Tensor]], make: Callable
     return prepared
 
 
-def _cached_pack(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> PackedLinear:
-    return _reused("packed", (weight, bias), lambda: PackedLinear(weight, bias))
+#: The module each copy kernel multiplies through.
+_COPY_MODULES: dict[DecodeKernel, Callable[[torch.Tensor, Optional[torch.Tensor]], nn.Module]] = {
+    DecodeKernel.transposed: TransposedLinear,
+    DecodeKernel.packed: PackedLinear,
+}
+
+
+def _cached_copy(kernel: DecodeKernel) -> Callable[[torch.Tensor, Optional[torch.Tensor]], nn.Module]:
+    make = _COPY_MODULES[kernel]
+    return lambda weight, bias: _reused(kernel.name, (weight, bias), lambda: make(weight, bias))
 
 
 class StackedProjection:
@@ -155,14 +191,14 @@ class StackedProjection:
     ``[out, in]`` weight ``linear`` reads through a transposed view (``docs/benchmarks.md``), and
     the stack is a copy either way."""
 
-    def __init__(self, linears: Sequence[Linear], packed: bool):
+    def __init__(self, linears: Sequence[Linear], kernel: DecodeKernel):
         weight = torch.cat([linear.weight.detach() for linear in linears])
         bias = None
         if any(linear.bias is not None for linear in linears):
             bias = torch.cat([weight.new_zeros(m.out_features) if m.bias is None else m.bias.detach() for m in linears])
         self.sizes = [linear.out_features for linear in linears]
         self.product: Callable[[torch.Tensor], torch.Tensor]
-        if packed:
+        if kernel is DecodeKernel.packed:
             self.product = PackedLinear(weight, bias)
         else:
             transposed = weight.t().contiguous()
@@ -179,39 +215,51 @@ STACKED_SEAMS: dict[type, tuple[str, ...]] = {
 }
 
 
-#: ``packed_kernel_is_faster``'s answers: thread count -> whether oneDNN's kernel was the faster.
-_FASTER_KERNEL: dict[int, bool] = {}
+#: ``fastest_kernel``'s answers: thread count -> the kernel timed the fastest.
+_FASTEST_KERNEL: dict[int, DecodeKernel] = {}
 
 
-def packed_kernel_is_faster(weights: Sequence[torch.Tensor], trials: int = 3) -> bool:
-    """Whether oneDNN's packed kernel streams batch-1 products by ``weights`` faster than torch's
-    linear at the current thread count: timed once per thread count and process, then remembered.
+def time_kernels(weights: Sequence[torch.Tensor], trials: int = 3) -> dict[DecodeKernel, float]:
+    """Seconds each available kernel takes for one batch-1 product by every weight of ``weights``:
+    the best of ``trials`` passes, in two rounds, the second in the reverse order (a change in the
+    machine's load then favours no kernel). Each copy kernel's copies exist only while it is timed,
+    so the weights are held at most twice."""
+    kernels = [k for k in DecodeKernel if k is not DecodeKernel.packed or torch.backends.mkldnn.is_available()]
+    inputs = [weight.new_ones(1, weight.shape[1]) for weight in weights]
+    best = dict.fromkeys(kernels, math.inf)
+    for order in (kernels, kernels[::-1]):
+        for kernel in order:
+            make = _COPY_MODULES.get(kernel)
+            products: list[Callable[[torch.Tensor], torch.Tensor]] = (
+                [functools.partial(F.linear, weight=w) for w in weights]
+                if make is None
+                else [make(w, None) for w in weights]
+            )
+            for _ in range(trials):
+                started = time.perf_counter()
+                for x, product in zip(inputs, products):
+                    product(x)
+                best[kernel] = min(best[kernel], time.perf_counter() - started)
+            del products
+    return best
 
-    Neither wins everywhere. On this project's 2-core CPU torch's linear (MKL) read SmolLM2-135M's
-    matrices at 0.9-1.0 of the bandwidth on one thread and oneDNN at 0.6-0.8; on two threads
-    oneDNN, which splits a batch-1 product across threads, was once 1.5-2x faster and under a
-    later load the slower (docs/benchmarks.md). So the two are timed here, each over every weight,
-    the best of ``trials`` alternating passes.
+
+def fastest_kernel(weights: Sequence[torch.Tensor]) -> DecodeKernel:
+    """The kernel that streams batch-1 products by ``weights`` fastest at the current thread count:
+    timed once per thread count and process (``time_kernels``), then remembered.
+
+    None wins everywhere. On this project's 2-core CPUs: on an earlier host torch's linear (MKL) read
+    SmolLM2-135M's matrices at 0.9-1.0 of the read bandwidth on one thread and oneDNN at 0.6-0.8,
+    while on two threads oneDNN, which splits a batch-1 product across threads, was once 1.5-2x
+    faster and under a later load the slower; on an AMD EPYC the ``[in, out]`` copies led on one
+    thread (Gemma 3 270M: 54% of the bandwidth, oneDNN 47%, torch's linear 34%) and oneDNN on two
+    (docs/benchmarks.md).
     """
     threads = torch.get_num_threads()
-    if threads not in _FASTER_KERNEL:
-        faster = False
-        if torch.backends.mkldnn.is_available():
-            packed = [PackedLinear(weight, None) for weight in weights]
-            inputs = [weight.new_ones(1, weight.shape[1]) for weight in weights]
-            best = {"linear": math.inf, "packed": math.inf}
-            for _ in range(trials):
-                for kind in best:
-                    started = time.perf_counter()
-                    for x, weight, module in zip(inputs, weights, packed):
-                        if kind == "packed":
-                            module(x)
-                        else:
-                            F.linear(x, weight)
-                    best[kind] = min(best[kind], time.perf_counter() - started)
-            faster = best["packed"] < best["linear"]
-        _FASTER_KERNEL[threads] = faster
-    return _FASTER_KERNEL[threads]
+    if threads not in _FASTEST_KERNEL:
+        seconds = time_kernels(weights)
+        _FASTEST_KERNEL[threads] = min(seconds, key=seconds.__getitem__)
+    return _FASTEST_KERNEL[threads]
 
 
 def can_pack(model: CausalLM) -> bool:
@@ -221,18 +269,19 @@ def can_pack(model: CausalLM) -> bool:
 
 
 @contextlib.contextmanager
-def decode_weights(model: CausalLM, packed: Optional[bool] = None) -> Iterator[CausalLM]:
+def decode_weights(model: CausalLM, kernel: Optional[DecodeKernel] = None) -> Iterator[CausalLM]:
     """The model with its decode weight formats (see the module's docstring) for a ``with`` block;
     its own modules and seams are put back afterwards, so the caller's model still trains and
-    saves. The prepared copies stay for the next block (``_reused``). ``packed`` chooses oneDNN's
-    kernel (True) or torch's (False: what ``torch.compile`` can lower); None times the two."""
+    saves. The prepared copies stay for the next block (``_reused``). ``kernel``: the one to
+    decode with (``DecodeKernel.linear``: what ``torch.compile`` lowers as it was measured); None,
+    the fastest here (``fastest_kernel``)."""
     _on_the_cpu(model, "CPU decode weights")
-    if packed is None:
+    if kernel is None:
         with torch.no_grad():
             weights = [cast(torch.Tensor, m.weight) for m in model.modules() if _plain(m)]
             if model.lm_head is None:
                 weights.append(model.embedding.weight)  # the tied head
-            packed = packed_kernel_is_faster(weights)
+            kernel = fastest_kernel(weights)
     seams: list[tuple[nn.Module, str, object]] = []
     stacked: list[str] = []
     with torch.no_grad():
@@ -242,12 +291,12 @@ def decode_weights(model: CausalLM, packed: Optional[bool] = None) -> Iterator[C
                 if not all(_plain(linear) for linear in linears):
                     continue
                 tensors = [t for linear in linears for t in (linear.weight, linear.bias)]
-                kind = "packed stack" if packed else "stack"
-                projection = _reused(kind, tensors, functools.partial(StackedProjection, linears, packed))
+                kind = "packed stack" if kernel is DecodeKernel.packed else "stack"
+                projection = _reused(kind, tensors, functools.partial(StackedProjection, linears, kernel))
                 seams.append((owner, slot, getattr(owner, slot)))
                 setattr(owner, slot, projection)
                 stacked += [f"{path}.{name}" for name in names]
-        replaced = _replace_linears(model, _cached_pack, skip=stacked) if packed else []
+        replaced = [] if kernel is DecodeKernel.linear else _replace_linears(model, _cached_copy(kernel), skip=stacked)
     try:
         yield model
     finally:

@@ -18,7 +18,7 @@ from typing import Optional, Protocol, Union, cast
 
 import torch
 
-from axtorch.infer.cpu_weights import can_pack, decode_weights
+from axtorch.infer.cpu_weights import DecodeKernel, can_pack, decode_weights
 from axtorch.infer.sampling import SamplingConfig, apply_penalties, sample_next_token
 from axtorch.models.causal_lm import CausalLM, CausalLMInput
 
@@ -109,11 +109,12 @@ def decode_tokens(
     ``torch_xla.sync``, which cuts the lazy graph there, so that every decode step is the same
     fixed-shape program, compiled once (``axtorch.parallel.xla.decode_device``).
     ``pack`` decodes float32 weights on a CPU in decode formats (``cpu_weights.decode_weights``):
-    q/k/v and gate/up each one stacked matrix, and whichever of torch's linear and oneDNN's packed
-    kernel was timed the faster at the thread count; the same math up to summation order.
+    q/k/v and gate/up each one stacked matrix, and whichever kernel was timed the fastest at the
+    thread count (torch's linear, torch's matmul on ``[in, out]`` copies, oneDNN's packed kernel);
+    the same math up to summation order.
     The model's own modules are put back when decoding ends. ``pack=False`` keeps the model's
     modules as they are; elsewhere it changes nothing. With ``compile`` the stacks use torch's
-    kernel (inductor cannot lower oneDNN's packed weights).
+    linear (``DecodeKernel.linear``: inductor cannot lower oneDNN's packed weights).
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt must contain at least one token")
@@ -138,7 +139,7 @@ def decode_tokens(
     unpack = contextlib.ExitStack()
     try:
         if pack and can_pack(model):
-            unpack.enter_context(decode_weights(model, packed=False if compile else None))
+            unpack.enter_context(decode_weights(model, DecodeKernel.linear if compile else None))
         # The prompts are written in one call, then one token per call: sliding-window layers keep rings.
         slots = compiled_cache_length(total, model.config.max_seq_len) if compile else total
         caches = model.allocate_kv_caches(batch, slots, dtype=parameter.dtype, device=device, max_write=max(lengths))

@@ -1,13 +1,14 @@
 """CPU decode weight formats (``cpu_weights.decode_weights``): stacked q/k/v and gate/up, with
-either kernel (torch's linear, oneDNN's packed), give the plain modules' logits and tokens and leave
-the model as it was; the kernel is timed once per thread count; a linear holding an adapter is left alone."""
+each kernel (torch's linear, torch's matmul on [in, out] copies, oneDNN's packed), give the plain
+modules' logits and tokens and leave the model as it was; the kernel is timed once per thread count;
+a linear holding an adapter is left alone."""
 
 import pytest
 import torch
 
 from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.infer import cpu_weights, decode_weights, generate_ids
-from axtorch.infer.cpu_weights import PackedLinear, StackedProjection, packed_kernel_is_faster
+from axtorch.infer.cpu_weights import DecodeKernel, PackedLinear, StackedProjection, TransposedLinear, fastest_kernel
 from axtorch.layers.attention import project_separately
 from axtorch.layers.feed_forward import project_gate_up
 from axtorch.layers.norm import RMSNormConfig
@@ -37,15 +38,15 @@ def _model(overrides):
     return model
 
 
-@pytest.fixture(params=[False, True], ids=["torch linear", "oneDNN packed"])
-def packed(request, monkeypatch):
+@pytest.fixture(params=list(DecodeKernel), ids=[kernel.value for kernel in DecodeKernel])
+def kernel(request, monkeypatch):
     """Which kernel ``decode_weights`` takes, whatever the timing on this machine."""
-    monkeypatch.setattr(cpu_weights, "packed_kernel_is_faster", lambda weights: request.param)
+    monkeypatch.setattr(cpu_weights, "fastest_kernel", lambda weights: request.param)
     return request.param
 
 
 @pytest.mark.parametrize("kind", list(MODELS))
-def test_decode_weights_give_the_plain_modules_logits_and_tokens_and_give_the_model_back(kind, packed):
+def test_decode_weights_give_the_plain_modules_logits_and_tokens_and_give_the_model_back(kind, kernel):
     model = _model(MODELS[kind])
     tokens = torch.randint(0, 500, (2, 12), generator=torch.Generator().manual_seed(2))
     expected = model(CausalLMInput(input_ids=tokens)).logits
@@ -55,7 +56,10 @@ def test_decode_weights_give_the_plain_modules_logits_and_tokens_and_give_the_mo
         attention, feed_forward = model.decoder.layers[0].attention, model.decoder.layers[0].feed_forward
         assert isinstance(attention.qkv_projection, StackedProjection)
         assert (kind == "moe") != isinstance(getattr(feed_forward, "gate_up_projection", None), StackedProjection)
+        packed = kernel is DecodeKernel.packed
         assert isinstance(attention.o_proj, PackedLinear) == packed
+        assert isinstance(attention.o_proj, TransposedLinear) == (kernel is DecodeKernel.transposed)
+        assert isinstance(model.lm_head, (PackedLinear, TransposedLinear)) == (kernel is not DecodeKernel.linear)
         assert isinstance(attention.qkv_projection.product, PackedLinear) == packed
         got = model(CausalLMInput(input_ids=tokens)).logits
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
@@ -93,18 +97,36 @@ def test_the_float32_inference_rms_norm_is_bit_for_bit_the_training_one(shape):
     torch.testing.assert_close(inference, training.detach(), atol=0, rtol=0)
 
 
-def test_the_kernel_is_timed_once_per_thread_count(monkeypatch):
-    monkeypatch.setattr(cpu_weights, "_FASTER_KERNEL", {})
-    packings = []
-    init = PackedLinear.__init__
-    monkeypatch.setattr(PackedLinear, "__init__", lambda self, w, b: packings.append(1) or init(self, w, b))
+def test_the_kernel_is_timed_once_per_thread_count_and_the_fastest_kept(monkeypatch):
+    monkeypatch.setattr(cpu_weights, "_FASTEST_KERNEL", {})
+    timings = []
+    time_kernels = cpu_weights.time_kernels
+    monkeypatch.setattr(cpu_weights, "time_kernels", lambda weights: timings.append(1) or time_kernels(weights))
     weights = [torch.randn(64, 32), torch.randn(96, 32)]
     before = torch.get_num_threads()
     try:
         for threads in (1, 2, 1, 2):
             torch.set_num_threads(threads)
-            assert isinstance(packed_kernel_is_faster(weights), bool)
+            assert isinstance(fastest_kernel(weights), DecodeKernel)
     finally:
         torch.set_num_threads(before)
-    assert len(packings) == 2 * len(weights)  # each thread count timed once, its answer kept
-    assert set(cpu_weights._FASTER_KERNEL) == {1, 2}
+    assert len(timings) == 2  # each thread count timed once, its answer kept
+    assert set(cpu_weights._FASTEST_KERNEL) == {1, 2}
+    seconds = {DecodeKernel.linear: 3.0, DecodeKernel.transposed: 1.0, DecodeKernel.packed: 2.0}
+    monkeypatch.setattr(cpu_weights, "_FASTEST_KERNEL", {})
+    monkeypatch.setattr(cpu_weights, "time_kernels", lambda weights: seconds)
+    assert fastest_kernel(weights) is DecodeKernel.transposed
+
+
+def test_every_kernel_is_timed_on_every_weight_in_two_rounds_of_reversed_order(monkeypatch):
+    made, calls = [], []
+    for module in (PackedLinear, TransposedLinear):
+        init, forward = module.__init__, module.forward
+        monkeypatch.setattr(module, "__init__", lambda self, w, b, i=init, m=module: made.append(m) or i(self, w, b))
+        monkeypatch.setattr(module, "forward", lambda self, x, f=forward, m=module: calls.append(m) or f(self, x))
+    weights = [torch.randn(64, 32), torch.randn(96, 32)]
+    seconds = cpu_weights.time_kernels(weights, trials=2)
+    assert set(seconds) == set(DecodeKernel) and all(0 < s < 1 for s in seconds.values())
+    # the copies made again in each round (held only while timed), each product run once a trial
+    assert made == [TransposedLinear] * 2 + [PackedLinear] * 4 + [TransposedLinear] * 2
+    assert calls == [TransposedLinear] * 4 + [PackedLinear] * 8 + [TransposedLinear] * 4

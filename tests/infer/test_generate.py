@@ -204,8 +204,8 @@ def test_packed_fp32_weights_give_the_logits_and_the_greedy_tokens(kind):
 
 @pytest.fixture
 def packed_kernel(monkeypatch):
-    """oneDNN's packed kernel as the decode kernel, whatever ``packed_kernel_is_faster`` times here."""
-    monkeypatch.setattr(cpu_weights, "packed_kernel_is_faster", lambda weights: True)
+    """oneDNN's packed kernel as the decode kernel, whatever ``fastest_kernel`` times here."""
+    monkeypatch.setattr(cpu_weights, "fastest_kernel", lambda weights: cpu_weights.DecodeKernel.packed)
 
 
 @pytest.mark.parametrize("tied", [False, True])
