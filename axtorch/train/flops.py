@@ -143,7 +143,11 @@ def measure_matmul_peak_flops(
 
     The best of at least two timings (each of enough matmuls to take ~20 ms) over ``seconds``,
     after a warm-up: a peak, so the fastest sample, which another process's burst on a shared core
-    slows least. It measures under the current settings (CPU threads,
+    slows least. On a CPU a sample is also timed by the process's CPU time over its threads: while
+    other processes hold the cores for the whole measurement, the wall clock runs on but the CPU
+    time does not, so the peak stays the cores' own (as long as the matmul runs on every thread,
+    as one of this size does; other busy threads of this process only lower it, toward the wall
+    clock's figure). It measures under the current settings (CPU threads,
     ``torch.backends.cuda.matmul.allow_tf32``), which are the settings training runs under. Only
     CPU and CUDA are supported: timing a lazy device such as XLA needs its own graph execution,
     and such chips have known peaks.
@@ -163,13 +167,16 @@ def measure_matmul_peak_flops(
     b = torch.randn(size, size, device=device, dtype=dtype, generator=generator)
     out = torch.empty_like(a)
 
+    threads = torch.get_num_threads()
+
     def seconds_per_matmul(iterations: int) -> float:
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         for _ in range(iterations):
             torch.matmul(a, b, out=out)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        return (time.perf_counter() - start) / iterations
+            return (time.perf_counter() - start) / iterations
+        return min(time.perf_counter() - start, (time.process_time() - cpu_start) / threads) / iterations
 
     seconds_per_matmul(1)  # library initialisation and kernel selection, not timed
     started = time.perf_counter()
