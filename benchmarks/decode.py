@@ -71,6 +71,7 @@ from axtorch.infer.cpu_weights import (
     TransposedLinear,
     decode_weights,
     pack_linears,
+    product_weights,
     quantize_int8,
     time_kernels,
 )
@@ -132,9 +133,7 @@ def read_bandwidth(buffer: torch.Tensor, trials: int) -> float:
 def kernel_rates(model, trials: int) -> dict[str, float]:
     """Bytes per second at which each kernel ``decode_weights`` chooses among streams one batch-1
     product by every weight matrix of ``model`` (its linears and the head), timed as it times them."""
-    weights = [m.weight for m in model.modules() if isinstance(m, Linear)]
-    if model.lm_head is None:
-        weights.append(model.embedding.weight)  # the tied head
+    weights = product_weights(model)
     total = sum(w.numel() * w.element_size() for w in weights)
     return {kernel.value: total / seconds for kernel, seconds in time_kernels(weights, trials).items()}
 

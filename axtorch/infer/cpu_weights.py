@@ -261,6 +261,14 @@ def fastest_kernel(weights: Sequence[torch.Tensor]) -> DecodeKernel:
     return _FASTEST_KERNEL[threads]
 
 
+def product_weights(model: CausalLM) -> list[torch.Tensor]:
+    """The weights a decode step multiplies by in a copy kernel's layout: every plain linear's, and the tied head's."""
+    weights = [cast(torch.Tensor, m.weight) for m in model.modules() if _plain(m)]
+    if model.lm_head is None:
+        weights.append(model.embedding.weight)
+    return weights
+
+
 def can_pack(model: CausalLM) -> bool:
     """Whether ``decode_weights`` applies: float32 weights on a CPU."""
     parameter = next(model.parameters())
@@ -277,10 +285,7 @@ def decode_weights(model: CausalLM, kernel: Optional[DecodeKernel] = None) -> It
     _on_the_cpu(model, "CPU decode weights")
     if kernel is None:
         with torch.no_grad():
-            weights = [cast(torch.Tensor, m.weight) for m in model.modules() if _plain(m)]
-            if model.lm_head is None:
-                weights.append(model.embedding.weight)  # the tied head
-            kernel = fastest_kernel(weights)
+            kernel = fastest_kernel(product_weights(model))
     seams: list[tuple[nn.Module, str, object]] = []
     stacked: list[str] = []
     with torch.no_grad():
