@@ -37,8 +37,8 @@ gives medians over the repeats.
 Before the runs, a table of what bounds a batch-1 step before anything else in it runs: the
 rate of each probe kernel alone, and of each kernel ``decode_weights`` chooses among
 (``cpu_weights.DecodeKernel``: torch's ``linear``, ``x @ W`` on ``[in, out]`` copies, oneDNN's
-packed kernel), streaming one batch-1 product by every weight matrix, timed as it times them, as
-a share of the best probe. BLAS kernels are tuned per CPU
+packed kernel, axtorch's own compiled here), streaming one batch-1 product by every weight
+matrix, timed as it times them, as a share of the best probe. BLAS kernels are tuned per CPU
 vendor and model, which the header names: on this project's AMD EPYC host they streamed at 35-60%
 of a plain sum's rate (``docs/benchmarks.md``).
 
@@ -66,6 +66,7 @@ import transformers
 from axtorch.infer.cpu_weights import (
     DEFAULT_SKIP,
     STACKED_SEAMS,
+    NativeLinear,
     PackedLinear,
     StackedProjection,
     TransposedLinear,
@@ -196,7 +197,7 @@ def products_alone_seconds(model, trials: int) -> float:
                     products.append((projection.product, linears[0].in_features))
                     stacked.update(id(linear) for linear in linears)
         for module in model.decoder.modules():
-            if isinstance(module, (Linear, PackedLinear, TransposedLinear)) and id(module) not in stacked:
+            if isinstance(module, (Linear, NativeLinear, PackedLinear, TransposedLinear)) and id(module) not in stacked:
                 products.append((module, module.in_features))
         products.append((model.project, model.config.dim))
         inputs = [torch.ones(1, 1, width) for _, width in products]

@@ -6,13 +6,15 @@ the machine (BLAS libraries tune their code paths per CPU vendor and model), so
 ``fastest_kernel`` times the candidates (``DecodeKernel``) once per thread count: torch's own
 ``linear`` (MKL's matrix-vector product) on the weights as stored; torch's matmul on copies
 stored ``[in, out]`` (``TransposedLinear``); oneDNN's kernel on copies reordered into its blocked
-layout (``PackedLinear``).
+layout (``PackedLinear``); and axtorch's own product, compiled on this machine where it has a C
+compiler (``native_matvec``), on the weights as stored (``NativeLinear``).
 
 ``decode_weights`` prepares a model for the duration of a ``with`` block, what ``generate`` does
 by default: the queries', keys' and values' weights stacked into one matrix, and the gate's and
 up projection's into another, filled into the layers' declared seams (``QKVProjection``,
 ``GateUpProjection``: one longer read and one call instead of three or two); for the two copy
-kernels, the stacks, every other linear and the head copied into that kernel's layout. The same
+kernels, the stacks, every other linear and the head copied into that kernel's layout (axtorch's
+own reads them where they are). The same
 float32 math up to summation order; the model's own modules and seams are put back afterwards.
 Each prepared copy is kept while its weights live and reused while they are unchanged: preparing
 reads and writes every weight once, which a short ``generate`` call would otherwise pay again.
@@ -43,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from axtorch.infer.native_matvec import load_matvec
 from axtorch.layers.attention import QKVProjection
 from axtorch.layers.feed_forward import GateUpProjection
 from axtorch.layers.int8_linear import quantize_per_channel_int8
@@ -60,6 +63,8 @@ class DecodeKernel(enum.Enum):
     transposed = "torch, [in, out]"
     #: oneDNN's kernel on copies in its blocked layout (``PackedLinear``).
     packed = "oneDNN packed"
+    #: axtorch's own, compiled on this machine (``native_matvec``), on the weights as stored (``NativeLinear``).
+    native = "axtorch's own (C)"
 
 
 class TransposedLinear(nn.Module):
@@ -74,6 +79,27 @@ class TransposedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = x @ self.transposed
         return out if self.bias is None else out + self.bias
+
+
+class NativeLinear(nn.Module):
+    """``x @ W.T + b`` in float32 by this machine's compiled product (``native_matvec``) for one
+    row of ``x``, by torch's ``linear`` for more rows or where gradients are wanted. It holds the
+    weight itself, not a copy."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        matvec = load_matvec()
+        if matvec is None:
+            raise RuntimeError("no compiled matrix-vector product on this machine (see axtorch.infer.native_matvec)")
+        self.matvec = matvec
+        self.weight = weight.detach().contiguous()
+        self.bias = None if bias is None else bias.detach().contiguous()
+        self.in_features = weight.shape[1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() != self.in_features or x.dtype != torch.float32 or (torch.is_grad_enabled() and x.requires_grad):
+            return F.linear(x, self.weight, self.bias)
+        return self.matvec(self.weight, x.contiguous(), self.bias)
 
 
 class PackedLinear(nn.Module):
@@ -170,16 +196,29 @@ def _reused(kind: str, tensors: Sequence[Optional[torch.Tensor]], make: Callable
     return prepared
 
 
-#: The module each copy kernel multiplies through.
-_COPY_MODULES: dict[DecodeKernel, Callable[[torch.Tensor, Optional[torch.Tensor]], nn.Module]] = {
+#: The module each kernel but torch's ``linear`` multiplies through.
+_KERNEL_MODULES: dict[DecodeKernel, Callable[[torch.Tensor, Optional[torch.Tensor]], nn.Module]] = {
     DecodeKernel.transposed: TransposedLinear,
     DecodeKernel.packed: PackedLinear,
+    DecodeKernel.native: NativeLinear,
 }
 
 
-def _cached_copy(kernel: DecodeKernel) -> Callable[[torch.Tensor, Optional[torch.Tensor]], nn.Module]:
-    make = _COPY_MODULES[kernel]
+def _module_maker(kernel: DecodeKernel) -> Callable[[torch.Tensor, Optional[torch.Tensor]], nn.Module]:
+    """The kernel's module for a weight and bias; a kernel's copies are made once and reused (``_reused``)."""
+    make = _KERNEL_MODULES[kernel]
+    if kernel is DecodeKernel.native:
+        return make  # it reads the weight itself
     return lambda weight, bias: _reused(kernel.name, (weight, bias), lambda: make(weight, bias))
+
+
+def available_kernels() -> list[DecodeKernel]:
+    """The kernels this machine has: oneDNN's where torch was built with it, axtorch's where it compiled."""
+    unavailable = {
+        DecodeKernel.packed: not torch.backends.mkldnn.is_available(),
+        DecodeKernel.native: load_matvec() is None,
+    }
+    return [kernel for kernel in DecodeKernel if not unavailable.get(kernel, False)]
 
 
 class StackedProjection:
@@ -200,6 +239,8 @@ class StackedProjection:
         self.product: Callable[[torch.Tensor], torch.Tensor]
         if kernel is DecodeKernel.packed:
             self.product = PackedLinear(weight, bias)
+        elif kernel is DecodeKernel.native:
+            self.product = NativeLinear(weight, bias)
         else:
             transposed = weight.t().contiguous()
             self.product = (lambda x: x @ transposed) if bias is None else (lambda x: x @ transposed + bias)
@@ -224,11 +265,10 @@ def time_kernels(weights: Sequence[torch.Tensor], trials: int = 3) -> dict[Decod
     the best of ``trials`` passes. The kernels take turns, each with its copies made just before
     its passes and dropped after them, so the weights are held at most twice (Gemma 3 270M's 1.07 GB:
     copies and passes about 3 s on one thread)."""
-    kernels = [k for k in DecodeKernel if k is not DecodeKernel.packed or torch.backends.mkldnn.is_available()]
     inputs = [weight.new_ones(1, weight.shape[1]) for weight in weights]
-    best = dict.fromkeys(kernels, math.inf)
-    for kernel in kernels:
-        make = _COPY_MODULES.get(kernel)
+    best = dict.fromkeys(available_kernels(), math.inf)
+    for kernel in best:
+        make = _KERNEL_MODULES.get(kernel)
         products: list[Callable[[torch.Tensor], torch.Tensor]] = (
             [functools.partial(F.linear, weight=w) for w in weights]
             if make is None
@@ -295,12 +335,12 @@ def decode_weights(model: CausalLM, kernel: Optional[DecodeKernel] = None) -> It
                 if not all(_plain(linear) for linear in linears):
                     continue
                 tensors = [t for linear in linears for t in (linear.weight, linear.bias)]
-                kind = "packed stack" if kernel is DecodeKernel.packed else "stack"
+                kind = f"{kernel.name} stack"
                 projection = _reused(kind, tensors, functools.partial(StackedProjection, linears, kernel))
                 seams.append((owner, slot, getattr(owner, slot)))
                 setattr(owner, slot, projection)
                 stacked += [f"{path}.{name}" for name in names]
-        replaced = [] if kernel is DecodeKernel.linear else _replace_linears(model, _cached_copy(kernel), skip=stacked)
+        replaced = [] if kernel is DecodeKernel.linear else _replace_linears(model, _module_maker(kernel), skip=stacked)
     try:
         yield model
     finally:

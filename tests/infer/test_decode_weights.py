@@ -1,5 +1,5 @@
 """CPU decode weight formats (``cpu_weights.decode_weights``): stacked q/k/v and gate/up, with
-each kernel (torch's linear, torch's matmul on [in, out] copies, oneDNN's packed), give the plain
+each kernel (torch's linear, torch's matmul on [in, out] copies, oneDNN's packed, axtorch's own), give the plain
 modules' logits and tokens and leave the model as it was; the kernel is timed once per thread count;
 a linear holding an adapter is left alone."""
 
@@ -8,7 +8,14 @@ import torch
 
 from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.infer import cpu_weights, decode_weights, generate_ids
-from axtorch.infer.cpu_weights import DecodeKernel, PackedLinear, StackedProjection, TransposedLinear, fastest_kernel
+from axtorch.infer.cpu_weights import (
+    DecodeKernel,
+    NativeLinear,
+    PackedLinear,
+    StackedProjection,
+    TransposedLinear,
+    fastest_kernel,
+)
 from axtorch.layers.attention import project_separately
 from axtorch.layers.feed_forward import project_gate_up
 from axtorch.layers.norm import RMSNormConfig
@@ -41,6 +48,8 @@ def _model(overrides):
 @pytest.fixture(params=list(DecodeKernel), ids=[kernel.value for kernel in DecodeKernel])
 def kernel(request, monkeypatch):
     """Which kernel ``decode_weights`` takes, whatever the timing on this machine."""
+    if request.param not in cpu_weights.available_kernels():
+        pytest.skip(f"this machine has no {request.param.value} kernel")
     monkeypatch.setattr(cpu_weights, "fastest_kernel", lambda weights: request.param)
     return request.param
 
@@ -59,8 +68,11 @@ def test_decode_weights_give_the_plain_modules_logits_and_tokens_and_give_the_mo
         packed = kernel is DecodeKernel.packed
         assert isinstance(attention.o_proj, PackedLinear) == packed
         assert isinstance(attention.o_proj, TransposedLinear) == (kernel is DecodeKernel.transposed)
-        assert isinstance(model.lm_head, (PackedLinear, TransposedLinear)) == (kernel is not DecodeKernel.linear)
+        assert isinstance(attention.o_proj, NativeLinear) == (kernel is DecodeKernel.native)
+        copies = (PackedLinear, TransposedLinear, NativeLinear)
+        assert isinstance(model.lm_head, copies) == (kernel is not DecodeKernel.linear)
         assert isinstance(attention.qkv_projection.product, PackedLinear) == packed
+        assert isinstance(attention.qkv_projection.product, NativeLinear) == (kernel is DecodeKernel.native)
         got = model(CausalLMInput(input_ids=tokens)).logits
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     assert generate_ids(model, PROMPTS, 10) == greedy
@@ -126,6 +138,6 @@ def test_every_kernel_is_timed_on_every_weight_with_its_copies_made_once(monkeyp
         monkeypatch.setattr(module, "forward", lambda self, x, f=forward, m=module: calls.append(m) or f(self, x))
     weights = [torch.randn(64, 32), torch.randn(96, 32)]
     seconds = cpu_weights.time_kernels(weights, trials=3)
-    assert set(seconds) == set(DecodeKernel) and all(0 < s < 1 for s in seconds.values())
+    assert set(seconds) == set(cpu_weights.available_kernels()) and all(0 < s < 1 for s in seconds.values())
     assert made == [TransposedLinear] * 2 + [PackedLinear] * 2  # one copy a weight, each kernel's in turn
     assert calls == [TransposedLinear] * 6 + [PackedLinear] * 6  # each product once a trial

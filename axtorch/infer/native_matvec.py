@@ -1,0 +1,109 @@
+"""A batch-1 matrix-vector product compiled on the machine that runs it (``matvec.c``).
+
+BLAS libraries tune their matrix-vector products per CPU vendor and model, and on some CPUs they
+read weights well below the memory's rate (docs/benchmarks.md: 35-60% on an AMD EPYC). The C
+file is short, depends on no torch header (so one build serves every torch version) and is
+compiled with the system's C compiler for this CPU (``-march=native``) on first use, into
+``$XDG_CACHE_HOME/axtorch/kernels`` (``~/.cache`` by default). The library's name holds a digest
+of the source, the compiler, the flags and the CPU's model and features, so a home directory
+shared by different machines holds one build for each. Without a compiler, or if the build
+fails, ``load_matvec`` gives None and decoding keeps torch's kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sysconfig
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("matvec.c")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-shared", "-fPIC")
+#: Threads through OpenMP where the compiler has it; a compiler without it builds a one-thread kernel.
+OPENMP = ("-fopenmp",)
+
+#: ``matvec(weight, x, bias)``: ``weight @ x + bias`` for a contiguous float32 ``[rows, cols]``
+#: weight and one contiguous float32 row ``x``, on torch's thread count.
+MatVec = Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
+
+
+def compiler() -> Optional[list[str]]:
+    """The C compiler's command: ``$CC``, else the one Python was built with, else ``cc``; None if absent."""
+    for candidate in (os.environ.get("CC"), sysconfig.get_config_var("CC"), "cc"):
+        if candidate:
+            command = shlex.split(candidate)
+            if shutil.which(command[0]):
+                return command
+    return None
+
+
+def _cpu_identity() -> str:
+    """The CPU's model and feature flags (Linux), or the platform's name: what ``-march=native`` builds for."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.machine() + platform.processor()
+    wanted = ("model name", "flags", "Features", "CPU part")
+    return "\n".join(dict.fromkeys(line for line in lines if line.split(":")[0].strip() in wanted))
+
+
+def _build(command: list[str], directory: Path) -> Optional[Path]:
+    """The compiled library, built once per source, compiler, flags and CPU; None if it cannot be built."""
+    version = subprocess.run([*command, "--version"], capture_output=True, text=True).stdout
+    source = SOURCE.read_bytes()
+    for flags in (FLAGS + OPENMP, FLAGS):
+        digest = hashlib.sha256(b"\0".join(s.encode() for s in (version, *flags, _cpu_identity())) + source)
+        library = directory / f"matvec-{digest.hexdigest()[:16]}.so"
+        if library.exists():
+            return library
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=directory) as scratch:
+            built = Path(scratch) / library.name
+            result = subprocess.run([*command, *flags, str(SOURCE), "-o", str(built)], capture_output=True, text=True)
+            if result.returncode == 0:
+                os.replace(built, library)  # whole or absent, for processes that build at once
+                return library
+        logger.info("building %s with %s failed: %s", SOURCE.name, " ".join(flags), result.stderr.strip()[-500:])
+    return None
+
+
+def kernel_directory() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "axtorch" / "kernels"
+
+
+@functools.cache
+def load_matvec() -> Optional[MatVec]:
+    """This machine's compiled product (built on the first call of a process, or loaded), or None."""
+    command = compiler()
+    if command is None:
+        logger.info("no C compiler ($CC or cc): decoding keeps torch's kernels")
+        return None
+    library = _build(command, kernel_directory())
+    if library is None:
+        return None
+    function = ctypes.CDLL(str(library)).axtorch_matvec
+    function.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long, ctypes.c_long, ctypes.c_int]
+    function.restype = None
+
+    def matvec(weight: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        rows, cols = weight.shape
+        out = x.new_empty(*x.shape[:-1], rows)
+        bias_address = None if bias is None else bias.data_ptr()
+        function(weight.data_ptr(), x.data_ptr(), bias_address, out.data_ptr(), rows, cols, torch.get_num_threads())
+        return out
+
+    return matvec

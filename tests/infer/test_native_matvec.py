@@ -1,0 +1,93 @@
+"""axtorch's own batch-1 product (``native_matvec``): torch's ``linear`` on any shape and thread
+count, torch's kernel wherever it does not apply, one build per machine, in torch's OpenMP
+runtime, and decoding without it where no compiler is."""
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from axtorch.compose.experiment_loader import load_experiment_config
+from axtorch.infer import cpu_weights, generate_ids, native_matvec
+from axtorch.infer.cpu_weights import DecodeKernel, NativeLinear
+from axtorch.infer.native_matvec import compiler, load_matvec
+from axtorch.train.trainer import build_model
+
+pytestmark = pytest.mark.skipif(compiler() is None, reason="no C compiler on this machine")
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows", [1, 5, 64, 67, 1000])
+@pytest.mark.parametrize("cols", [1, 7, 64, 65, 576, 1000])
+def test_the_product_is_torch_linear_on_any_shape_and_thread_count(rows, cols, threads):
+    generator = torch.Generator().manual_seed(rows * cols)
+    weight, x, bias = (torch.randn(shape, generator=generator) for shape in ((rows, cols), (1, 1, cols), (rows,)))
+    matvec = load_matvec()
+    assert matvec is not None
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for b in (None, bias):
+            torch.testing.assert_close(matvec(weight, x, b), F.linear(x, weight, b), rtol=1e-5, atol=1e-5 * cols**0.5)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_more_rows_and_gradients_go_to_torch_linear():
+    weight, bias = torch.randn(12, 8), torch.randn(12)
+    native = NativeLinear(weight, bias)
+    rows = torch.randn(3, 2, 8)
+    torch.testing.assert_close(native(rows), F.linear(rows, weight, bias), rtol=0, atol=0)
+    x = torch.randn(1, 1, 8, requires_grad=True)
+    native(x).sum().backward()
+    torch.testing.assert_close(x.grad, weight.sum(0).view(1, 1, 8))
+
+
+def test_it_is_built_once_per_machine_and_runs_in_torchs_openmp(tmp_path, monkeypatch):
+    command = compiler()
+    assert command is not None
+    library = native_matvec._build(command, tmp_path)
+    assert library is not None
+    modified = library.stat().st_mtime_ns
+    compiled = []
+    run = native_matvec.subprocess.run
+
+    def counting_run(args, **kwargs):
+        if str(native_matvec.SOURCE) in args:
+            compiled.append(args)
+        return run(args, **kwargs)
+
+    monkeypatch.setattr(native_matvec.subprocess, "run", counting_run)
+    assert native_matvec._build(command, tmp_path) == library and library.stat().st_mtime_ns == modified
+    assert compiled == [] and [p.name for p in tmp_path.iterdir()] == [library.name]
+    load_matvec()
+    maps = Path("/proc/self/maps")
+    if maps.exists():  # one OpenMP runtime in the process: torch's, which the library resolved to
+        runtimes = {line.split()[-1] for line in maps.read_text().splitlines() if "libgomp" in line}
+        assert len(runtimes) <= 1, runtimes
+
+
+def test_without_a_compiler_decoding_keeps_torchs_kernels(monkeypatch, caplog):
+    monkeypatch.setattr(native_matvec, "compiler", lambda: None)
+    monkeypatch.setattr(native_matvec, "load_matvec", native_matvec.load_matvec.__wrapped__)
+    monkeypatch.setattr(cpu_weights, "load_matvec", native_matvec.load_matvec)
+    monkeypatch.setattr(cpu_weights, "_FASTEST_KERNEL", {})
+    with caplog.at_level(logging.INFO, logger=native_matvec.__name__):
+        assert DecodeKernel.native not in cpu_weights.available_kernels()
+    assert "no C compiler" in caplog.text
+    torch.manual_seed(0)
+    model = build_model(load_experiment_config(["experiment=debug"]), torch.device("cpu")).eval()
+    assert generate_ids(model, [[5, 17, 300]], 6) == generate_ids(model, [[5, 17, 300]], 6, pack=False)
+    assert cpu_weights._FASTEST_KERNEL[torch.get_num_threads()] is not DecodeKernel.native
+
+
+def test_a_compiler_that_fails_leaves_no_library(tmp_path, caplog):
+    failing = tmp_path / "cc"
+    failing.write_text("#!/bin/sh\necho 'cc: error: unsupported' >&2\nexit 1\n")
+    failing.chmod(0o755)
+    with caplog.at_level(logging.INFO, logger=native_matvec.__name__):
+        assert native_matvec._build([str(failing)], tmp_path / "kernels") is None
+    assert "unsupported" in caplog.text
+    assert list((tmp_path / "kernels").iterdir()) == []
