@@ -291,8 +291,9 @@ def fastest_kernel(weights: Sequence[torch.Tensor]) -> DecodeKernel:
     SmolLM2-135M's matrices at 0.9-1.0 of the read bandwidth on one thread and oneDNN at 0.6-0.8,
     while on two threads oneDNN, which splits a batch-1 product across threads, was once 1.5-2x
     faster and under a later load the slower; on an AMD EPYC the ``[in, out]`` copies led on one
-    thread (Gemma 3 270M: 54-60% of the bandwidth, oneDNN 47-48%, torch's linear 34%) and oneDNN on two
-    (docs/benchmarks.md).
+    thread (Gemma 3 270M: 54-60% of the bandwidth, oneDNN 47-48%, torch's linear 34%) and oneDNN on two,
+    until axtorch's own product led on both (73-93% on one thread; docs/benchmarks.md). Where no C
+    compiler is, it is not timed.
     """
     threads = torch.get_num_threads()
     if threads not in _FASTEST_KERNEL:
