@@ -92,10 +92,14 @@ def load_matvec() -> Optional[MatVec]:
     if command is None:
         logger.info("no C compiler ($CC or cc): decoding keeps torch's kernels")
         return None
-    library = _build(command, kernel_directory())
-    if library is None:
+    try:
+        library = _build(command, kernel_directory())
+        function = None if library is None else ctypes.CDLL(str(library)).axtorch_matvec
+    except OSError as error:  # a read-only cache directory, a library that does not load
+        logger.info("no compiled matrix-vector product: %s", error)
         return None
-    function = ctypes.CDLL(str(library)).axtorch_matvec
+    if function is None:
+        return None
     function.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long, ctypes.c_long, ctypes.c_int]
     function.restype = None
 

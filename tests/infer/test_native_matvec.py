@@ -91,3 +91,11 @@ def test_a_compiler_that_fails_leaves_no_library(tmp_path, caplog):
         assert native_matvec._build([str(failing)], tmp_path / "kernels") is None
     assert "unsupported" in caplog.text
     assert list((tmp_path / "kernels").iterdir()) == []
+
+
+def test_a_cache_directory_that_cannot_be_written_leaves_torchs_kernels(tmp_path, monkeypatch, caplog):
+    (tmp_path / "not-a-directory").write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "not-a-directory"))
+    with caplog.at_level(logging.INFO, logger=native_matvec.__name__):
+        assert native_matvec.load_matvec.__wrapped__() is None
+    assert "no compiled matrix-vector product" in caplog.text
