@@ -3,11 +3,12 @@
 Decoding one token reads every weight once, so on a CPU it runs at the speed at which the matmul
 kernel streams weights from memory. Which kernel streams fastest depends on the thread count and
 the machine (BLAS libraries tune their code paths per CPU vendor and model), so
-``fastest_kernel`` times the candidates (``DecodeKernel``) once per thread count: torch's own
-``linear`` (MKL's matrix-vector product) on the weights as stored; torch's matmul on copies
-stored ``[in, out]`` (``TransposedLinear``); oneDNN's kernel on copies reordered into its blocked
-layout (``PackedLinear``); and axtorch's own product, compiled on this machine where it has a C
-compiler (``native_matvec``), on the weights as stored (``NativeLinear``).
+``fastest_kernel`` times a decode step with each candidate (``DecodeKernel``) once per thread
+count: torch's own ``linear`` (MKL's matrix-vector product) on the weights as stored; torch's
+matmul on copies stored ``[in, out]`` (``TransposedLinear``); oneDNN's kernel on copies reordered
+into its blocked layout (``PackedLinear``); and axtorch's own product, compiled on this machine
+where it has a C compiler (``native_kernels``), on the weights as stored (``NativeLinear``),
+with its layer step (``native_layers``: a whole layer of a one-row step in one call).
 
 ``decode_weights`` prepares a model for the duration of a ``with`` block, what ``generate`` does
 by default: the queries', keys' and values' weights stacked into one matrix, and the gate's and
@@ -45,13 +46,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from axtorch.infer.native_matvec import load_matvec
+from axtorch.infer.native_kernels import NativeLinear, load_library, load_matvec
+from axtorch.infer.native_layers import fill_native_runners
 from axtorch.layers.attention import QKVProjection
 from axtorch.layers.feed_forward import GateUpProjection
 from axtorch.layers.int8_linear import quantize_per_channel_int8
 from axtorch.layers.linear import Linear
 from axtorch.layers.seams import modules_with_seam
-from axtorch.models.causal_lm import CausalLM
+from axtorch.models.causal_lm import CausalLM, CausalLMInput
 
 
 class DecodeKernel(enum.Enum):
@@ -63,7 +65,7 @@ class DecodeKernel(enum.Enum):
     transposed = "torch, [in, out]"
     #: oneDNN's kernel on copies in its blocked layout (``PackedLinear``).
     packed = "oneDNN packed"
-    #: axtorch's own, compiled on this machine (``native_matvec``), on the weights as stored (``NativeLinear``).
+    #: axtorch's own, compiled on this machine (``native_kernels``), on the weights as stored (``NativeLinear``).
     native = "axtorch's own (C)"
 
 
@@ -79,27 +81,6 @@ class TransposedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = x @ self.transposed
         return out if self.bias is None else out + self.bias
-
-
-class NativeLinear(nn.Module):
-    """``x @ W.T + b`` in float32 by this machine's compiled product (``native_matvec``) for one
-    row of ``x``, by torch's ``linear`` for more rows or where gradients are wanted. It holds the
-    weight itself, not a copy."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
-        super().__init__()
-        matvec = load_matvec()
-        if matvec is None:
-            raise RuntimeError("no compiled matrix-vector product on this machine (see axtorch.infer.native_matvec)")
-        self.matvec = matvec
-        self.weight = weight.detach().contiguous()
-        self.bias = None if bias is None else bias.detach().contiguous()
-        self.in_features = weight.shape[1]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() != self.in_features or x.dtype != torch.float32 or (torch.is_grad_enabled() and x.requires_grad):
-            return F.linear(x, self.weight, self.bias)
-        return self.matvec(self.weight, x.contiguous(), self.bias)
 
 
 class PackedLinear(nn.Module):
@@ -283,21 +264,47 @@ def time_kernels(weights: Sequence[torch.Tensor], trials: int = 3) -> dict[Decod
     return best
 
 
-def fastest_kernel(weights: Sequence[torch.Tensor]) -> DecodeKernel:
-    """The kernel that streams batch-1 products by ``weights`` fastest at the current thread count:
-    timed once per thread count and process (``time_kernels``), then remembered.
+def time_decode_steps(model: CausalLM, trials: int = 3) -> dict[DecodeKernel, float]:
+    """Seconds a one-token, one-row decode step of ``model`` takes in each available kernel's
+    formats (``decode_weights`` with it: with axtorch's own kernel, its layer step too), the best
+    of ``trials`` steps after an untimed one. The kernels take turns, each with its copies made
+    just before its steps (the prepared copies of one kernel replace the last's, so the weights
+    are held at most twice)."""
+    parameter = next(model.parameters())
+    token = torch.zeros(1, 1, dtype=torch.long, device=parameter.device)
+    best = {}
+    with torch.no_grad():
+        for kernel in available_kernels():
+            with decode_weights(model, kernel):
+                caches = model.allocate_kv_caches(1, 1, dtype=parameter.dtype, device=parameter.device)
+                step = CausalLMInput(input_ids=token, positions=token, kv_caches=caches)
+                model(step)
+                best[kernel] = math.inf
+                for _ in range(trials):
+                    started = time.perf_counter()
+                    model(step)
+                    best[kernel] = min(best[kernel], time.perf_counter() - started)
+    return best
+
+
+def fastest_kernel(model: CausalLM) -> DecodeKernel:
+    """The kernel whose batch-1 decode step of ``model`` is the fastest at the current thread
+    count: timed once per thread count and process (``time_decode_steps``), then remembered.
 
     None wins everywhere. On this project's 2-core CPUs: on an earlier host torch's linear (MKL) read
     SmolLM2-135M's matrices at 0.9-1.0 of the read bandwidth on one thread and oneDNN at 0.6-0.8,
     while on two threads oneDNN, which splits a batch-1 product across threads, was once 1.5-2x
     faster and under a later load the slower; on an AMD EPYC the ``[in, out]`` copies led on one
     thread (Gemma 3 270M: 54-60% of the bandwidth, oneDNN 47-48%, torch's linear 34%) and oneDNN on two,
-    until axtorch's own product led on both (73-93% on one thread; docs/benchmarks.md). Where no C
+    until axtorch's own product led on both (73-93% on one thread; docs/benchmarks.md). The whole
+    step is timed, not the products alone: axtorch's own kernel also runs each layer as one call
+    (``native_layers``), which saves more than its products' lead over the others (SmolLM2-135M
+    on one thread: 33 ms a step with its products alone, 18 ms with the layer step). Where no C
     compiler is, it is not timed.
     """
     threads = torch.get_num_threads()
     if threads not in _FASTEST_KERNEL:
-        seconds = time_kernels(weights)
+        seconds = time_decode_steps(model)
         _FASTEST_KERNEL[threads] = min(seconds, key=seconds.__getitem__)
     return _FASTEST_KERNEL[threads]
 
@@ -325,10 +332,10 @@ def decode_weights(model: CausalLM, kernel: Optional[DecodeKernel] = None) -> It
     the fastest here (``fastest_kernel``)."""
     _on_the_cpu(model, "CPU decode weights")
     if kernel is None:
-        with torch.no_grad():
-            kernel = fastest_kernel(product_weights(model))
+        kernel = fastest_kernel(model)
     seams: list[tuple[nn.Module, str, object]] = []
     stacked: list[str] = []
+    native_stacks: dict[nn.Module, NativeLinear] = {}
     with torch.no_grad():
         for protocol, names in STACKED_SEAMS.items():
             for path, owner, slot in list(modules_with_seam(model, protocol)):
@@ -341,7 +348,12 @@ def decode_weights(model: CausalLM, kernel: Optional[DecodeKernel] = None) -> It
                 seams.append((owner, slot, getattr(owner, slot)))
                 setattr(owner, slot, projection)
                 stacked += [f"{path}.{name}" for name in names]
+                if isinstance(projection.product, NativeLinear):
+                    native_stacks[owner] = projection.product
         replaced = [] if kernel is DecodeKernel.linear else _replace_linears(model, _module_maker(kernel), skip=stacked)
+        library = load_library()
+        if kernel is DecodeKernel.native and library is not None:
+            seams += fill_native_runners(model, library, native_stacks)
     try:
         yield model
     finally:

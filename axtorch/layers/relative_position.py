@@ -224,12 +224,17 @@ class RotaryEmbedding(PositionEncoding):
 
         With ``shared``, layers of the same schedule and head size share one cos/sin table.
         """
-        if shared is None:
-            cos, sin = self.cos_sin(positions, q.device)
-        else:
-            cos, sin = shared.get((self.table_key, id(positions)), lambda: self.cos_sin(positions, q.device))
+        cos, sin = self.tables(positions, q.device, shared)
         cos, sin = cos.to(q.dtype), sin.to(q.dtype)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+    def tables(
+        self, positions: torch.Tensor, device: torch.device, shared: Optional[SharedValues] = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos_sin``, computed once per forward for all layers of this schedule and head size under ``shared``."""
+        if shared is None:
+            return self.cos_sin(positions, device)
+        return shared.get((self.table_key, id(positions)), lambda: self.cos_sin(positions, device))
 
     def cos_sin(self, positions: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 [B, 1, S, D] cos and sin of every position's angles, times the attention

@@ -112,22 +112,36 @@ def test_the_float32_inference_rms_norm_is_bit_for_bit_the_training_one(shape):
 def test_the_kernel_is_timed_once_per_thread_count_and_the_fastest_kept(monkeypatch):
     monkeypatch.setattr(cpu_weights, "_FASTEST_KERNEL", {})
     timings = []
-    time_kernels = cpu_weights.time_kernels
-    monkeypatch.setattr(cpu_weights, "time_kernels", lambda weights: timings.append(1) or time_kernels(weights))
-    weights = [torch.randn(64, 32), torch.randn(96, 32)]
+    time_decode_steps = cpu_weights.time_decode_steps
+    monkeypatch.setattr(cpu_weights, "time_decode_steps", lambda model: timings.append(1) or time_decode_steps(model))
+    model = _model(MODELS["dense"])
     before = torch.get_num_threads()
     try:
         for threads in (1, 2, 1, 2):
             torch.set_num_threads(threads)
-            assert isinstance(fastest_kernel(weights), DecodeKernel)
+            assert isinstance(fastest_kernel(model), DecodeKernel)
     finally:
         torch.set_num_threads(before)
     assert len(timings) == 2  # each thread count timed once, its answer kept
     assert set(cpu_weights._FASTEST_KERNEL) == {1, 2}
     seconds = {DecodeKernel.linear: 3.0, DecodeKernel.transposed: 1.0, DecodeKernel.packed: 2.0}
     monkeypatch.setattr(cpu_weights, "_FASTEST_KERNEL", {})
-    monkeypatch.setattr(cpu_weights, "time_kernels", lambda weights: seconds)
-    assert fastest_kernel(weights) is DecodeKernel.transposed
+    monkeypatch.setattr(cpu_weights, "time_decode_steps", lambda model: seconds)
+    assert fastest_kernel(model) is DecodeKernel.transposed
+
+
+def test_every_kernel_is_timed_on_a_whole_decode_step_in_its_formats(monkeypatch):
+    model = _model(MODELS["dense"])
+    modules = dict(model.named_modules())
+    entered = []
+    decode_weights = cpu_weights.decode_weights
+    monkeypatch.setattr(
+        cpu_weights, "decode_weights", lambda m, kernel: entered.append(kernel) or decode_weights(m, kernel)
+    )
+    seconds = cpu_weights.time_decode_steps(model, trials=2)
+    assert entered == cpu_weights.available_kernels() == list(seconds)
+    assert all(0 < s < 1 for s in seconds.values())
+    assert dict(model.named_modules()) == modules
 
 
 def test_every_kernel_is_timed_on_every_weight_with_its_copies_made_once(monkeypatch):

@@ -1,13 +1,14 @@
-"""A batch-1 matrix-vector product compiled on the machine that runs it (``matvec.c``).
+"""axtorch's decode kernels, compiled on the machine that runs them: a batch-1 matrix-vector
+product (``matvec.c``) and a whole transformer layer's step for one token (``decode_layer.c``).
 
 BLAS libraries tune their matrix-vector products per CPU vendor and model, and on some CPUs they
 read weights well below the memory's rate (docs/benchmarks.md: 35-60% on an AMD EPYC). The C
-file is short, depends on no torch header (so one build serves every torch version) and is
-compiled with the system's C compiler for this CPU (``-march=native``) on first use, into
-``$XDG_CACHE_HOME/axtorch/kernels`` (``~/.cache`` by default). The library's name holds a digest
-of the source, the compiler, the flags and the CPU's model and features, so a home directory
-shared by different machines holds one build for each. Without a compiler, or if the build
-fails, ``load_matvec`` gives None and decoding keeps torch's kernels.
+files are short, depend on no torch header (so one build serves every torch version) and are
+compiled with the system's C compiler for this CPU (``-march=native``) on first use, into one
+library in ``$XDG_CACHE_HOME/axtorch/kernels`` (``~/.cache`` by default). The library's name holds
+a digest of the sources, the compiler, the flags and the CPU's model and features, so a home
+directory shared by different machines holds one build for each. Without a compiler, or if the
+build fails, ``load_library`` gives None and decoding keeps torch's kernels.
 """
 
 from __future__ import annotations
@@ -28,11 +29,17 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("matvec.c")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("matvec.c", "decode_layer.c"))
+#: What the sources include: part of the digest, not of the command.
+HEADERS = (Path(__file__).with_name("kernels.h"),)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-shared", "-fPIC")
+#: After the sources: the math library, for the activations and the softmax.
+LIBRARIES = ("-lm",)
 #: Threads through OpenMP where the compiler has it; a compiler without it builds a one-thread kernel.
 OPENMP = ("-fopenmp",)
 
@@ -62,22 +69,23 @@ def _cpu_identity() -> str:
 
 
 def _build(command: list[str], directory: Path) -> Optional[Path]:
-    """The compiled library, built once per source, compiler, flags and CPU; None if it cannot be built."""
+    """The compiled library, built once per sources, compiler, flags and CPU; None if it cannot be built."""
     version = subprocess.run([*command, "--version"], capture_output=True, text=True).stdout
-    source = SOURCE.read_bytes()
+    sources = b"\0".join(path.read_bytes() for path in SOURCES + HEADERS)
     for flags in (FLAGS + OPENMP, FLAGS):
-        digest = hashlib.sha256(b"\0".join(s.encode() for s in (version, *flags, _cpu_identity())) + source)
-        library = directory / f"matvec-{digest.hexdigest()[:16]}.so"
+        digest = hashlib.sha256(b"\0".join(s.encode() for s in (version, *flags, _cpu_identity())) + sources)
+        library = directory / f"kernels-{digest.hexdigest()[:16]}.so"
         if library.exists():
             return library
         directory.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=directory) as scratch:
             built = Path(scratch) / library.name
-            result = subprocess.run([*command, *flags, str(SOURCE), "-o", str(built)], capture_output=True, text=True)
+            arguments = [*command, *flags, *map(str, SOURCES), *LIBRARIES, "-o", str(built)]
+            result = subprocess.run(arguments, capture_output=True, text=True)
             if result.returncode == 0:
                 os.replace(built, library)  # whole or absent, for processes that build at once
                 return library
-        logger.info("building %s with %s failed: %s", SOURCE.name, " ".join(flags), result.stderr.strip()[-500:])
+        logger.info("building the decode kernels with %s failed: %s", " ".join(flags), result.stderr.strip()[-500:])
     return None
 
 
@@ -86,20 +94,27 @@ def kernel_directory() -> Path:
 
 
 @functools.cache
-def load_matvec() -> Optional[MatVec]:
-    """This machine's compiled product (built on the first call of a process, or loaded), or None."""
+def load_library() -> Optional[ctypes.CDLL]:
+    """This machine's compiled kernels (built on the first call of a process, or loaded), or None."""
     command = compiler()
     if command is None:
         logger.info("no C compiler ($CC or cc): decoding keeps torch's kernels")
         return None
     try:
         library = _build(command, kernel_directory())
-        function = None if library is None else ctypes.CDLL(str(library)).axtorch_matvec
+        return None if library is None else ctypes.CDLL(str(library))
     except OSError as error:  # a read-only cache directory, a library that does not load
-        logger.info("no compiled matrix-vector product: %s", error)
+        logger.info("no compiled decode kernels: %s", error)
         return None
-    if function is None:
+
+
+@functools.cache
+def load_matvec() -> Optional[MatVec]:
+    """This machine's compiled product (``load_library``), or None."""
+    library = load_library()
+    if library is None:
         return None
+    function = library.axtorch_matvec
     function.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long, ctypes.c_long, ctypes.c_int]
     function.restype = None
 
@@ -111,3 +126,24 @@ def load_matvec() -> Optional[MatVec]:
         return out
 
     return matvec
+
+
+class NativeLinear(nn.Module):
+    """``x @ W.T + b`` in float32 by this machine's compiled product (``load_matvec``) for one
+    row of ``x``, by torch's ``linear`` for more rows or where gradients are wanted. It holds the
+    weight itself, not a copy."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        matvec = load_matvec()
+        if matvec is None:
+            raise RuntimeError("no compiled decode kernels on this machine (see axtorch.infer.native_kernels)")
+        self.matvec = matvec
+        self.weight = weight.detach().contiguous()
+        self.bias = None if bias is None else bias.detach().contiguous()
+        self.in_features = weight.shape[1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() != self.in_features or x.dtype != torch.float32 or (torch.is_grad_enabled() and x.requires_grad):
+            return F.linear(x, self.weight, self.bias)
+        return self.matvec(self.weight, x.contiguous(), self.bias)

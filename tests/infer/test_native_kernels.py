@@ -1,4 +1,4 @@
-"""axtorch's own batch-1 product (``native_matvec``): torch's ``linear`` on any shape and thread
+"""axtorch's own batch-1 product (``native_kernels``): torch's ``linear`` on any shape and thread
 count, torch's kernel wherever it does not apply, one build per machine, in torch's OpenMP
 runtime, and decoding without it where no compiler is."""
 
@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from axtorch.compose.experiment_loader import load_experiment_config
-from axtorch.infer import cpu_weights, generate_ids, native_matvec
+from axtorch.infer import cpu_weights, generate_ids, native_kernels
 from axtorch.infer.cpu_weights import DecodeKernel, NativeLinear
-from axtorch.infer.native_matvec import compiler, load_matvec
+from axtorch.infer.native_kernels import compiler, load_matvec
 from axtorch.train.trainer import build_model
 
 pytestmark = pytest.mark.skipif(compiler() is None, reason="no C compiler on this machine")
@@ -51,19 +51,19 @@ def test_more_rows_and_gradients_go_to_torch_linear():
 def test_it_is_built_once_per_machine(tmp_path, monkeypatch):
     command = compiler()
     assert command is not None
-    library = native_matvec._build(command, tmp_path)
+    library = native_kernels._build(command, tmp_path)
     assert library is not None
     modified = library.stat().st_mtime_ns
     compiled = []
-    run = native_matvec.subprocess.run
+    run = native_kernels.subprocess.run
 
     def counting_run(args, **kwargs):
-        if str(native_matvec.SOURCE) in args:
+        if str(native_kernels.SOURCES[0]) in args:
             compiled.append(args)
         return run(args, **kwargs)
 
-    monkeypatch.setattr(native_matvec.subprocess, "run", counting_run)
-    assert native_matvec._build(command, tmp_path) == library and library.stat().st_mtime_ns == modified
+    monkeypatch.setattr(native_kernels.subprocess, "run", counting_run)
+    assert native_kernels._build(command, tmp_path) == library and library.stat().st_mtime_ns == modified
     assert compiled == [] and [p.name for p in tmp_path.iterdir()] == [library.name]
 
 
@@ -73,7 +73,7 @@ def test_it_runs_in_the_openmp_runtime_torch_loaded():
     is torch's. (Other packages may bring their own, renamed: sentencepiece's wheel does.)"""
     program = (
         "import json, torch\n"
-        "from axtorch.infer.native_matvec import load_matvec\n"
+        "from axtorch.infer.native_kernels import load_matvec\n"
         "def runtimes():\n"
         "    return {l.split()[-1] for l in open('/proc/self/maps') if 'omp' in l.rsplit('/', 1)[-1]}\n"
         "before = runtimes()\n"
@@ -87,11 +87,12 @@ def test_it_runs_in_the_openmp_runtime_torch_loaded():
 
 
 def test_without_a_compiler_decoding_keeps_torchs_kernels(monkeypatch, caplog):
-    monkeypatch.setattr(native_matvec, "compiler", lambda: None)
-    monkeypatch.setattr(native_matvec, "load_matvec", native_matvec.load_matvec.__wrapped__)
-    monkeypatch.setattr(cpu_weights, "load_matvec", native_matvec.load_matvec)
+    monkeypatch.setattr(native_kernels, "compiler", lambda: None)
+    monkeypatch.setattr(native_kernels, "load_library", native_kernels.load_library.__wrapped__)
+    monkeypatch.setattr(native_kernels, "load_matvec", native_kernels.load_matvec.__wrapped__)
+    monkeypatch.setattr(cpu_weights, "load_matvec", native_kernels.load_matvec)
     monkeypatch.setattr(cpu_weights, "_FASTEST_KERNEL", {})
-    with caplog.at_level(logging.INFO, logger=native_matvec.__name__):
+    with caplog.at_level(logging.INFO, logger=native_kernels.__name__):
         assert DecodeKernel.native not in cpu_weights.available_kernels()
     assert "no C compiler" in caplog.text
     torch.manual_seed(0)
@@ -104,8 +105,8 @@ def test_a_compiler_that_fails_leaves_no_library(tmp_path, caplog):
     failing = tmp_path / "cc"
     failing.write_text("#!/bin/sh\necho 'cc: error: unsupported' >&2\nexit 1\n")
     failing.chmod(0o755)
-    with caplog.at_level(logging.INFO, logger=native_matvec.__name__):
-        assert native_matvec._build([str(failing)], tmp_path / "kernels") is None
+    with caplog.at_level(logging.INFO, logger=native_kernels.__name__):
+        assert native_kernels._build([str(failing)], tmp_path / "kernels") is None
     assert "unsupported" in caplog.text
     assert list((tmp_path / "kernels").iterdir()) == []
 
@@ -113,6 +114,6 @@ def test_a_compiler_that_fails_leaves_no_library(tmp_path, caplog):
 def test_a_cache_directory_that_cannot_be_written_leaves_torchs_kernels(tmp_path, monkeypatch, caplog):
     (tmp_path / "not-a-directory").write_text("")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "not-a-directory"))
-    with caplog.at_level(logging.INFO, logger=native_matvec.__name__):
-        assert native_matvec.load_matvec.__wrapped__() is None
-    assert "no compiled matrix-vector product" in caplog.text
+    with caplog.at_level(logging.INFO, logger=native_kernels.__name__):
+        assert native_kernels.load_library.__wrapped__() is None
+    assert "no compiled decode kernels" in caplog.text

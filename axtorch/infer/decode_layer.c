@@ -1,0 +1,117 @@
+/* One transformer layer's decode step for one token (batch 1, float32), in one call: what
+ * axtorch/infer/native_layers.py runs for each layer whose composition it recognises. The layer's
+ * modules would spend several times the time of its weight products on small ops and module
+ * calls (docs/benchmarks.md); here the only reads that matter are the weights' and the cache's.
+ *
+ * The math is the modules' (axtorch/layers): RMS norms, a stacked q/k/v product, optional per-head
+ * query and key norms, the "rotate half" rotation by the caller's cos and signed sin tables, the
+ * cache write at one slot, attention over the slots the caller's mask allows (scaled, optionally
+ * soft-capped, softmax), the output product, optional post-norms (sandwich placement), the
+ * stacked gate/up product, a gated activation and the down product, each sublayer added to x. */
+#include <math.h>
+
+#include "kernels.h"
+
+enum activation { SILU, GELU, GELU_TANH, RELU };
+
+/* A layer's sizes, constants and weights, filled once by the caller (native_layers.LayerSpec). */
+typedef struct {
+  long dim, heads, kv_heads, head_dim, hidden;
+  float norm_eps, head_norm_eps, scale, softcap; /* softcap 0: none */
+  int activation;
+  const float *attention_norm, *attention_post_norm; /* post norms: NULL for pre-norm */
+  const float *feed_forward_norm, *feed_forward_post_norm;
+  const float *query_norm, *key_norm; /* NULL: none */
+  const float *qkv, *qkv_bias, *output, *output_bias;
+  const float *gate_up, *gate_up_bias, *down, *down_bias;
+} layer_t;
+
+/* The scratch floats a step needs: the caller allocates them (axtorch_decode_layer_scratch). */
+long axtorch_decode_layer_scratch(const layer_t *l, long slots) {
+  return 2 * l->dim + (2 * l->heads + 2 * l->kv_heads) * l->head_dim + 2 * l->hidden + l->heads * slots;
+}
+
+static void rms_norm(const float *x, const float *weight, long n, float eps, float *out) {
+  const float scale = 1.f / sqrtf(dot(x, x, n) / (float)n + eps);
+  for (long i = 0; i < n; ++i) out[i] = x[i] * scale * weight[i];
+}
+
+/* x cos + rotate_half(x) sin, rotate_half(x) = [-x2, x1], with the sign in the first half of sin. */
+static void rotate(float *x, const float *cos, const float *sin, long n) {
+  const long half = n / 2;
+  for (long i = 0; i < half; ++i) {
+    const float a = x[i], b = x[i + half];
+    x[i] = a * cos[i] + b * sin[i];
+    x[i + half] = b * cos[i + half] + a * sin[i + half];
+  }
+}
+
+static float activate(float x, int activation) {
+  switch (activation) {
+    case SILU: return x / (1.f + expf(-x));
+    case GELU: return 0.5f * x * (1.f + erff(x * 0.7071067811865476f));
+    case GELU_TANH: return 0.5f * x * (1.f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+    default: return x > 0.f ? x : 0.f;
+  }
+}
+
+/* Each query head attends to its group's cached keys and values at the allowed slots. */
+static void attend(const layer_t *l, const float *q, const float *keys, const float *values,
+                   const unsigned char *allowed, long slots, float *scores, float *context, int threads) {
+  const long d = l->head_dim, group = l->heads / l->kv_heads;
+#pragma omp parallel for num_threads(threads) if (threads > 1 && l->heads > 1)
+  for (long h = 0; h < l->heads; ++h) {
+    const float *query = q + h * d, *k = keys + h / group * slots * d, *v = values + h / group * slots * d;
+    float *s = scores + h * slots, *out = context + h * d, top = -INFINITY, total = 0.f;
+    for (long j = 0; j < slots; ++j) {
+      if (!allowed[j]) continue;
+      float score = dot(query, k + j * d, d) * l->scale;
+      if (l->softcap > 0.f) score = l->softcap * tanhf(score / l->softcap);
+      s[j] = score;
+      top = score > top ? score : top;
+    }
+    for (long j = 0; j < slots; ++j)
+      if (allowed[j]) total += s[j] = expf(s[j] - top);
+    for (long i = 0; i < d; ++i) out[i] = 0.f;
+    for (long j = 0; j < slots; ++j) {
+      if (!allowed[j]) continue;
+      const float weight = s[j] / total, *value = v + j * d;
+      for (long i = 0; i < d; ++i) out[i] += weight * value[i];
+    }
+  }
+}
+
+/* x [dim] <- the layer's output for x at the position whose tables (cos, sin [head_dim], NULL for
+ * no rotation) and allowed slots ([slots], 0 or 1) the caller computed; the token's keys and values
+ * go to `slot` of keys and values [kv_heads, slots, head_dim]. */
+void axtorch_decode_layer(const layer_t *l, float *x, const float *cos, const float *sin, const unsigned char *allowed,
+                          float *keys, float *values, long slots, long slot, float *scratch, int threads) {
+  const long dim = l->dim, d = l->head_dim, heads = l->heads, kv = l->kv_heads, hidden = l->hidden;
+  float *normed = scratch, *qkv = normed + dim, *context = qkv + (heads + 2 * kv) * d, *sub = context + heads * d;
+  float *gate_up = sub + dim, *scores = gate_up + 2 * hidden;
+  float *q = qkv, *k = q + heads * d, *v = k + kv * d;
+
+  rms_norm(x, l->attention_norm, dim, l->norm_eps, normed);
+  axtorch_matvec(l->qkv, normed, l->qkv_bias, qkv, (heads + 2 * kv) * d, dim, threads);
+  for (long h = 0; h < heads; ++h) {
+    if (l->query_norm) rms_norm(q + h * d, l->query_norm, d, l->head_norm_eps, q + h * d);
+    if (cos) rotate(q + h * d, cos, sin, d);
+  }
+  for (long g = 0; g < kv; ++g) {
+    if (l->key_norm) rms_norm(k + g * d, l->key_norm, d, l->head_norm_eps, k + g * d);
+    if (cos) rotate(k + g * d, cos, sin, d);
+    memcpy(keys + (g * slots + slot) * d, k + g * d, d * sizeof(float));
+    memcpy(values + (g * slots + slot) * d, v + g * d, d * sizeof(float));
+  }
+  attend(l, q, keys, values, allowed, slots, scores, context, threads);
+  axtorch_matvec(l->output, context, l->output_bias, sub, dim, heads * d, threads);
+  if (l->attention_post_norm) rms_norm(sub, l->attention_post_norm, dim, l->norm_eps, sub);
+  for (long i = 0; i < dim; ++i) x[i] += sub[i];
+
+  rms_norm(x, l->feed_forward_norm, dim, l->norm_eps, normed);
+  axtorch_matvec(l->gate_up, normed, l->gate_up_bias, gate_up, 2 * hidden, dim, threads);
+  for (long i = 0; i < hidden; ++i) gate_up[i] = activate(gate_up[i], l->activation) * gate_up[hidden + i];
+  axtorch_matvec(l->down, gate_up, l->down_bias, sub, dim, hidden, threads);
+  if (l->feed_forward_post_norm) rms_norm(sub, l->feed_forward_post_norm, dim, l->norm_eps, sub);
+  for (long i = 0; i < dim; ++i) x[i] += sub[i];
+}

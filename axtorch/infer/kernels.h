@@ -1,0 +1,39 @@
+/* What axtorch's compiled decode kernels share (matvec.c, decode_layer.c): the dot product that
+ * streams a weight row, and the batch-1 product built on it. */
+#ifndef AXTORCH_KERNELS_H
+#define AXTORCH_KERNELS_H
+
+#include <string.h>
+
+#define WIDTH 8
+#define ACCUMULATORS 8
+typedef float vector __attribute__((vector_size(WIDTH * sizeof(float))));
+
+static inline vector load(const float *p) {
+  vector v;
+  memcpy(&v, p, sizeof v); /* an unaligned load */
+  return v;
+}
+
+/* a . b over n floats. Eight independent accumulators of eight floats each (a width every x86-64
+ * CPU since AVX2 has, and two NEON registers elsewhere), so the loads of a row stay in flight
+ * together. */
+static inline float dot(const float *a, const float *b, long n) {
+  const long step = WIDTH * ACCUMULATORS, whole = n / step * step;
+  vector acc[ACCUMULATORS] = {{0}};
+  long c = 0;
+  for (; c < whole; c += step)
+    for (int k = 0; k < ACCUMULATORS; ++k) acc[k] += load(a + c + k * WIDTH) * load(b + c + k * WIDTH);
+  for (; c + WIDTH <= n; c += WIDTH) acc[0] += load(a + c) * load(b + c);
+  vector lanes = acc[0];
+  for (int k = 1; k < ACCUMULATORS; ++k) lanes += acc[k];
+  float sum = 0.f;
+  for (int i = 0; i < WIDTH; ++i) sum += lanes[i];
+  for (; c < n; ++c) sum += a[c] * b[c];
+  return sum;
+}
+
+/* y = W x (+ b) for a row-major float32 W [rows, cols], its rows split over `threads`. */
+void axtorch_matvec(const float *w, const float *x, const float *b, float *y, long rows, long cols, int threads);
+
+#endif

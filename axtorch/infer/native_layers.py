@@ -1,0 +1,257 @@
+"""A decoder's layers as single calls of axtorch's compiled layer step (``decode_layer.c``) when
+decoding one token of one row on a CPU.
+
+In a batch-1 decode step of a small model the layers' small ops and module calls (norms,
+rotations, cache writes, attention, reshapes, a dozen modules a layer) took about as long as
+streaming their weights: SmolLM2-135M, 16 ms besides 17 ms of products a token on one thread
+(docs/benchmarks.md). ``NativeLayerRunner`` fills a decoder's ``LayerRunner`` seam while
+``decode_weights`` holds axtorch's own kernel: a layer whose composition ``native_layer``
+recognises runs as one C call on the weights the decode formats hold (the q/k/v and gate/up stacks,
+the linears' own weights); any other layer runs its modules, and so does every forward that is
+not one token of one row (a prefill, a batch), through the default ``run_layers_unrolled``.
+What depends only on the position, the rotary tables and the mask, still comes from each layer's
+own children (``RotaryEmbedding.tables``, the attention's mask), so their rules live in one place.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Optional, cast
+
+import torch
+from torch import nn
+
+from axtorch.infer.native_kernels import NativeLinear
+from axtorch.layers.attention import GroupedQueryAttention
+from axtorch.layers.attention_kernel import SdpaKernel, SoftcappedKernel
+from axtorch.layers.feed_forward import Activation, GatedFeedForward
+from axtorch.layers.kv_cache import KVCache
+from axtorch.layers.norm import RMSNorm
+from axtorch.layers.relative_position import NoPosition, RotaryEmbedding
+from axtorch.layers.residual import PreNormResidual, SandwichNormResidual
+from axtorch.layers.seams import modules_with_seam
+from axtorch.layers.shared_values import SharedValues
+from axtorch.layers.transformer import (
+    Decoder,
+    DecoderInput,
+    LayerRunner,
+    TransformerLayer,
+    TransformerLayerInput,
+    add_aux_loss,
+    run_layers_unrolled,
+)
+
+#: ``decode_layer.c``'s ``enum activation``.
+ACTIVATIONS = {Activation.silu: 0, Activation.gelu: 1, Activation.gelu_tanh: 2, Activation.relu: 3}
+WEIGHTS = (
+    "attention_norm",
+    "attention_post_norm",
+    "feed_forward_norm",
+    "feed_forward_post_norm",
+    "query_norm",
+    "key_norm",
+    "qkv",
+    "qkv_bias",
+    "output",
+    "output_bias",
+    "gate_up",
+    "gate_up_bias",
+    "down",
+    "down_bias",
+)
+
+
+class LayerStruct(ctypes.Structure):
+    """``decode_layer.c``'s ``layer_t``: a layer's sizes, constants and weight addresses."""
+
+    _fields_ = [
+        *((name, ctypes.c_long) for name in ("dim", "heads", "kv_heads", "head_dim", "hidden")),
+        *((name, ctypes.c_float) for name in ("norm_eps", "head_norm_eps", "scale", "softcap")),
+        ("activation", ctypes.c_int),
+        *((name, ctypes.c_void_p) for name in WEIGHTS),
+    ]
+
+
+@dataclass
+class NativeLayer:
+    """One layer as the compiled step reads it, and the children that compute its tables."""
+
+    struct: LayerStruct
+    #: The tensors ``struct`` points into, held for as long as it is.
+    tensors: list[torch.Tensor]
+    attention: GroupedQueryAttention
+    rotary: Optional[RotaryEmbedding]
+
+
+def _rms_norm(module: Optional[nn.Module]) -> Optional[RMSNorm]:
+    """``module`` if it is a float32 RMS norm (or None if it is None); raises ``_Unsupported`` otherwise."""
+    if module is None:
+        return None
+    if type(module) is not RMSNorm or module.weight.dtype != torch.float32:
+        raise _Unsupported
+    return module
+
+
+class _Unsupported(Exception):
+    """A part of a layer that the compiled step does not compute."""
+
+
+def native_layer(layer: nn.Module, stacks: Mapping[nn.Module, NativeLinear]) -> Optional[NativeLayer]:
+    """``layer`` for the compiled step, or None where its composition holds a part the step does
+    not compute. ``stacks``: the q/k/v and gate/up stacks ``decode_weights`` made, by their owner
+    (the attention, the feed-forward). Recognised: pre- or sandwich-norm placement, RMS norms,
+    optional per-head query and key norms, rotary or no position encoding, torch's or the
+    soft-capped attention kernel, any mask (computed by the layer's own), a gated feed-forward."""
+    if type(layer) is not TransformerLayer:
+        return None
+    attention, feed_forward = layer.attention, layer.feed_forward
+    if type(attention) is not GroupedQueryAttention or type(feed_forward) is not GatedFeedForward:
+        return None
+    qkv, gate_up = stacks.get(attention), stacks.get(feed_forward)
+    output, down = attention.o_proj, feed_forward.down_proj
+    if qkv is None or gate_up is None or type(output) is not NativeLinear or type(down) is not NativeLinear:
+        return None
+    placement = type(layer.attention_residual)
+    if placement not in (PreNormResidual, SandwichNormResidual) or type(layer.feed_forward_residual) is not placement:
+        return None
+    if type(attention.position) not in (RotaryEmbedding, NoPosition):
+        return None
+    if type(attention.kernel) not in (SdpaKernel, SoftcappedKernel):
+        return None
+    try:
+        norms = [_rms_norm(layer.attention_norm), _rms_norm(layer.feed_forward_norm)]
+        post_norms = [None, None]
+        if placement is SandwichNormResidual:
+            post_norms = [
+                _rms_norm(layer.attention_residual.post_norm),
+                _rms_norm(layer.feed_forward_residual.post_norm),
+            ]
+        head_norms = [_rms_norm(attention.query_norm), _rms_norm(attention.key_norm)]
+    except _Unsupported:
+        return None
+    if len({norm.eps for norm in norms + post_norms if norm is not None}) != 1:
+        return None
+    if len({norm.eps for norm in head_norms if norm is not None}) > 1:
+        return None
+    weights = {
+        "attention_norm": norms[0],
+        "feed_forward_norm": norms[1],
+        "attention_post_norm": post_norms[0],
+        "feed_forward_post_norm": post_norms[1],
+        "query_norm": head_norms[0],
+        "key_norm": head_norms[1],
+    }
+    tensors = {name: None if norm is None else norm.weight.detach().contiguous() for name, norm in weights.items()}
+    for name, product in (("qkv", qkv), ("output", output), ("gate_up", gate_up), ("down", down)):
+        tensors[name], tensors[f"{name}_bias"] = product.weight, product.bias
+    head_dim = attention.head_dim
+    struct = LayerStruct(
+        dim=output.weight.shape[0],
+        heads=output.in_features // head_dim,
+        kv_heads=(qkv.weight.shape[0] - output.in_features) // (2 * head_dim),
+        head_dim=head_dim,
+        hidden=down.in_features,
+        norm_eps=norms[0].eps,
+        head_norm_eps=next((norm.eps for norm in head_norms if norm is not None), 0.0),
+        scale=head_dim**-0.5 if attention.config.softmax_scale is None else attention.config.softmax_scale,
+        softcap=attention.kernel.cap if type(attention.kernel) is SoftcappedKernel else 0.0,
+        activation=ACTIVATIONS[feed_forward.activation],
+        **{name: None if tensor is None else tensor.data_ptr() for name, tensor in tensors.items()},
+    )
+    rotary = attention.position if type(attention.position) is RotaryEmbedding else None
+    return NativeLayer(struct, [t for t in tensors.values() if t is not None], attention, rotary)
+
+
+class NativeLayerRunner:
+    """A decoder's ``LayerRunner`` for batch-1 decoding on a CPU: the layers ``native_layer``
+    recognised (``layers``, None for the others) as compiled steps, one token of one row at a time."""
+
+    def __init__(self, library: ctypes.CDLL, layers: Sequence[Optional[NativeLayer]]):
+        self.layers = list(layers)
+        self.step = library.axtorch_decode_layer
+        layer = ctypes.POINTER(LayerStruct)
+        self.step.argtypes = (
+            [layer] + [ctypes.c_void_p] * 6 + [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_int]
+        )
+        self.step.restype = None
+        self.scratch_floats = library.axtorch_decode_layer_scratch
+        self.scratch_floats.argtypes = [layer, ctypes.c_long]
+        self.scratch_floats.restype = ctypes.c_long
+        self.scratch = torch.empty(0)
+        self.scratch_for: tuple[int, ...] = ()
+
+    def _scratch(self, caches: Sequence[KVCache]) -> torch.Tensor:
+        """Room for any layer's step at its cache's length, allocated once per set of cache lengths."""
+        lengths = tuple(cache.max_len for cache in caches)
+        if lengths != self.scratch_for:
+            floats = max(
+                self.scratch_floats(ctypes.byref(native.struct), length)
+                for native, length in zip(self.layers, lengths)
+                if native is not None
+            )
+            self.scratch, self.scratch_for = torch.empty(floats), lengths
+        return self.scratch
+
+    def __call__(self, decoder: Decoder, inputs: DecoderInput) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        x, caches = inputs.hidden_states, inputs.kv_caches
+        if (
+            caches is None
+            or x.shape[:2] != (1, 1)
+            or x.dtype != torch.float32
+            or inputs.segment_ids is not None
+            or torch.is_grad_enabled()
+            or any(c.keys.dtype != torch.float32 or c.keys.shape[0] != 1 for c in caches)
+        ):
+            return run_layers_unrolled(decoder, inputs)
+        x = x.clone(memory_format=torch.contiguous_format)  # the steps write it in place
+        position = int(inputs.positions)
+        scratch, shared, threads = self._scratch(caches), SharedValues(), torch.get_num_threads()
+        written: set[int] = set()  # ring caches share their slot positions (``allocate_kv_caches``)
+        aux_loss = None
+        for layer, native, cache in zip(decoder.layers, self.layers, caches):
+            if native is None:
+                out = decoder.run_layer(layer, TransformerLayerInput(x, inputs.positions, cache, None, shared))
+                x, aux_loss = out.hidden_states.contiguous(), add_aux_loss(aux_loss, out.aux_loss)
+                continue
+            slot = position if cache.window is None else position % cache.max_len
+            if not 0 <= slot < cache.max_len:
+                raise ValueError(f"position {position} is past the KV cache's {cache.max_len} slots")
+            if cache.window is not None and id(cache.slot_positions) not in written:
+                cache.slot_positions[0, slot] = position
+                written.add(id(cache.slot_positions))
+            allowed = native.attention.mask(inputs.positions, cache.slot_positions, None, None, shared).contiguous()
+            cos = sin = None
+            if native.rotary is not None:
+                cos, sin = (t.data_ptr() for t in native.rotary.tables(inputs.positions, x.device, shared))
+            self.step(
+                ctypes.byref(native.struct),
+                x.data_ptr(),
+                cos,
+                sin,
+                allowed.data_ptr(),
+                cache.keys.data_ptr(),
+                cache.values.data_ptr(),
+                cache.max_len,
+                slot,
+                scratch.data_ptr(),
+                threads,
+            )
+        return x, aux_loss
+
+
+def fill_native_runners(
+    model: nn.Module, library: ctypes.CDLL, stacks: Mapping[nn.Module, NativeLinear]
+) -> list[tuple[nn.Module, str, object]]:
+    """Put a ``NativeLayerRunner`` into every decoder's ``LayerRunner`` seam that holds the default
+    and has a layer ``native_layer`` recognises; returns ``(decoder, slot, what it held)`` of each."""
+    filled: list[tuple[nn.Module, str, object]] = []
+    for _, decoder, slot in list(modules_with_seam(model, LayerRunner)):
+        if getattr(decoder, slot) is not run_layers_unrolled:
+            continue
+        layers = [native_layer(layer, stacks) for layer in cast(Decoder, decoder).layers]
+        if any(native is not None for native in layers):
+            filled.append((decoder, slot, run_layers_unrolled))
+            setattr(decoder, slot, NativeLayerRunner(library, layers))
+    return filled

@@ -1,0 +1,147 @@
+"""The compiled layer step (``native_layers``): with axtorch's own kernel, decoding one row runs each
+recognised layer as one C call and gives the modules' logits and tokens, for every composition it
+recognises (pre- and sandwich norms, query/key norms, sliding-window rings, soft-capping, biases,
+grouped heads, no rotation); layers it does not recognise and batches run the modules."""
+
+import pytest
+import torch
+
+from axtorch.compose.experiment_loader import load_experiment_config
+from axtorch.infer import cpu_weights, decode_weights, generate_ids
+from axtorch.infer.cpu_weights import DecodeKernel
+from axtorch.infer.native_kernels import compiler
+from axtorch.infer.native_layers import NativeLayerRunner
+from axtorch.layers.transformer import run_layers_unrolled
+from axtorch.models import CausalLMInput
+from axtorch.models.lora import LoRA, LoRAConfig
+from axtorch.train.trainer import build_model
+
+pytestmark = pytest.mark.skipif(compiler() is None, reason="no C compiler on this machine")
+
+#: Compositions the step recognises in every layer.
+RECOGNISED = {
+    "llama": ["experiment=debug"],
+    "qkv bias, untied, yarn": [
+        "experiment=debug",
+        "model/position=rope_yarn",
+        "model.decoder.layer.attention.position.factor=4",
+        "model.decoder.layer.attention.qkv_projection.bias=true",
+        "model.decoder.layer.feed_forward.projection.bias=true",
+        "model.tie_embeddings=false",
+    ],
+    # sandwich norms, query/key norms, GELU (tanh), 5 sliding-window layers of 8 to 1 global, two rotary bases
+    "gemma 3": ["experiment=debug", "model=gemma3_tiny"],
+    "soft-capped, scaled, relu": [
+        "experiment=debug",
+        "model=gemma3_tiny",
+        "model/attention_kernel=softcapped",
+        "model.decoder.layer.attention.softmax_scale=0.3",
+        "model.decoder.layer.feed_forward.activation=relu",
+    ],
+    "gelu, no rotation": [
+        "experiment=debug",
+        "model/position=none",
+        "model.decoder.layer.feed_forward.activation=gelu",
+    ],
+    # grouped heads (6 to 2), a sliding window of 16 in two layers of three
+    "local/global": ["experiment=debug", "model=local_global_tiny"],
+}
+PROMPT = [5, 17, 300, 2, 9, 4]
+
+
+def _model(overrides):
+    torch.manual_seed(0)
+    model = build_model(load_experiment_config(overrides), torch.device("cpu")).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias") or name.endswith("norm.weight"):
+                parameter.normal_()  # zero or one at initialisation: a lost bias or norm weight would not show
+    return model
+
+
+@pytest.fixture(autouse=True)
+def native_kernel(monkeypatch):
+    if DecodeKernel.native not in cpu_weights.available_kernels():
+        pytest.skip("the decode kernels did not build here")
+    monkeypatch.setattr(cpu_weights, "fastest_kernel", lambda weights: DecodeKernel.native)
+
+
+def _step_logits(model, steps: int) -> torch.Tensor:
+    """The logits of ``steps`` one-token decode steps after a prefill of ``PROMPT``, greedy."""
+    caches = model.allocate_kv_caches(1, len(PROMPT) + steps, dtype=torch.float32, device="cpu", max_write=len(PROMPT))
+    ids = torch.tensor([PROMPT])
+    logits = model(CausalLMInput(input_ids=ids, kv_caches=caches)).logits[:, -1:]
+    every = []
+    for position in range(len(PROMPT), len(PROMPT) + steps):
+        token = logits.argmax(-1)
+        logits = model(CausalLMInput(input_ids=token, positions=torch.tensor([[position]]), kv_caches=caches)).logits
+        every.append(logits)
+    return torch.cat(every, dim=1)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("kind", list(RECOGNISED))
+@torch.no_grad()
+def test_every_layer_runs_compiled_and_gives_the_modules_logits_and_tokens(kind, threads):
+    model = _model(RECOGNISED[kind])
+    steps = 20  # past gemma3_tiny's window of 8: the rings wrap
+    expected = _step_logits(model, steps)
+    greedy = generate_ids(model, [PROMPT], steps, pack=False)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with decode_weights(model):
+            runner = model.decoder.layer_runner
+            assert isinstance(runner, NativeLayerRunner)
+            assert all(native is not None for native in runner.layers)
+            got = _step_logits(model, steps)
+        tokens = generate_ids(model, [PROMPT], steps)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    assert tokens == greedy
+    assert model.decoder.layer_runner is run_layers_unrolled
+
+
+@torch.no_grad()
+def test_a_layer_it_does_not_recognise_runs_its_modules_among_compiled_ones():
+    model = _model(["experiment=debug"])
+    attention = model.decoder.layers[1].attention
+    attention.q_proj.adapter = LoRA(LoRAConfig(rank=2), attention.q_proj.in_features, attention.q_proj.out_features)
+    attention.q_proj.adapter.lora_a.normal_()
+    attention.q_proj.adapter.lora_b.normal_()  # zero at initialisation: it would change nothing
+    expected = _step_logits(model, 6)
+    with decode_weights(model):
+        runner = model.decoder.layer_runner
+        assert isinstance(runner, NativeLayerRunner)
+        assert [native is None for native in runner.layers] == [i == 1 for i in range(len(runner.layers))]
+        got = _step_logits(model, 6)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_a_model_without_a_recognised_layer_keeps_the_default_runner():
+    model = _model(["experiment=debug", "model=mixtral_tiny"])
+    with decode_weights(model):
+        assert model.decoder.layer_runner is run_layers_unrolled
+
+
+def test_batches_run_the_modules(monkeypatch):
+    model = _model(["experiment=debug", "model=gemma3_tiny"])
+    prompts = [PROMPT, [7, 7, 1]]
+    greedy = generate_ids(model, prompts, 12, pack=False)
+    with decode_weights(model):
+        runner = model.decoder.layer_runner
+        assert isinstance(runner, NativeLayerRunner)
+        compiled = []
+        monkeypatch.setattr(runner, "step", lambda *arguments: compiled.append(arguments))
+        assert generate_ids(model, prompts, 12) == greedy
+    assert compiled == []
+
+
+@torch.no_grad()
+def test_a_position_past_the_cache_is_refused_before_any_write():
+    model = _model(["experiment=debug"])
+    caches = model.allocate_kv_caches(1, 4, dtype=torch.float32, device="cpu")
+    with decode_weights(model), pytest.raises(ValueError, match="position 4 is past the KV cache's 4 slots"):
+        model(CausalLMInput(input_ids=torch.tensor([[3]]), positions=torch.tensor([[4]]), kv_caches=caches))
+    assert all(not cache.keys.any() for cache in caches)
