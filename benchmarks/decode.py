@@ -14,11 +14,12 @@ with ``axtorch.infer.generate_ids`` (right-padded batch, KV cache), transformers
 only, and the time includes the prompt's prefill. "same tokens" counts rows whose tokens agree with
 transformers'. axtorch runs four ways: "default", ``generate_ids(model, ...)`` as a library caller
 calls it on the loaded model (its decode weight formats, ``cpu_weights.decode_weights``: q/k/v and
-gate/up stacked, the kernel it timed the fastest at the thread count, prepared on the first call
-and reused after); "compiled", the same with ``compile=True`` (``torch.compile`` of the decode
-step, inductor's C++ wrapper, the KV cache's length rounded up to a multiple of 256); "torch
-linears" (``pack=False``: the model's own modules); and int8 (``quantize_int8``, then the layers it
-skips packed: ``axtorch-generate quantize=int8``). Each run's first call, untimed, is printed: the
+gate/up stacked, the kernel whose decode step it timed the fastest at the thread count, with
+axtorch's own kernel its layer step, prepared on the first call and reused after); "compiled",
+the same with ``compile=True`` (``torch.compile`` of the decode step, inductor's C++ wrapper,
+the KV cache's length rounded up to a multiple of 256); "torch linears" (``pack=False``: the
+model's own modules); and int8 (``quantize_int8``, then the layers it skips packed:
+``axtorch-generate quantize=int8``). Each run's first call, untimed, is printed: the
 compiled one compiles there. ``--gguf`` takes another model's file, e.g. Gemma 3 270M's (the
 interop tests cache it under ``~/.cache/axtorch/test-assets/gemma3/``).
 The perplexity of each on a real text (by default the running Python's LICENSE.txt, present on
@@ -66,7 +67,6 @@ import transformers
 from axtorch.infer.cpu_weights import (
     DEFAULT_SKIP,
     STACKED_SEAMS,
-    NativeLinear,
     PackedLinear,
     StackedProjection,
     TransposedLinear,
@@ -77,6 +77,7 @@ from axtorch.infer.cpu_weights import (
     time_kernels,
 )
 from axtorch.infer.decoding import compiled_cache_length, generate_ids
+from axtorch.infer.native_kernels import NativeLinear
 from axtorch.interop import from_gguf
 from axtorch.layers.linear import Linear
 from axtorch.layers.seams import modules_with_seam
