@@ -28,7 +28,7 @@ typedef struct {
 
 /* The scratch floats a step needs: the caller allocates them (axtorch_decode_layer_scratch). */
 long axtorch_decode_layer_scratch(const layer_t *l, long slots) {
-  return 2 * l->dim + (2 * l->heads + 2 * l->kv_heads) * l->head_dim + 2 * l->hidden + l->heads * slots;
+  return 2 * l->dim + (2 * l->heads + 2 * l->kv_heads) * l->head_dim + l->hidden + l->heads * slots;
 }
 
 static void rms_norm(const float *x, const float *weight, long n, float eps, float *out) {
@@ -55,11 +55,28 @@ static float activate(float x, int activation) {
   }
 }
 
-/* Each query head attends to its group's cached keys and values at the allowed slots. */
+/* The query and key norms and rotation, then the token's keys and values written to their slot. */
+static void place_keys(const layer_t *l, float *q, float *k, const float *v, const float *cos, const float *sin,
+                       float *keys, float *values, long slots, long slot) {
+  const long d = l->head_dim;
+  for (long h = 0; h < l->heads; ++h) {
+    if (l->query_norm) rms_norm(q + h * d, l->query_norm, d, l->head_norm_eps, q + h * d);
+    if (cos) rotate(q + h * d, cos, sin, d);
+  }
+  for (long g = 0; g < l->kv_heads; ++g) {
+    if (l->key_norm) rms_norm(k + g * d, l->key_norm, d, l->head_norm_eps, k + g * d);
+    if (cos) rotate(k + g * d, cos, sin, d);
+    memcpy(keys + (g * slots + slot) * d, k + g * d, d * sizeof(float));
+    memcpy(values + (g * slots + slot) * d, v + g * d, d * sizeof(float));
+  }
+}
+
+/* Each query head attends to its group's cached keys and values at the allowed slots (heads split
+ * over the threads of the enclosing region). */
 static void attend(const layer_t *l, const float *q, const float *keys, const float *values,
-                   const unsigned char *allowed, long slots, float *scores, float *context, int threads) {
+                   const unsigned char *allowed, long slots, float *scores, float *context) {
   const long d = l->head_dim, group = l->heads / l->kv_heads;
-#pragma omp parallel for num_threads(threads) if (threads > 1 && l->heads > 1)
+#pragma omp for schedule(static)
   for (long h = 0; h < l->heads; ++h) {
     const float *query = q + h * d, *k = keys + h / group * slots * d, *v = values + h / group * slots * d;
     float *s = scores + h * slots, *out = context + h * d, top = -INFINITY, total = 0.f;
@@ -81,37 +98,52 @@ static void attend(const layer_t *l, const float *q, const float *keys, const fl
   }
 }
 
+/* act(gate x) * (up x) for the stacked [gate; up] weight: each thread reads the gate's and the up
+ * projection's rows of its share of the hidden units, so the activation needs no pass of its own. */
+static void gated(const layer_t *l, const float *x, float *out) {
+  const long hidden = l->hidden, dim = l->dim;
+  const float *gate = l->gate_up, *up = l->gate_up + hidden * dim, *bias = l->gate_up_bias;
+#pragma omp for schedule(static)
+  for (long i = 0; i < hidden; ++i) {
+    float g = dot(gate + i * dim, x, dim), u = dot(up + i * dim, x, dim);
+    if (bias) g += bias[i], u += bias[hidden + i];
+    out[i] = activate(g, l->activation) * u;
+  }
+}
+
+static void add_sublayer(const layer_t *l, const float *post_norm, float *sub, float *x) {
+  if (post_norm) rms_norm(sub, post_norm, l->dim, l->norm_eps, sub);
+  for (long i = 0; i < l->dim; ++i) x[i] += sub[i];
+}
+
 /* x [dim] <- the layer's output for x at the position whose tables (cos, sin [head_dim], NULL for
  * no rotation) and allowed slots ([slots], 0 or 1) the caller computed; the token's keys and values
- * go to `slot` of keys and values [kv_heads, slots, head_dim]. */
+ * go to `slot` of keys and values [kv_heads, slots, head_dim]. One parallel region of `threads`:
+ * the products and the heads are split, the small steps between them run on one thread. */
 void axtorch_decode_layer(const layer_t *l, float *x, const float *cos, const float *sin, const unsigned char *allowed,
                           float *keys, float *values, long slots, long slot, float *scratch, int threads) {
-  const long dim = l->dim, d = l->head_dim, heads = l->heads, kv = l->kv_heads, hidden = l->hidden;
+  const long dim = l->dim, d = l->head_dim, heads = l->heads, kv = l->kv_heads;
   float *normed = scratch, *qkv = normed + dim, *context = qkv + (heads + 2 * kv) * d, *sub = context + heads * d;
-  float *gate_up = sub + dim, *scores = gate_up + 2 * hidden;
+  float *hidden = sub + dim, *scores = hidden + l->hidden;
   float *q = qkv, *k = q + heads * d, *v = k + kv * d;
-
-  rms_norm(x, l->attention_norm, dim, l->norm_eps, normed);
-  axtorch_matvec(l->qkv, normed, l->qkv_bias, qkv, (heads + 2 * kv) * d, dim, threads);
-  for (long h = 0; h < heads; ++h) {
-    if (l->query_norm) rms_norm(q + h * d, l->query_norm, d, l->head_norm_eps, q + h * d);
-    if (cos) rotate(q + h * d, cos, sin, d);
+  (void)threads; /* without OpenMP */
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+#pragma omp single
+    rms_norm(x, l->attention_norm, dim, l->norm_eps, normed);
+    product(l->qkv, normed, l->qkv_bias, qkv, (heads + 2 * kv) * d, dim);
+#pragma omp single
+    place_keys(l, q, k, v, cos, sin, keys, values, slots, slot);
+    attend(l, q, keys, values, allowed, slots, scores, context);
+    product(l->output, context, l->output_bias, sub, dim, heads * d);
+#pragma omp single
+    {
+      add_sublayer(l, l->attention_post_norm, sub, x);
+      rms_norm(x, l->feed_forward_norm, dim, l->norm_eps, normed);
+    }
+    gated(l, normed, hidden);
+    product(l->down, hidden, l->down_bias, sub, dim, l->hidden);
+#pragma omp single
+    add_sublayer(l, l->feed_forward_post_norm, sub, x);
   }
-  for (long g = 0; g < kv; ++g) {
-    if (l->key_norm) rms_norm(k + g * d, l->key_norm, d, l->head_norm_eps, k + g * d);
-    if (cos) rotate(k + g * d, cos, sin, d);
-    memcpy(keys + (g * slots + slot) * d, k + g * d, d * sizeof(float));
-    memcpy(values + (g * slots + slot) * d, v + g * d, d * sizeof(float));
-  }
-  attend(l, q, keys, values, allowed, slots, scores, context, threads);
-  axtorch_matvec(l->output, context, l->output_bias, sub, dim, heads * d, threads);
-  if (l->attention_post_norm) rms_norm(sub, l->attention_post_norm, dim, l->norm_eps, sub);
-  for (long i = 0; i < dim; ++i) x[i] += sub[i];
-
-  rms_norm(x, l->feed_forward_norm, dim, l->norm_eps, normed);
-  axtorch_matvec(l->gate_up, normed, l->gate_up_bias, gate_up, 2 * hidden, dim, threads);
-  for (long i = 0; i < hidden; ++i) gate_up[i] = activate(gate_up[i], l->activation) * gate_up[hidden + i];
-  axtorch_matvec(l->down, gate_up, l->down_bias, sub, dim, hidden, threads);
-  if (l->feed_forward_post_norm) rms_norm(sub, l->feed_forward_post_norm, dim, l->norm_eps, sub);
-  for (long i = 0; i < dim; ++i) x[i] += sub[i];
 }

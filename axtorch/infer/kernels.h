@@ -40,7 +40,18 @@ static inline float dot(const float *a, const float *b, long n) {
   return sum;
 }
 
-/* y = W x (+ b) for a row-major float32 W [rows, cols], its rows split over `threads`. */
+/* y = W x (+ b) for a row-major float32 W [rows, cols]. Inside an OpenMP parallel region the
+ * threads split the rows (an orphaned `omp for`, which ends in a barrier); outside one, or built
+ * without OpenMP, the calling thread computes them all. */
+static inline void product(const float *w, const float *x, const float *b, float *y, long rows, long cols) {
+#pragma omp for schedule(static)
+  for (long r = 0; r < rows; ++r) {
+    const float sum = dot(w + r * cols, x, cols);
+    y[r] = b ? sum + b[r] : sum;
+  }
+}
+
+/* y = W x (+ b), its rows split over `threads`. */
 void axtorch_matvec(const float *w, const float *x, const float *b, float *y, long rows, long cols, int threads);
 
 #endif
