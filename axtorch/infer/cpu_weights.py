@@ -39,6 +39,7 @@ import math
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Optional, TypeVar, cast
 
 import torch
@@ -139,15 +140,19 @@ def _plain(module: nn.Module) -> bool:
 
 
 def _replace_linears(
-    model: CausalLM, make: Callable[[torch.Tensor, Optional[torch.Tensor]], nn.Module], skip: Sequence[str]
+    model: CausalLM,
+    make: Callable[[torch.Tensor, Optional[torch.Tensor]], nn.Module],
+    skip: Sequence[str] = (),
+    keep: AbstractSet[str] = frozenset(),
 ) -> Replaced:
-    """Replace, in place, every plain ``Linear`` whose module name matches no pattern of ``skip``
-    (fnmatch), and the output head (tied: a copy of the embedding table), by ``make(weight, bias)``."""
+    """Replace, in place, every plain ``Linear`` whose module name is not in ``keep`` and matches no
+    pattern of ``skip`` (fnmatch), and the output head (tied: a copy of the embedding table), by
+    ``make(weight, bias)``."""
     replaced: Replaced = []
     for path, module in list(model.named_modules()):
         for name, child in list(module.named_children()):
             full_name = f"{path}.{name}" if path else name
-            if _plain(child) and not any(fnmatch.fnmatch(full_name, p) for p in skip):
+            if _plain(child) and full_name not in keep and not any(fnmatch.fnmatch(full_name, p) for p in skip):
                 replaced.append((module, name, child))
                 setattr(module, name, make(child.weight, child.bias))
     if model.lm_head is None:
@@ -334,7 +339,7 @@ def decode_weights(model: CausalLM, kernel: Optional[DecodeKernel] = None) -> It
     if kernel is None:
         kernel = fastest_kernel(model)
     seams: list[tuple[nn.Module, str, object]] = []
-    stacked: list[str] = []
+    stacked: set[str] = set()
     native_stacks: dict[nn.Module, NativeLinear] = {}
     with torch.no_grad():
         for protocol, names in STACKED_SEAMS.items():
@@ -347,10 +352,10 @@ def decode_weights(model: CausalLM, kernel: Optional[DecodeKernel] = None) -> It
                 projection = _reused(kind, tensors, functools.partial(StackedProjection, linears, kernel))
                 seams.append((owner, slot, getattr(owner, slot)))
                 setattr(owner, slot, projection)
-                stacked += [f"{path}.{name}" for name in names]
+                stacked.update(f"{path}.{name}" for name in names)
                 if isinstance(projection.product, NativeLinear):
                     native_stacks[owner] = projection.product
-        replaced = [] if kernel is DecodeKernel.linear else _replace_linears(model, _module_maker(kernel), skip=stacked)
+        replaced = [] if kernel is DecodeKernel.linear else _replace_linears(model, _module_maker(kernel), keep=stacked)
         library = load_library()
         if kernel is DecodeKernel.native and library is not None:
             seams += fill_native_runners(model, library, native_stacks)
@@ -369,7 +374,7 @@ def decode_weights(model: CausalLM, kernel: Optional[DecodeKernel] = None) -> It
 def pack_linears(model: CausalLM) -> CausalLM:
     """Every float32 ``Linear`` and the output head as a ``PackedLinear``; what is already int8 stays."""
     _on_the_cpu(model, "oneDNN packing")
-    _replace_linears(model, PackedLinear, skip=())
+    _replace_linears(model, PackedLinear)
     return model.eval()
 
 
