@@ -3,11 +3,13 @@ recognised layer as one C call and gives the modules' logits and tokens, for eve
 recognises (pre- and sandwich norms, query/key norms, sliding-window rings, soft-capping, biases,
 grouped heads, no rotation); layers it does not recognise and batches run the modules."""
 
+import ctypes
+
 import pytest
 import torch
 
 from axtorch.compose.experiment_loader import load_experiment_config
-from axtorch.infer import cpu_weights, decode_weights, generate_ids
+from axtorch.infer import cpu_weights, decode_weights, generate_ids, native_kernels
 from axtorch.infer.cpu_weights import DecodeKernel
 from axtorch.infer.native_kernels import compiler
 from axtorch.infer.native_layers import NativeLayerRunner
@@ -145,3 +147,23 @@ def test_a_position_past_the_cache_is_refused_before_any_write():
     with decode_weights(model), pytest.raises(ValueError, match="position 4 is past the KV cache's 4 slots"):
         model(CausalLMInput(input_ids=torch.tensor([[3]]), positions=torch.tensor([[4]]), kv_caches=caches))
     assert all(not cache.keys.any() for cache in caches)
+
+
+@torch.no_grad()
+def test_a_build_without_openmp_runs_the_same_steps_on_one_thread(tmp_path, monkeypatch):
+    """A compiler without OpenMP builds the same sources; their parallel regions run on the caller's thread."""
+    monkeypatch.setattr(native_kernels, "OPENMP", ())
+    built = native_kernels._build(compiler(), tmp_path)
+    assert built is not None
+    monkeypatch.setattr(cpu_weights, "load_library", lambda: ctypes.CDLL(str(built)))
+    model = _model(RECOGNISED["gemma 3"])
+    expected = _step_logits(model, 12)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with decode_weights(model):
+            assert isinstance(model.decoder.layer_runner, NativeLayerRunner)
+            got = _step_logits(model, 12)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
