@@ -166,7 +166,8 @@ def native_layer(layer: nn.Module, stacks: Mapping[nn.Module, NativeLinear]) -> 
 
 class NativeLayerRunner:
     """A decoder's ``LayerRunner`` for batch-1 decoding on a CPU: the layers ``native_layer``
-    recognised (``layers``, None for the others) as compiled steps, one token of one row at a time."""
+    recognised (``layers``, None for the others) as compiled steps, one token of one row at a time,
+    in evaluation without gradients; any other forward runs ``run_layers_unrolled``."""
 
     def __init__(self, library: ctypes.CDLL, layers: Sequence[Optional[NativeLayer]]):
         self.layers = list(layers)
@@ -202,6 +203,7 @@ class NativeLayerRunner:
             or x.dtype != torch.float32
             or inputs.segment_ids is not None
             or torch.is_grad_enabled()
+            or decoder.training  # dropout, which the step does not apply
             or any(c.keys.dtype != torch.float32 or c.keys.shape[0] != 1 for c in caches)
         ):
             return run_layers_unrolled(decoder, inputs)

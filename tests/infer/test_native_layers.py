@@ -127,7 +127,7 @@ def test_a_model_without_a_recognised_layer_keeps_the_default_runner():
         assert model.decoder.layer_runner is run_layers_unrolled
 
 
-def test_batches_run_the_modules(monkeypatch):
+def test_batches_and_training_mode_run_the_modules(monkeypatch):
     model = _model(["experiment=debug", "model=gemma3_tiny"])
     prompts = [PROMPT, [7, 7, 1]]
     greedy = generate_ids(model, prompts, 12, pack=False)
@@ -137,6 +137,9 @@ def test_batches_run_the_modules(monkeypatch):
         compiled = []
         monkeypatch.setattr(runner, "step", lambda *arguments: compiled.append(arguments))
         assert generate_ids(model, prompts, 12) == greedy
+        with torch.no_grad():
+            model.train()  # dropout, were any configured: the modules apply it
+            _step_logits(model, 2)
     assert compiled == []
 
 
