@@ -85,6 +85,10 @@ class NativeLayer:
     rotary: Optional[RotaryEmbedding]
 
 
+class _Unsupported(Exception):
+    """A part of a layer that the compiled step does not compute."""
+
+
 def _rms_norm(module: Optional[nn.Module]) -> Optional[RMSNorm]:
     """``module`` if it is a float32 RMS norm (or None if it is None); raises ``_Unsupported`` otherwise."""
     if module is None:
@@ -92,10 +96,6 @@ def _rms_norm(module: Optional[nn.Module]) -> Optional[RMSNorm]:
     if type(module) is not RMSNorm or module.weight.dtype != torch.float32:
         raise _Unsupported
     return module
-
-
-class _Unsupported(Exception):
-    """A part of a layer that the compiled step does not compute."""
 
 
 def native_layer(layer: nn.Module, stacks: Mapping[nn.Module, NativeLinear]) -> Optional[NativeLayer]:
