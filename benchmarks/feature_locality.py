@@ -14,8 +14,12 @@ A feature is *local* when the only files outside its defining file that name it 
 * ``axtorch/compose/registry.py``, the registry of choices, and
 * the ``__init__.py`` of the defining package, provided it only re-exports (imports) the name.
 
-Interop converters (``axtorch/interop/*``) are reported in their own column and do not count
-against locality: translating an external format necessarily names the features it maps.
+Converters are reported in their own column and do not count against locality: translating
+the composed model to another implementation necessarily names the features it maps. They are
+the interop converters (``axtorch/interop/*``: HF and GGUF) and the compiled decode step's
+(``axtorch/infer/native_layers.py``, which maps the layers it recognises onto ``decode_layer.c``
+and leaves every other to its modules; ``tests/infer/test_native_layers.py`` holds each feature it
+maps to the modules' logits).
 
 A second check, family locality, does the same for the interop model families registered in
 ``axtorch.interop.families.FAMILIES``: a family (an adapter object, e.g. ``MIXTRAL``) is local when
@@ -46,7 +50,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "axtorch"
 REGISTRY_FILE = "axtorch/compose/registry.py"
 FAMILY_REGISTRY_FILE = "axtorch/interop/families/__init__.py"
-CONVERTER_DIR = "axtorch/interop/"
+CONVERTERS = ("axtorch/interop/", "axtorch/infer/native_layers.py")
 BACKEND_FREE_DIRS = ("axtorch/layers/", "axtorch/models/")
 FORBIDDEN_IMPORTS = ("torch.distributed", "torch_xla", "axtorch.parallel")
 
@@ -87,7 +91,7 @@ class FeatureReport:
 
     @property
     def converters(self) -> list[Reference]:
-        return [r for r in self.references if r.file.startswith(CONVERTER_DIR)]
+        return [r for r in self.references if r.file.startswith(CONVERTERS)]
 
     @property
     def non_local(self) -> list[Reference]:
