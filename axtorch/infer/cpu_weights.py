@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from axtorch.infer.native_kernels import NativeLinear, load_library, load_matvec
+from axtorch.infer.native_kernels import NativeLinear, load_matvec
 from axtorch.infer.native_layers import fill_native_runners
 from axtorch.layers.attention import QKVProjection
 from axtorch.layers.feed_forward import GateUpProjection
@@ -356,9 +356,8 @@ def decode_weights(model: CausalLM, kernel: Optional[DecodeKernel] = None) -> It
                 if isinstance(projection.product, NativeLinear):
                     native_stacks[owner] = projection.product
         replaced = [] if kernel is DecodeKernel.linear else _replace_linears(model, _module_maker(kernel), keep=stacked)
-        library = load_library()
-        if kernel is DecodeKernel.native and library is not None:
-            seams += fill_native_runners(model, library, native_stacks)
+        if kernel is DecodeKernel.native:
+            seams += fill_native_runners(model, native_stacks)
     try:
         yield model
     finally:

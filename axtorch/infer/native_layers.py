@@ -23,7 +23,7 @@ from typing import Optional, cast
 import torch
 from torch import nn
 
-from axtorch.infer.native_kernels import NativeLinear
+from axtorch.infer.native_kernels import NativeLinear, load_library
 from axtorch.layers.attention import GroupedQueryAttention
 from axtorch.layers.attention_kernel import SdpaKernel, SoftcappedKernel
 from axtorch.layers.feed_forward import Activation, GatedFeedForward
@@ -217,9 +217,7 @@ class NativeLayerRunner:
                 out = decoder.run_layer(layer, TransformerLayerInput(x, inputs.positions, cache, None, shared))
                 x, aux_loss = out.hidden_states.contiguous(), add_aux_loss(aux_loss, out.aux_loss)
                 continue
-            slot = position if cache.window is None else position % cache.max_len
-            if not 0 <= slot < cache.max_len:
-                raise ValueError(f"position {position} is past the KV cache's {cache.max_len} slots")
+            slot = cache.slot(position)
             if cache.window is not None and id(cache.slot_positions) not in written:
                 cache.slot_positions[0, slot] = position
                 written.add(id(cache.slot_positions))
@@ -244,11 +242,15 @@ class NativeLayerRunner:
 
 
 def fill_native_runners(
-    model: nn.Module, library: ctypes.CDLL, stacks: Mapping[nn.Module, NativeLinear]
+    model: nn.Module, stacks: Mapping[nn.Module, NativeLinear]
 ) -> list[tuple[nn.Module, str, object]]:
     """Put a ``NativeLayerRunner`` into every decoder's ``LayerRunner`` seam that holds the default
-    and has a layer ``native_layer`` recognises; returns ``(decoder, slot, what it held)`` of each."""
+    and has a layer ``native_layer`` recognises; returns ``(decoder, slot, what it held)`` of each
+    (none where the decode kernels did not build: ``load_library``)."""
     filled: list[tuple[nn.Module, str, object]] = []
+    library = load_library()
+    if library is None:
+        return filled
     for _, decoder, slot in list(modules_with_seam(model, LayerRunner)):
         if getattr(decoder, slot) is not run_layers_unrolled:
             continue

@@ -86,6 +86,14 @@ class KVCache:
         self.values.scatter_(2, index, values.to(self.values.dtype))
         return self.keys, self.values
 
+    def slot(self, position: int) -> int:
+        """The slot ``update`` writes position ``position`` to, for a position already on the host
+        (a compiled decode step that writes the cache itself); refused past a full cache's end."""
+        slot = position if self.window is None else position % self.max_len
+        if not 0 <= slot < self.max_len:
+            raise ValueError(f"position {position} is past the KV cache's {self.max_len} slots")
+        return slot
+
     def key_positions(self) -> torch.Tensor:
         """[B, slots] absolute position of every cache slot."""
         return self.slot_positions

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from axtorch.compose.experiment_loader import load_experiment_config
-from axtorch.infer import cpu_weights, decode_weights, generate_ids, native_kernels
+from axtorch.infer import cpu_weights, decode_weights, generate_ids, native_kernels, native_layers
 from axtorch.infer.cpu_weights import DecodeKernel
 from axtorch.infer.native_kernels import compiler
 from axtorch.infer.native_layers import NativeLayerRunner
@@ -158,7 +158,7 @@ def test_a_build_without_openmp_runs_the_same_steps_on_one_thread(tmp_path, monk
     monkeypatch.setattr(native_kernels, "OPENMP", ())
     built = native_kernels._build(compiler(), tmp_path)
     assert built is not None
-    monkeypatch.setattr(cpu_weights, "load_library", lambda: ctypes.CDLL(str(built)))
+    monkeypatch.setattr(native_layers, "load_library", lambda: ctypes.CDLL(str(built)))
     model = _model(RECOGNISED["gemma 3"])
     expected = _step_logits(model, 12)
     before = torch.get_num_threads()
