@@ -9,13 +9,18 @@
   read from the wheel's source: importing the SDK needs the Kubernetes client.
 
 Every object is closed (``additionalProperties: false``): ``kubectl apply`` validates fields
-strictly by default, so a misspelt field fails there too. The wheels are fetched once into a
-cache directory with pip (jsonschema comes with the test extra).
+strictly by default, so a misspelt field fails there too.
+
+The schemas are kept in the repository (``schemas/*.json``, read by :func:`load_schema`), so that the
+manifest tests never depend on reaching a registry. To rebuild them after a version change here,
+run this module: ``.venv/bin/python tests/launch/k8s_schemas.py`` (it fetches the two wheels with
+pip into a cache directory).
 """
 
 from __future__ import annotations
 
 import ast
+import json
 import re
 import subprocess
 import sys
@@ -27,6 +32,9 @@ from typing import Any
 TRAINER_API = ("kubeflow-trainer-api", "2.3.0")
 TRAINING_SDK = ("kubeflow-training", "1.9.4")
 CACHE = Path(tempfile.gettempdir()) / "axtorch-test-cache" / "k8s-schemas"
+#: The schemas as kept in the repository, by kind.
+SCHEMAS = {"PyTorchJob": Path(__file__).with_name("schemas") / "pytorchjob.json"}
+SCHEMAS["JobSet"] = SCHEMAS["PyTorchJob"].with_name("jobset.json")
 #: The PyTorchJob models' names for core Kubernetes types -> kubeflow-trainer-api's names.
 CORE_TYPES = {
     "V1ObjectMeta": "IoK8sApimachineryPkgApisMetaV1ObjectMeta",
@@ -152,3 +160,20 @@ def pytorchjob_schema(cache: Path = CACHE) -> dict[str, Any]:
 
     root = convert("KubeflowOrgV1PyTorchJob")
     return {**root, "$defs": {**_pydantic_defs(sorted(core)), **defs}}
+
+
+def load_schema(kind: str) -> dict[str, Any]:
+    """The kept schema of ``kind`` (``PyTorchJob`` or ``JobSet``)."""
+    return json.loads(SCHEMAS[kind].read_text())
+
+
+def main() -> None:
+    """Rebuild the kept schemas from the pinned wheels."""
+    cache = fetch()
+    for kind, schema in (("PyTorchJob", pytorchjob_schema(cache)), ("JobSet", jobset_schema())):
+        SCHEMAS[kind].write_text(json.dumps(schema, indent=1, sort_keys=True) + "\n")
+        print(f"wrote {SCHEMAS[kind]}")
+
+
+if __name__ == "__main__":
+    main()

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import yaml
-from k8s_schemas import RegistryUnreachable, fetch, jobset_schema, pytorchjob_schema
+from k8s_schemas import load_schema
 from torch.distributed.run import get_args_parser
 
 from axtorch.compose.experiment_loader import load_experiment_config
@@ -20,11 +20,8 @@ MANIFESTS = Path(__file__).parents[2] / "launch" / "kubernetes"
 
 @pytest.fixture(scope="module")
 def schemas() -> dict[str, Any]:
-    try:
-        fetch()
-    except RegistryUnreachable as error:
-        pytest.skip(f"the package registry is unreachable: {error}")
-    return {"PyTorchJob": pytorchjob_schema(), "JobSet": jobset_schema()}
+    """The operators' schemas, kept in the repository (tests/launch/k8s_schemas.py rebuilds them)."""
+    return {kind: load_schema(kind) for kind in ("PyTorchJob", "JobSet")}
 
 
 def _load(name: str) -> dict[str, Any]:
@@ -34,7 +31,7 @@ def _load(name: str) -> dict[str, Any]:
 def _errors(schema: dict[str, Any], manifest: dict[str, Any]) -> list[str]:
     """Each violation where it happens: optional fields are ``anyOf [type, null]``, so a violation
     inside one shows up as the branches' errors, of which the ``null`` branch's says nothing."""
-    import jsonschema  # from the environment, or the cache that fetch() put on sys.path
+    import jsonschema
 
     def leaves(error: Any) -> Any:
         if not error.context:
