@@ -9,20 +9,21 @@ and no process ever holds more than its own share.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, TypeGuard
+from typing import TYPE_CHECKING, Any, Optional, TypeGuard
 
 import torch
 from safetensors import safe_open
 
-try:  # torch.distributed is optional (e.g. some macOS builds)
-    from torch.distributed.tensor import DTensor, Replicate
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
-    _HAS_DTENSOR = True
-except ImportError:  # pragma: no cover
-    _HAS_DTENSOR = False
+#: DTensor's module: until a backend imports it, no tensor can be a DTensor. Importing it costs a
+#: second of every process's start-up (sympy, through DTensor's sharding propagation), which a
+#: single-device run, the planner and the CLI's other commands need not pay.
+_DTENSOR_MODULE = "torch.distributed.tensor"
 
 
 @dataclass
@@ -33,12 +34,15 @@ class Piece:
 
 
 def is_distributed(tensor: torch.Tensor) -> TypeGuard[DTensor]:
-    return _HAS_DTENSOR and isinstance(tensor, DTensor)
+    module = sys.modules.get(_DTENSOR_MODULE)
+    return module is not None and isinstance(tensor, module.DTensor)
 
 
 def local_region(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(shape, offsets) of the block of the global tensor that this process holds."""
     if is_distributed(tensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
         return compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
     return tuple(tensor.shape), (0,) * tensor.dim()
 
@@ -52,6 +56,8 @@ def owned_pieces(tensor: torch.Tensor, rank: int) -> list[Piece]:
 def owned_piece(tensor: torch.Tensor, rank: int) -> Optional[Piece]:
     """This process's block if it is the one to store it (first replica), else None."""
     if is_distributed(tensor):
+        from torch.distributed.tensor import Replicate
+
         coordinate = tensor.device_mesh.get_coordinate()
         if coordinate is None or any(
             isinstance(p, Replicate) and c != 0 for p, c in zip(tensor.placements, coordinate)

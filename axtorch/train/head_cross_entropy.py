@@ -12,7 +12,8 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
-from torch.distributed.tensor import DTensor
+
+from axtorch.parallel.tensor_shards import is_distributed
 
 
 class _HeadCrossEntropy(torch.autograd.Function):
@@ -112,9 +113,9 @@ def head_cross_entropy(
     sharded by tensor parallelism (a DTensor) is gathered whole here: its gradient returns
     through the gather, sharded again.
     """
-    if isinstance(weight, DTensor):
+    if is_distributed(weight):
         weight = weight.full_tensor()
-    if isinstance(bias, DTensor):
+    if bias is not None and is_distributed(bias):
         bias = bias.full_tensor()
     grad_enabled = torch.is_grad_enabled()
     wanted = (
