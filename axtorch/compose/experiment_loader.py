@@ -284,12 +284,22 @@ def load_experiment_config(overrides: Sequence[str] = (), config_dirs: Sequence[
 
 
 def _root_cause(error: BaseException) -> BaseException:
-    """The innermost OmegaConf error behind a Hydra one (it carries ``full_key``), else ``error``."""
-    while error.__cause__ is not None:
-        error = error.__cause__
-    context = error.__context__
-    if not isinstance(error, OmegaConfBaseException) and isinstance(context, OmegaConfBaseException):
-        return context  # Hydra re-raises composition errors without chaining them as the cause
+    """The OmegaConf error behind a Hydra one that names the failing key (``full_key``), else the innermost.
+
+    Hydra re-raises composition errors without chaining them as the cause, so the context is
+    followed too; and OmegaConf chains its own cause (a bare ValueError, with no key) only while a
+    tracer runs (a debugger, coverage) or ``OC_CAUSE=1``, so the walk stops at the first error
+    that names a key rather than at the end of the chain.
+    """
+    seen: set[int] = set()
+    while id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OmegaConfBaseException) and getattr(error, "full_key", None):
+            return error
+        following = error.__cause__ or error.__context__
+        if following is None:
+            break
+        error = following
     return error
 
 

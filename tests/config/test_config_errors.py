@@ -38,6 +38,14 @@ def test_invalid_enum_lists_choices():
     assert "bf16" in str(error) and "fp32" in str(error)
 
 
+@pytest.mark.parametrize("override", ["trainer.max_steps=many", "trainer.precision=fp8"])
+def test_the_key_is_named_under_a_debugger_too(monkeypatch, override):
+    """OmegaConf chains its bare cause (a ValueError, no key) only under a tracer (a debugger, coverage)
+    or OC_CAUSE=1: the error still names the key, not "<overrides>"."""
+    monkeypatch.setenv("OC_CAUSE", "1")
+    assert _error(override).key == override.partition("=")[0]
+
+
 def test_unknown_group_option_lists_available_options():
     with pytest.raises(ConfigError) as info:
         load_experiment_config(["model/ffn=relu2"])
