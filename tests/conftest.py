@@ -5,6 +5,8 @@ from pathlib import Path
 import pytest
 from xdist_scheduling import scheduling_group
 
+pytest_plugins = ["suite_timing", "tiers"]
+
 
 def pytest_configure(config: pytest.Config) -> None:
     """Under pytest-xdist, each worker and the processes it starts get the worker's share of the cores.

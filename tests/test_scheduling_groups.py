@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from xdist_scheduling import scheduling_group
 
 REPO = Path(__file__).resolve().parents[1]
@@ -42,14 +43,15 @@ def test_a_file_is_a_group_and_the_documented_commands_split_by_document():
 
 def _suite(directory: Path, slow: dict[str, bool]) -> None:
     """The real conftest (with its scheduling rule) and a MODULE per name, marked slow or not."""
-    for helper in ("conftest.py", "xdist_scheduling.py"):
+    for helper in ("conftest.py", "xdist_scheduling.py", "suite_timing.py", "tiers.py"):
         (directory / helper).write_text((REPO / "tests" / helper).read_text())
-    (directory / "pytest.ini").write_text("[pytest]\nmarkers =\n    slow: slow\n")
+    (directory / "pytest.ini").write_text("[pytest]\nmarkers =\n    slow: slow\n    journey: journey\n")
     for name, is_slow in slow.items():
         mark = "pytestmark = pytest.mark.slow\n" if is_slow else ""
         (directory / f"test_{name}.py").write_text(MODULE.format(name=name) + mark)
 
 
+@pytest.mark.journey
 def test_the_group_with_the_most_slow_tests_comes_first_in_its_own_order(tmp_path):
     _suite(tmp_path, {"b": True, "c": False})
     (tmp_path / "test_a.py").write_text("import pytest\n\n\n@pytest.mark.slow\ndef test_one():\n    pass\n")
@@ -60,6 +62,7 @@ def test_the_group_with_the_most_slow_tests_comes_first_in_its_own_order(tmp_pat
     assert ids == [f"test_b.py::{t}" for t in six] + ["test_a.py::test_one"] + [f"test_c.py::{t}" for t in six]
 
 
+@pytest.mark.journey
 def test_make_tests_two_workers_set_up_a_module_fixture_once(tmp_path):
     """The Makefile's xdist options on two workers (pytest 9.2 once made every test its own unit)."""
     parallel = re.search(r"^PARALLEL := (.+)$", (REPO / "Makefile").read_text(), re.MULTILINE)

@@ -49,6 +49,7 @@ print(json.dumps(helps))
     return json.loads(result.stdout.splitlines()[-1])
 
 
+@pytest.mark.journey
 @pytest.mark.parametrize("command", ALL)
 def test_python_m_runs_every_command_and_its_help_lists_its_keys(module_helps, command):
     text = module_helps[command]

@@ -2,6 +2,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def _train(tmp_path, *overrides):
     return subprocess.run(
@@ -20,6 +22,7 @@ def _train(tmp_path, *overrides):
     )
 
 
+@pytest.mark.journey
 def test_train_command_runs_and_writes_the_run_directory(tmp_path):
     result = _train(tmp_path, "trainer.max_steps=6", "trainer.eval_every=3", "model/ffn=gelu")
     assert result.returncode == 0, result.stderr
@@ -30,6 +33,7 @@ def test_train_command_runs_and_writes_the_run_directory(tmp_path):
     assert steps[-1] == 6
 
 
+@pytest.mark.journey
 def test_train_command_rejects_a_bad_override_before_any_work(tmp_path):
     result = _train(tmp_path, "trainer.max_step=6")
     assert result.returncode == 2

@@ -67,6 +67,7 @@ def test_prefixes_still_work_for_what_hydra_allows():
     assert load_experiment_config(["++trainer.max_steps=7"]).trainer.max_steps == 7
 
 
+@pytest.mark.journey
 def test_the_command_line_refuses_an_added_unknown_key(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "axtorch.train", "+trainer.no_such_key=3", f"run_dir={tmp_path}"],

@@ -50,7 +50,7 @@ COMMANDS, SNIPPETS = collect()
 
 # Minutes on a 2-core machine: about 25 training runs; the throughput benchmark alone takes about
 # half a minute or more.
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.journey]
 
 
 @dataclass

@@ -43,7 +43,7 @@ ASKINGS = (
     "Say {}.",
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.journey]
 
 
 def write_chat_file(path: Path) -> None:

@@ -40,6 +40,7 @@ def test_the_top_level_exports_no_name_of_a_submodule():
     assert not set(axtorch.__all__) & submodules
 
 
+@pytest.mark.journey
 def test_importing_a_package_or_a_piece_of_train_does_not_load_the_trainer():
     code = (
         "import sys, axtorch, axtorch.train, axtorch.train.flops; "

@@ -97,6 +97,7 @@ def test_seeded_sampling_is_reproducible_per_row_whatever_the_batch():
 
 
 @pytest.mark.slow
+@pytest.mark.journey  # inductor starts Python processes (its compile workers, its library check)
 def test_a_compiled_decode_step_gives_the_eager_tokens_and_compiles_once_per_length_bucket():
     model = _model(MODELS["dense"])
     sampling = SamplingConfig(temperature=0.8, top_k=40)
@@ -294,6 +295,7 @@ def _generate_command(*arguments: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "axtorch.generate", *arguments], capture_output=True, text=True)
 
 
+@pytest.mark.journey
 def test_generate_command_continues_prompts_from_a_trained_run(tmp_path, data_cache):
     config = load_experiment_config(
         [

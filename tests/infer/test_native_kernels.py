@@ -67,6 +67,7 @@ def test_it_is_built_once_per_machine(tmp_path, monkeypatch):
     assert compiled == [] and [p.name for p in tmp_path.iterdir()] == [library.name]
 
 
+@pytest.mark.journey
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads the process's memory map (Linux)")
 def test_it_runs_in_the_openmp_runtime_torch_loaded():
     """Loading the library maps no OpenMP runtime besides the ones already there: its libgomp.so.1

@@ -10,9 +10,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from axtorch.cli.generate import main as generate_main
 from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.train.trainer import Trainer
+
+pytestmark = pytest.mark.journey
 
 ROOT = Path(__file__).resolve().parents[2]
 XLA_PYTHON = Path(os.environ.get("AXTORCH_XLA_PYTHON", ROOT / ".venv-xla" / "bin" / "python"))

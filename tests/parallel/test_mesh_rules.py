@@ -117,6 +117,7 @@ def test_without_rules_nothing_is_selected():
     assert config.mesh_rules.rules == [] and config.mesh_rules.selected is None
 
 
+@pytest.mark.journey
 def test_the_training_command_prints_and_records_the_rule(tmp_path, data_cache):
     command = [
         sys.executable,
@@ -136,6 +137,7 @@ def test_the_training_command_prints_and_records_the_rule(tmp_path, data_cache):
     assert (recorded["selected"], recorded["hardware"]) == ("cpu-.*", hardware)
 
 
+@pytest.mark.journey
 def test_the_planner_sizes_a_simulated_cluster_from_its_id():
     command = [
         sys.executable,

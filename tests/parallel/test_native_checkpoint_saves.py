@@ -22,6 +22,8 @@ from axtorch.train.checkpoint import Checkpointer, checkpoint_problems, list_che
 from axtorch.train.checkpoint_manifest import CheckpointError
 from axtorch.train.optimizer import OptimConfig, build_optimizer
 
+pytestmark = pytest.mark.journey
+
 WORLD = 2
 
 

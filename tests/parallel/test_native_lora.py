@@ -20,6 +20,8 @@ from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.train.checkpoint import read_index, read_model_tensors
 from axtorch.train.trainer import build_model
 
+pytestmark = pytest.mark.journey
+
 WORKER = Path(__file__).with_name("native_worker.py")
 LORA = ("model/adapter=lora", "model.adapter.target='(q|v|down)_proj'")
 

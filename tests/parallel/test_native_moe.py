@@ -15,6 +15,8 @@ from torchrun_runs import run_torchrun
 
 from axtorch.train.checkpoint import read_model_tensors
 
+pytestmark = pytest.mark.journey
+
 WORKER = Path(__file__).with_name("native_worker.py")
 MOE = [
     "model=mixtral_tiny",

@@ -18,6 +18,8 @@ from axtorch.train.flops import (
     model_flops_per_token,
 )
 
+pytestmark = pytest.mark.journey
+
 FOUR_LAYERS = "model.decoder.num_layers=4"
 
 

@@ -19,7 +19,7 @@ from axtorch.train.trainer import Trainer
 
 NATIVE_WORKER = Path(__file__).with_name("native_worker.py")
 
-pytestmark = needs_xla
+pytestmark = [needs_xla, pytest.mark.journey]
 
 
 def _xla(devices: int, out: Path, until: int, overrides: list[str]) -> dict:

@@ -135,6 +135,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_and_its_steps_redone_exactly(str
         assert torch.equal(tensor, got[name]), name
 
 
+@pytest.mark.journey
 def test_with_no_valid_checkpoint_the_run_stops_with_a_clear_error(straight_run, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(straight_run / "checkpoints", run / "checkpoints")

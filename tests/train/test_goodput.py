@@ -15,7 +15,7 @@ from process_runs import logged_steps
 from axtorch.cli.plot import main as plot_main
 from axtorch.train.goodput import CATEGORIES, read_attempts, run_totals
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.journey]
 
 
 def _run_until(command: list[str], run_dir: Path, step: int, signal_number: int) -> None:

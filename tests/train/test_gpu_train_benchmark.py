@@ -11,6 +11,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.journey
 def test_the_gpu_benchmark_script_runs_on_the_cpu_and_prints_its_table():
     command = [
         sys.executable,

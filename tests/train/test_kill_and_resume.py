@@ -21,7 +21,7 @@ from torchrun_runs import TORCHRUN_EXECUTABLE, torchrun
 
 from axtorch.train.checkpoint import read_model_tensors
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.journey]
 STEPS = 30
 
 

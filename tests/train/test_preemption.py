@@ -15,7 +15,7 @@ from torchrun_runs import torchrun
 
 from axtorch.train.checkpoint import checkpoint_problems, list_checkpoints, read_model_tensors
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.journey]
 
 
 def _command(run_dir: Path, cache: Path, launcher: list[str], *extra: str) -> list[str]:

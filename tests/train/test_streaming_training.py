@@ -12,6 +12,8 @@ from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.train.metrics import read_metrics
 from axtorch.train.trainer import Trainer
 
+pytestmark = pytest.mark.journey
+
 STEPS = 6
 
 

@@ -8,6 +8,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
 from quiet_runs import quiet_debug_run
 
 from axtorch.compose.experiment_loader import load_experiment_config
@@ -38,6 +39,7 @@ def _overrides(run_dir: Path, cache: Path, *extra: str) -> list[str]:
     )
 
 
+@pytest.mark.journey
 def test_a_hang_dumps_every_stack_and_exits_for_the_launcher_to_restart(tmp_path, data_cache):
     run_dir = tmp_path / "run"
     started = time.monotonic()

@@ -1,0 +1,79 @@
+"""Where the suite's time goes: each test file's total (set-up, call and tear-down of its tests)
+and each fixture's total set-up, summed over the run, printed at the end and written as JSON for
+``make test``'s phase table (.ci/suite_report.py).
+
+``--durations`` names the slowest tests; these totals name the costly files and the shared set-up
+(a torchrun group, a compiled XLA program, a converted model) that a new test may add to. Under
+pytest-xdist each worker times its own fixtures and hands the figures to the controller, which
+sees every test's report anyway.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+_FIXTURE_SECONDS = "axtorch_fixture_seconds"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--timings-json",
+        metavar="PATH",
+        help="write each test file's and each fixture's total seconds to PATH (JSON)",
+    )
+    parser.addoption(
+        "--timings-top", type=int, default=12, metavar="N", help="how many files and fixtures to print (default 12)"
+    )
+
+
+class SuiteTiming:
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        self.files: Counter[str] = Counter()
+        self.fixtures: Counter[str] = Counter()
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_fixture_setup(self, fixturedef: pytest.FixtureDef, request: pytest.FixtureRequest):
+        start = time.perf_counter()
+        try:
+            return (yield)
+        finally:
+            module = getattr(fixturedef.func, "__module__", "?")
+            self.fixtures[f"{module}.{fixturedef.argname} ({fixturedef.scope})"] += time.perf_counter() - start
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        self.files[report.nodeid.partition("::")[0]] += report.duration
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        workeroutput = getattr(self.config, "workeroutput", None)
+        if workeroutput is not None:  # an xdist worker: the controller sums
+            workeroutput[_FIXTURE_SECONDS] = json.dumps(self.fixtures)
+            return
+        path = self.config.getoption("timings_json")
+        if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            Path(path).write_text(json.dumps({"files": self.files, "fixtures": self.fixtures}, indent=1))
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_testnodedown(self, node, error) -> None:
+        self.fixtures.update(json.loads(node.workeroutput.get(_FIXTURE_SECONDS, "{}")))
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        """Printed beside ``--durations`` (as make's suites ask), after the slowest tests."""
+        if self.files and self.config.getoption("durations") is not None:
+            top = self.config.getoption("timings_top")
+            terminalreporter.write_sep("=", f"where the time went: the {top} costliest test files and fixtures")
+            for title, totals in (("test file", self.files), ("fixture set-up", self.fixtures)):
+                terminalreporter.write_line(f"{'seconds':>9}  {title} (of {sum(totals.values()):.0f} s in all)")
+                for name, seconds in totals.most_common(top):
+                    if seconds >= 0.05:
+                        terminalreporter.write_line(f"{seconds:9.1f}  {name}")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(SuiteTiming(config), "axtorch-suite-timing")

@@ -1,0 +1,121 @@
+"""The suite's own tooling: the tiers (the journey mark kept honest, unknown markers and tiers
+refused), where the time went (per file and per fixture), and the coverage floors."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from tiers import check_marker_expression
+
+REPO = Path(__file__).resolve().parents[1]
+HELPERS = ("conftest.py", "xdist_scheduling.py", "suite_timing.py", "tiers.py")
+#: A module of three tests: one starts a Python process unmarked, one marked, one starts none.
+MODULE = """
+import subprocess
+import sys
+import time
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def slow_setup():
+    time.sleep(0.3)
+
+
+def test_starts_python_unmarked():
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+
+
+@pytest.mark.journey
+def test_starts_python_marked(slow_setup):
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+
+
+def test_starts_nothing(slow_setup):
+    pass
+"""
+
+
+def _suite(directory: Path) -> None:
+    for helper in HELPERS:
+        (directory / helper).write_text((REPO / "tests" / helper).read_text())
+    (directory / "pytest.ini").write_text("[pytest]\nmarkers =\n    slow: slow\n    journey: journey\n")
+    (directory / "test_processes.py").write_text(MODULE)
+
+
+def _pytest(directory: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", *args]
+    return subprocess.run(command, cwd=directory, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.journey
+def test_an_unmarked_test_that_starts_a_process_fails_and_the_quick_tier_leaves_the_marked_out(tmp_path):
+    _suite(tmp_path)
+    result = _pytest(tmp_path, "--durations=5", "--timings-json", "timings.json")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "1 failed, 2 passed" in result.stdout, result.stdout
+    assert "test_starts_python_unmarked starts a process" in result.stdout and "not marked journey" in result.stdout
+    timings = json.loads((tmp_path / "timings.json").read_text())
+    assert set(timings["files"]) == {"test_processes.py"}
+    assert timings["fixtures"]["test_processes.slow_setup (module)"] >= 0.3
+    assert "where the time went" in result.stdout
+
+    quick = _pytest(tmp_path, "-m", "not journey", "-k", "not unmarked")
+    assert "1 passed, 2 deselected" in quick.stdout, quick.stdout + quick.stderr
+
+
+def test_a_marker_expression_naming_an_unknown_marker_is_refused_with_the_known_ones():
+    def config(expression: str) -> SimpleNamespace:
+        return SimpleNamespace(
+            getoption=lambda name: expression, getini=lambda name: ["slow: long", "journey: starts processes"]
+        )
+
+    check_marker_expression(config("not journey and not slow"))  # known: no error
+    check_marker_expression(config("skip or xfail"))  # pytest's own
+    with pytest.raises(pytest.UsageError, match=r"-m 'not jouney' names 'jouney'.*markers are: journey, slow"):
+        check_marker_expression(config("not jouney"))
+
+
+@pytest.mark.journey
+def test_make_refuses_a_tier_that_does_not_exist_and_names_the_tiers():
+    result = subprocess.run(["make", "-s", "test-fast"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0
+    assert "there is no test tier 'fast'" in result.stderr and "test-quick" in result.stderr, result.stderr
+
+
+def _suite_report():
+    spec = importlib.util.spec_from_file_location("suite_report", REPO / ".ci" / "suite_report.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_package_below_its_coverage_floor_fails_by_name_figure_and_floor(tmp_path, monkeypatch, capsys):
+    report = _suite_report()
+    floors = tmp_path / "floors.json"
+    floors.write_text(json.dumps({"axtorch.data": {"lines": 80.0, "branches": 70.0}, "axtorch.gone": {"lines": 1}}))
+    monkeypatch.setattr(report, "FLOORS", floors)
+    figures = {"axtorch.data": {"lines": 79.4, "branches": 71.0}}
+    failures = report.check_coverage(figures, check=True)
+    assert failures == [
+        "axtorch.data: lines covered 79.4%, below its floor of 80.0%",
+        "axtorch.gone: has a floor in floors.json but no code was found (renamed? move its floor)",
+    ]
+    assert report.check_coverage(figures, check=False) == []  # a partial run prints, holds nothing
+    assert "a partial run" in capsys.readouterr().out
+    report.record_floors({"axtorch.data": {"lines": 79.4, "branches": 0.2}})
+    assert json.loads(floors.read_text()) == {"axtorch.data": {"lines": 78.9, "branches": 0.0}}
+
+
+def test_the_floors_name_every_package_of_axtorch():
+    """A new package gets a floor when it lands (suite_report.py --record-floors), or nothing holds it."""
+    floors = json.loads((REPO / ".ci" / "coverage_floors.json").read_text())
+    packages = {".".join(path.relative_to(REPO).parts[:-1]) for path in (REPO / "axtorch").rglob("*.py")}
+    assert packages - {"axtorch.conf"} <= set(floors), sorted(packages - set(floors))
