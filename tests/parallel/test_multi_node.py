@@ -5,6 +5,7 @@ survivor through the documented rendezvous timeout, after which a rerun resumes 
 
 from __future__ import annotations
 
+import re
 import shutil
 import time
 from collections.abc import Callable
@@ -18,11 +19,11 @@ from debug_runs import STEPS, assert_weights_match_one_device, debug_overrides, 
 from torchrun_nodes import Node, kill_node, start_nodes
 
 from axtorch.compose.experiment_loader import load_experiment_config
-from axtorch.train.checkpoint import read_model_tensors
+from axtorch.train.checkpoint import MODEL, checkpoint_problems, read_index, read_model_tensors
 from axtorch.train.metrics import read_metrics
 from axtorch.train.trainer import Trainer
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.journey]
 
 FSDP4 = ("backend=native", "mesh.fsdp=4", "sharding=fsdp")
 FSDP2 = ("backend=native", "mesh.fsdp=2", "sharding=fsdp")
@@ -42,6 +43,9 @@ class LostNode:
     survivor_seconds: float
     survivor_log: str
     killed_after_step: int
+    #: The newest whole checkpoint's step when the rerun started, and what the rerun's nodes printed.
+    newest_checkpoint: int
+    rerun_log: str
     run_dir: Path
 
 
@@ -84,9 +88,13 @@ def _lose_a_node_then_rerun(run_dir: Path, cache: Path, start: Callable[..., lis
     kill_node(nodes[1])
     killed_at = time.monotonic()
     status = nodes[0].wait(RUN_TIMEOUT_S)
-    lost = LostNode(status, time.monotonic() - killed_at, nodes[0].tail(20000), killed_after_step, run_dir)
-    _finish(start(2, 2, run_dir, cache, *extra, store_first=False))
-    return lost
+    survivor = (status, time.monotonic() - killed_at, nodes[0].tail(20000))
+    whole = [path for path in (run_dir / "checkpoints").glob("step_*") if not checkpoint_problems(path)]
+    newest_checkpoint = max((int(path.name.removeprefix("step_")) for path in whole), default=0)
+    rerun = start(2, 2, run_dir, cache, *extra, store_first=False)
+    _finish(rerun)
+    log = "".join(node.tail(200_000) for node in rerun)
+    return LostNode(*survivor, killed_after_step, newest_checkpoint, log, run_dir)
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +141,23 @@ def test_two_nodes_train_as_one_device(runs, run):
     torch.testing.assert_close(torch.tensor(nodes), torch.tensor(single), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(("run", "writers"), [("fsdp4", {0, 1, 2, 3}), ("hsdp_static", {0, 1})])
+def test_each_rank_holds_its_shard_and_hsdp_one_replica_per_node(runs, run, writers):
+    """Ranks 0-1 run on node 0 and 2-3 on node 1 (the static rendezvous numbers ranks by node). A block
+    is written by the first replica that holds it: under FSDP over four, every rank writes its quarter
+    of a matrix; under HSDP (data=2 x fsdp=2) node 0's two ranks write the halves of the whole first
+    replica and node 1's ranks, holding the second, write none. Had the fsdp axis crossed the nodes,
+    ranks 0 and 2 would write."""
+    root, _ = runs
+    index = read_index(root / run / "checkpoints" / f"step_{STEPS:08d}", MODEL)
+    matrix = index["decoder.layers.0.attention.q_proj.weight"]
+    rows = matrix["shape"][0]
+    by_rank = {int(piece["file"].split("-")[1]): piece["offsets"][0] for piece in matrix["pieces"]}
+    assert set(by_rank) == writers, by_rank
+    assert sorted(by_rank.values()) == list(range(0, rows, rows // len(writers))), by_rank
+    assert sorted(by_rank, key=by_rank.__getitem__) == sorted(writers)  # rank order is row order
+
+
 @pytest.mark.parametrize("run", ["fsdp4", "hsdp_static"])
 def test_both_nodes_write_one_checkpoint_equal_to_one_device(runs, run):
     root, _ = runs
@@ -161,8 +186,13 @@ def test_a_lost_node_ends_the_survivor_after_the_rendezvous_join_timeout(runs):
 
 
 def test_both_nodes_rerun_after_a_lost_node_resume_exactly(runs):
+    """The rerun resumes from the newest whole checkpoint (training again from step 0 would give the same
+    losses: the run is deterministic), then ends bit for bit where the uninterrupted 2-node run did."""
     root, lost = runs
     assert lost.killed_after_step < LAST_STEP
+    assert 2 <= lost.newest_checkpoint <= lost.killed_after_step
+    resumed = re.findall(r"resumed from \S*step_(\d+) at step (\d+)", lost.rerun_log)
+    assert resumed == [(f"{lost.newest_checkpoint:08d}", str(lost.newest_checkpoint))], lost.rerun_log[-3000:]
     assert train_losses(lost.run_dir) == train_losses(root / "fsdp4")  # bit for bit
     name = f"step_{LAST_STEP:08d}"
     expected = read_model_tensors(root / "fsdp4" / "checkpoints" / name)

@@ -31,6 +31,8 @@ from axtorch.train.checkpoint import (
 )
 from axtorch.train.trainer import Trainer
 
+pytestmark = pytest.mark.journey
+
 HOSTS, DEVICES = 2, 4  # 2 devices per host
 _FSDP4 = ("mesh.fsdp=4", "sharding=fsdp")
 _HOST_FILES = {
@@ -79,16 +81,24 @@ def test_two_hosts_train_as_one_device(runs):
 @needs_xla
 @pytest.mark.slow
 def test_each_host_feeds_the_rows_of_its_own_devices(runs, data_cache):
-    """Host i's devices hold rows [8i, 8i + 8) of the 16-row batch over fsdp=4: its loader gave exactly those."""
+    """Host i's devices hold rows [8i, 8i + 8) of the 16-row batch over fsdp=4: its loader gave exactly
+    those, and after the transfer its own two devices hold them, a quarter of the batch each (rows
+    that landed on another host's devices would not be there)."""
     root, hosts, _ = runs
     config = load_experiment_config(debug_overrides(root / "single", data_cache))
     batch_size = config.trainer.batch_size
     first = next(build_data(config.data).train_batches(batch_size))["input_ids"]
-    per_host = batch_size // HOSTS
+    per_host, per_device = batch_size // HOSTS, batch_size // DEVICES
     for host, report in enumerate(hosts):
-        assert torch.equal(torch.tensor(report["fed_rows"]), first[host * per_host : (host + 1) * per_host]), host
+        own_rows = first[host * per_host : (host + 1) * per_host]
+        assert torch.equal(torch.tensor(report["fed_rows"]), own_rows), host
         # This host's rows, sent to the devices: the global batch, each device holding a quarter.
-        assert report["batch_shards"] == [[batch_size // DEVICES, config.data.seq_len]] * DEVICES
+        assert report["batch_shards"] == [[per_device, config.data.seq_len]] * DEVICES
+        own_devices = [f"CPU:{device}" for device in range(host * DEVICES // HOSTS, (host + 1) * DEVICES // HOSTS)]
+        assert sorted(report["device_rows"]) == own_devices, host
+        for index, device in enumerate(own_devices):
+            expected = own_rows[index * per_device : (index + 1) * per_device]
+            assert torch.equal(torch.tensor(report["device_rows"][device]), expected), (host, device)
 
 
 @needs_xla

@@ -12,6 +12,7 @@ import sys
 import torch
 import torch_xla.core.xla_model as xm
 import torch_xla.debug.metrics as metrics
+import torch_xla.distributed.spmd as xs
 import torch_xla.experimental.scan as xla_scan
 
 from axtorch.compose.experiment_loader import load_experiment_config
@@ -36,6 +37,17 @@ def _count_scan_traces() -> list[int]:
 
     xla_scan.aot_function = counted
     return traces
+
+
+def _own_device_rows(backend, tensor: torch.Tensor) -> dict[str, list]:
+    """The rows each of this host's devices holds, by device ("CPU:2": [[...], ...]). A simulated
+    host's runtime holds every device; its own are its block of them."""
+    own = backend.hosts.device_block(backend.num_devices) if backend.hosts.simulated else None
+    return {
+        shard.shard_device: shard.data.tolist()
+        for shard in xs.wrap_if_sharded(tensor).local_shards
+        if own is None or int(shard.shard_device.rpartition(":")[2]) in own
+    }
 
 
 def main() -> None:
@@ -74,6 +86,12 @@ def main() -> None:
         "parameters": {},
         "optimizer": {},
         "batch_shards": local_shard_shapes(backend.to_device({"input_ids": rows})["input_ids"]),
+        # Where this host's first rows land: on its own devices, or (a wrong gather) another host's.
+        "device_rows": _own_device_rows(
+            backend, backend.to_device({"input_ids": torch.tensor(fed_rows[0])})["input_ids"]
+        )
+        if fed_rows
+        else None,
     }
     for group in trainer.optimizer.param_groups:
         for name, param in zip(group["names"], group["params"]):
