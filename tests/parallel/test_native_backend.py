@@ -19,6 +19,8 @@ from axtorch.train.checkpoint import read_model_tensors
 from axtorch.train.metrics import read_metrics
 from axtorch.train.trainer import Trainer
 
+pytestmark = pytest.mark.journey
+
 WORKER = Path(__file__).with_name("native_worker.py")
 
 
@@ -158,8 +160,10 @@ def test_launcher_runs_native_training_and_rejects_a_mesh_that_does_not_fit(tmp_
     ("override", "report_key", "expected", "tolerance"),
     [
         # The layers compute with bf16 weights that FSDP gathered (half the bytes); the losses follow
-        # a one-device bf16-autocast run to bf16 rounding.
-        ("trainer.precision=bf16", "compute_weight_dtype", "torch.bfloat16", 2e-3),
+        # a one-device bf16-autocast run to bf16 rounding. This CPU has no bf16 units (a bf16 matmul
+        # runs ~100x slower than fp32): a quarter of the sequence and half the batch (8 minutes of
+        # the suite's time at the debug run's shape, for the same check of the policy).
+        ("trainer.precision=bf16 data.seq_len=16 trainer.batch_size=4", "compute_weight_dtype", "torch.bfloat16", 2e-3),
         # FSDP gathers the fp32 weights of torchao's float8 linears. Each process scales its own
         # activations (a per-tensor amax over its half of the batch), so the losses follow one
         # device's float8 run to float8 rounding (2.4e-3 by step 5; tests/models/test_float8.py
@@ -177,7 +181,7 @@ def test_a_low_precision_policy_shards_with_fsdp_and_trains_as_one_device_does(
     cache = data_cache
     # One held-out batch, not four: the evaluations (before the first step and at the stop) are
     # not compared here and were most of the time (while CPU float8 matmuls ran torch's ~0.2 s kernel).
-    policy = (override, "trainer.eval_batches=1")
+    policy = (*override.split(), "trainer.eval_batches=1")
     train_on_one_device(tmp_path / "single", cache, *policy)
     reports = _torchrun(
         2,
