@@ -9,22 +9,51 @@ VENV := .venv
 # (the xla extra brings the torchao release built for it).
 OLDEST_VENV := .venv-xla
 
-.PHONY: train test check test-newest test-oldest newcomer
+# What `make test` leaves for .ci/suite_report.py: the phases' times, the suites' timings.
+REPORT := .ci-report
+export REPORT
+# Every Python process the newest suite starts measures its coverage of axtorch/ (.ci/coverage_hook.sh),
+# the XLA workers (torch 2.9.0) among them. The torch-2.9.0 suite runs the same code unmeasured:
+# coverage's tracer slows in-process tests by about half, and that suite adds few lines.
+MEASURE := COVERAGE_PROCESS_START=$(CURDIR)/pyproject.toml COVERAGE_FILE=$(CURDIR)/.coverage-data/.coverage
+# The floors are held only when the whole suite ran: ARGS that select fewer tests cover less.
+FLOOR_CHECK := $(if $(strip $(ARGS)),,--check-floors)
+
+.PHONY: train test test-quick check test-newest test-oldest newcomer environments suites
 
 train: $(VENV)/.axtorch-base
 	$(VENV)/bin/axtorch-train $(ARGS)
 
-# The newcomer's journey (~3 min, mostly pip unpacking on one core) runs beside check and the
-# suites, started first, its output shown at the end (.ci/with_newcomer.sh). The venvs come first:
-# building the journey's wheel and an editable install would both write axtorch.egg-info.
+# The whole suite, as CI runs it, in phases: both environments at once; then lint and types, the
+# suite on the newest torch and on torch 2.9.0, with the newcomer's journey (~8 min, mostly pip
+# unpacking on one core) beside them (.ci/with_newcomer.sh); then the report: each phase's wall
+# time, the costliest test files and fixtures, and coverage per package against its floor.
 # MAKE_COMMAND, not MAKE: a line that expands MAKE runs even under `make -n`.
-test: $(VENV)/.axtorch-test $(OLDEST_VENV)/.axtorch-xla
-	PYTHON=$(PYTHON) .ci/with_newcomer.sh $(MAKE_COMMAND) --no-print-directory check test-newest test-oldest
+test:
+	@rm -rf $(REPORT) .coverage-data && mkdir -p $(REPORT) .coverage-data && date +%s >$(REPORT)/started
+	@.ci/phase.sh environments $(MAKE_COMMAND) --no-print-directory -j2 environments
+	@PYTHON=$(PYTHON) .ci/with_newcomer.sh $(MAKE_COMMAND) --no-print-directory suites; status=$$?; \
+	  .ci/phase.sh "coverage report" $(VENV)/bin/python .ci/suite_report.py $(REPORT) $(FLOOR_CHECK) || { [ $$status -ne 0 ] || status=1; }; \
+	  exit $$status
+
+suites:
+	@.ci/phase.sh "lint and types" $(MAKE_COMMAND) --no-print-directory check
+	@.ci/phase.sh "suite on torch 2.13.0" $(MAKE_COMMAND) --no-print-directory test-newest
+	@.ci/phase.sh "suite on torch 2.9.0" $(MAKE_COMMAND) --no-print-directory test-oldest
+
+# The inner loop (under 5 minutes on 2 cores): every test that starts no subprocess journey (the
+# `journey` marker: torchrun groups, XLA workers, the CLI and the documented commands, Slurm), on
+# the newest torch, without coverage. Before a commit that touches launchers, backends, the CLI or
+# the docs, run `make test`.
+test-quick: $(VENV)/.axtorch-test
+	$(VENV)/bin/python -m pytest $(PARALLEL) -m "not journey" --durations=10 $(ARGS)
+
+environments: $(VENV)/.axtorch-test $(OLDEST_VENV)/.axtorch-xla
 
 # Lint, formatting and types: fast, so they run first.
 check: $(VENV)/.axtorch-test
-	$(VENV)/bin/ruff check axtorch tests benchmarks
-	$(VENV)/bin/ruff format --check axtorch tests benchmarks
+	$(VENV)/bin/ruff check axtorch tests benchmarks .ci
+	$(VENV)/bin/ruff format --check axtorch tests benchmarks .ci
 	$(VENV)/bin/mypy axtorch
 
 # One pytest worker per core, each taking whole scheduling groups (tests/xdist_scheduling.py): a file (so
@@ -35,7 +64,7 @@ check: $(VENV)/.axtorch-test
 PARALLEL := -n auto --dist loadgroup --no-loadscope-reorder
 
 test-newest: $(VENV)/.axtorch-test $(OLDEST_VENV)/.axtorch-xla
-	$(VENV)/bin/python -m pytest $(PARALLEL) --durations=15 $(ARGS)
+	$(MEASURE) $(VENV)/bin/python -m pytest $(PARALLEL) --durations=15 --timings-json $(REPORT)/newest.json $(ARGS)
 
 # The same suite on torch 2.9.0, less what does not depend on the torch version: the XLA tests
 # (their workers already run on 2.9, the simulated hosts too), the multi-node launcher (torchrun's
@@ -45,7 +74,7 @@ test-newest: $(VENV)/.axtorch-test $(OLDEST_VENV)/.axtorch-xla
 # single-process kill, goodput and signal journeys (process handling; the torchrun preemption
 # test stays), config composition, mesh rules and the planner (Hydra and arithmetic), the data
 # pipeline (numpy and tokenizers, with its streamed training runs), import layering and feature
-# locality (source text), the launcher script, the command-line journeys whose pieces the unit tests cover on 2.9 (generate,
+# locality (source text), the suite's own tooling (tiers, timings, coverage floors), the launcher script, the command-line journeys whose pieces the unit tests cover on 2.9 (generate,
 # export, the SmolLM2 fine-tune), the GGUF file formats (numpy and gguf; the models they load are
 # the HF-parity-tested ones) and the GPU script's CPU smoke run.
 ONE_DEVICE_JOURNEYS := \
@@ -53,14 +82,14 @@ ONE_DEVICE_JOURNEYS := \
 	--deselect tests/train/test_preemption.py::test_a_signal_saves_at_a_step_boundary_and_exits_0 \
 	--deselect tests/infer/test_generate.py::test_generate_command_continues_prompts_from_a_trained_run
 test-oldest: $(OLDEST_VENV)/.axtorch-xla
-	$(OLDEST_VENV)/bin/python -m pytest $(PARALLEL) --durations=15 --ignore=tests/parallel/test_xla_backend.py --ignore=tests/parallel/test_xla_multihost.py \
+	$(OLDEST_VENV)/bin/python -m pytest $(PARALLEL) --durations=15 --timings-json $(REPORT)/oldest.json --ignore=tests/parallel/test_xla_backend.py --ignore=tests/parallel/test_xla_multihost.py \
 		--ignore=tests/parallel/test_multi_node.py --ignore=tests/launch --ignore=tests/docs \
 		--ignore=tests/infer/test_xla_decode.py --ignore=tests/train/test_kill_and_resume.py \
 		--ignore=tests/train/test_goodput.py --ignore=tests/config --ignore=tests/parallel/test_mesh_rules.py \
 		--ignore=tests/train/test_gpu_train_benchmark.py --ignore=tests/cli/test_plan.py \
 		--ignore=tests/cli/test_plan_search.py --ignore=tests/data --ignore=tests/health \
 		--ignore=tests/train/test_streaming_training.py \
-		--ignore=tests/test_feature_locality.py --ignore=tests/interop/test_gguf_export.py \
+		--ignore=tests/test_feature_locality.py --ignore=tests/test_suite_tooling.py --ignore=tests/interop/test_gguf_export.py \
 		--ignore=tests/interop/test_gguf_llama.py --ignore=tests/interop/test_gguf_quantisations.py \
 		--ignore=tests/interop/test_gguf_sentencepiece.py --ignore=tests/interop/test_gguf_smollm2.py \
 		--ignore=tests/interop/test_gguf_experts.py --ignore=tests/interop/test_gguf_pre_tokenizers.py \
@@ -70,16 +99,28 @@ test-oldest: $(OLDEST_VENV)/.axtorch-xla
 newcomer:
 	PYTHON=$(PYTHON) .ci/newcomer.sh
 
-$(VENV)/.axtorch-base: pyproject.toml
+# A tier that does not exist says which do.
+test-%:
+	@echo "make: there is no test tier '$*'; the tiers are: test (the whole suite, as CI runs it)," \
+	  "test-quick (no subprocess journeys, newest torch), test-newest, test-oldest" >&2; exit 2
+
+# uv installs (.ci/install.sh); it comes into the newest environment with pip.
+$(VENV)/.axtorch-uv:
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install "torch==2.13.0" -e .
+	$(VENV)/bin/pip install --quiet "uv>=0.9"
+	touch $@
+
+$(VENV)/.axtorch-base: pyproject.toml $(VENV)/.axtorch-uv
+	.ci/install.sh $(VENV)/bin/uv $(VENV) "" "torch==2.13.0"
 	touch $@
 
 $(VENV)/.axtorch-test: $(VENV)/.axtorch-base
-	$(VENV)/bin/pip install "torch==2.13.0" -e ".[test,lint]"
+	.ci/install.sh $(VENV)/bin/uv $(VENV) test,lint "torch==2.13.0"
+	.ci/coverage_hook.sh $(VENV)
 	touch $@
 
-$(OLDEST_VENV)/.axtorch-xla: pyproject.toml
+$(OLDEST_VENV)/.axtorch-xla: pyproject.toml $(VENV)/.axtorch-uv
 	$(PYTHON) -m venv $(OLDEST_VENV)
-	$(OLDEST_VENV)/bin/pip install -e ".[xla,test]"
+	.ci/install.sh $(VENV)/bin/uv $(OLDEST_VENV) xla,test
+	.ci/coverage_hook.sh $(OLDEST_VENV)
 	touch $@

@@ -10,7 +10,7 @@ set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 log="$(mktemp)"
 set -m  # the journey gets its own process group, so that an interrupt can end all of it
-"$here/newcomer.sh" </dev/null >"$log" 2>&1 &  # never reading the terminal (its own group may not)
+"$here/phase.sh" "newcomer's journey (beside)" "$here/newcomer.sh" </dev/null >"$log" 2>&1 &  # never reading the terminal (its own group may not)
 journey=$!
 set +m
 trap 'kill -TERM -- "-$journey" 2>/dev/null; rm -f "$log"; exit 130' INT TERM
