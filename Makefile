@@ -41,7 +41,7 @@ suites:
 	@.ci/phase.sh "suite on torch 2.13.0" $(MAKE_COMMAND) --no-print-directory test-newest
 	@.ci/phase.sh "suite on torch 2.9.0" $(MAKE_COMMAND) --no-print-directory test-oldest
 
-# The inner loop (under 5 minutes on 2 cores): every test that starts no subprocess journey (the
+# The inner loop: every test that starts no subprocess journey (the
 # `journey` marker: torchrun groups, XLA workers, the CLI and the documented commands, Slurm), on
 # the newest torch, without coverage. Before a commit that touches launchers, backends, the CLI or
 # the docs, run `make test`.
