@@ -59,21 +59,16 @@ class JourneyGuard:
 
         subprocess.Popen._execute_child = execute_child  # type: ignore[attr-defined]
 
-    @pytest.hookimpl(wrapper=True)
-    def pytest_runtest_setup(self, item: pytest.Item):
+    def _watching(self, item: pytest.Item):
+        """Run a phase (set-up or call: a module fixture may start the processes) as ``item``'s."""
         self.current = item
         try:
             return (yield)
         finally:
             self.current = None
 
-    @pytest.hookimpl(wrapper=True)
-    def pytest_runtest_call(self, item: pytest.Item):
-        self.current = item
-        try:
-            return (yield)
-        finally:
-            self.current = None
+    pytest_runtest_setup = pytest.hookimpl(wrapper=True)(_watching)
+    pytest_runtest_call = pytest.hookimpl(wrapper=True)(_watching)
 
 
 def check_marker_expression(config: pytest.Config) -> None:
