@@ -133,14 +133,22 @@ def model_flops_per_token(config: CausalLMConfig, seq_len: int, network: Optiona
     )
 
 
+#: The peak measurement's first matmul side, and the time one matmul (or one timed group) should take.
+_FIRST_SIDE = 256
+_LONG_ENOUGH_S = 0.02
+
+
 def measure_matmul_peak_flops(
     device: torch.device,
     dtype: torch.dtype = torch.float32,
     size: int = 2048,
     seconds: float = 0.25,
 ) -> float:
-    """Achieved FLOP/s of a ``size x size`` matmul on ``device``: the MFU denominator where no datasheet peak applies.
+    """Achieved FLOP/s of a square matmul on ``device``: the MFU denominator where no datasheet peak applies.
 
+    The matmul grows from 256 (or ``size``, if smaller) by doubling up to ``size`` while one takes
+    under 20 ms: large enough to run at the peak, small enough that a dtype the device has no units
+    for (bf16 on most CPUs, ~100x slower than fp32) is measured in about a second, not minutes.
     The best of at least two timings (each of enough matmuls to take ~20 ms) over ``seconds``,
     after a warm-up: a peak, so the fastest sample, which another process's burst on a shared core
     slows least. On a CPU a sample is also timed by the process's CPU time over its threads: while
@@ -163,28 +171,32 @@ def measure_matmul_peak_flops(
     # Its own generator: measuring mid-run must not move the global RNG that dropout and data use,
     # or a resumed run would diverge from an uninterrupted one.
     generator = torch.Generator(device=device).manual_seed(0)
-    a = torch.randn(size, size, device=device, dtype=dtype, generator=generator)
-    b = torch.randn(size, size, device=device, dtype=dtype, generator=generator)
-    out = torch.empty_like(a)
-
-    threads = torch.get_num_threads()
-
-    def seconds_per_matmul(iterations: int) -> float:
-        start, cpu_start = time.perf_counter(), time.process_time()
-        for _ in range(iterations):
-            torch.matmul(a, b, out=out)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            return (time.perf_counter() - start) / iterations
-        return min(time.perf_counter() - start, (time.process_time() - cpu_start) / threads) / iterations
-
-    seconds_per_matmul(1)  # library initialisation and kernel selection, not timed
+    side = min(size, _FIRST_SIDE)
+    while True:
+        a = torch.randn(side, side, device=device, dtype=dtype, generator=generator)
+        b = torch.randn(side, side, device=device, dtype=dtype, generator=generator)
+        out = torch.empty_like(a)
+        _seconds_per_matmul(a, b, out, 1)  # library initialisation and kernel selection, not timed
+        if side == size or _seconds_per_matmul(a, b, out, 1) >= _LONG_ENOUGH_S:
+            break
+        side = min(size, 2 * side)
     started = time.perf_counter()
-    samples = [seconds_per_matmul(1)]
-    group = max(1, math.ceil(0.02 / max(samples[0], 1e-9)))  # a GPU's sync and the timer stay small beside it
+    samples = [_seconds_per_matmul(a, b, out, 1)]
+    group = max(1, math.ceil(_LONG_ENOUGH_S / max(samples[0], 1e-9)))  # a GPU's sync and the timer stay small beside it
     while len(samples) < 2 or time.perf_counter() - started < seconds:
-        samples.append(seconds_per_matmul(group))
-    return 2 * size**3 / min(samples)
+        samples.append(_seconds_per_matmul(a, b, out, group))
+    return 2 * side**3 / min(samples)
+
+
+def _seconds_per_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, iterations: int) -> float:
+    """Seconds per ``a @ b``; on a CPU the lesser of the wall clock and the CPU time over the threads."""
+    start, cpu_start = time.perf_counter(), time.process_time()
+    for _ in range(iterations):
+        torch.matmul(a, b, out=out)
+    if a.device.type == "cuda":
+        torch.cuda.synchronize(a.device)
+        return (time.perf_counter() - start) / iterations
+    return min(time.perf_counter() - start, (time.process_time() - cpu_start) / torch.get_num_threads()) / iterations
 
 
 def mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float) -> float:

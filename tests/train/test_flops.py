@@ -89,6 +89,24 @@ def test_a_cpu_peak_is_the_cores_own_while_other_processes_hold_them(monkeypatch
     assert peaks["alone"] / 2 < max(peaks["contended"], peaks["contended again"]) < peaks["alone"] * 2
 
 
+@pytest.mark.parametrize(("seconds_each", "sides"), [(1e-4, [256, 512, 1024, 2048]), (0.05, [256])])
+def test_the_peak_matmul_grows_only_until_one_takes_long_enough(monkeypatch, seconds_each, sides) -> None:
+    """A dtype the CPU has no units for (bf16: one 2048 matmul took 126 s here) stops at a size
+    that runs in milliseconds; a fast one grows to the largest size."""
+    import axtorch.train.flops as flops
+
+    seen = []
+
+    def timed(a, b, out, iterations):
+        seen.append(a.shape[0])
+        return seconds_each
+
+    monkeypatch.setattr(flops, "_seconds_per_matmul", timed)
+    peak = measure_matmul_peak_flops(torch.device("cpu"), torch.bfloat16, seconds=0.01)
+    assert sorted(set(seen)) == sides
+    assert peak == pytest.approx(2 * sides[-1] ** 3 / seconds_each)
+
+
 def test_measuring_the_peak_leaves_the_global_random_state_alone() -> None:
     torch.manual_seed(1)
     expected = torch.rand(3)
