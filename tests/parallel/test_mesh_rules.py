@@ -10,6 +10,7 @@ import yaml
 from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.config.errors import ConfigError
 from axtorch.parallel import hardware as hardware_module
+from axtorch.parallel.chips import CHIPS, chip_named
 from axtorch.parallel.hardware import detect_hardware_id, device_count
 from axtorch.train.config import Precision
 
@@ -67,6 +68,54 @@ def test_a_trainium_host_is_identified_by_its_neuroncores(monkeypatch, instance,
     assert detect_hardware_id() == hardware
 
 
+#: What each kind of machine reports, as detect_hardware_id reads it: (torch.cuda's device name,
+#: TPU_ACCELERATOR_TYPE, EC2 instance type). Every chip of the catalogue must appear.
+REPORTED = [
+    ("NVIDIA B200", None, None),
+    ("NVIDIA H200", None, None),
+    ("NVIDIA H100 NVL", None, None),
+    ("NVIDIA H100 PCIe", None, None),
+    ("NVIDIA H100 80GB HBM3", None, None),
+    ("NVIDIA A100-SXM4-80GB", None, None),
+    ("AMD Instinct MI300X", None, None),
+    (None, "v6e-64", None),
+    (None, "v5litepod-64", None),
+    (None, "v5litepod-256", None),
+    (None, "v5p-128", None),
+    (None, "v4-32", None),
+    (None, None, "trn1.2xlarge"),
+    (None, None, "trn1.32xlarge"),
+    (None, None, "trn1n.32xlarge"),
+    (None, None, "trn2.48xlarge"),
+    (None, None, "trn2u.48xlarge"),
+]
+
+
+def test_the_reported_machines_cover_every_chip_of_the_catalogue():
+    named = {chip_named(gpu or tpu or instance).name for gpu, tpu, instance in REPORTED}
+    assert named == {chip.name for chip in CHIPS}
+
+
+@pytest.mark.parametrize(("gpu", "tpu", "instance"), REPORTED, ids=lambda value: value)
+def test_every_real_machine_gets_a_rule_for_its_backend(monkeypatch, gpu, tpu, instance):
+    """The id each machine reports selects a rule, which picks the backend its chip runs (a
+    trn1n or trn2u instance once matched no rule and the run stopped at start-up)."""
+    for variable in ("TPU_ACCELERATOR_TYPE", "SLURM_NNODES", "SLURM_JOB_NUM_NODES", "NEURON_LOGICAL_NC_CONFIG"):
+        monkeypatch.delenv(variable, raising=False)
+    if tpu:
+        monkeypatch.setenv("TPU_ACCELERATOR_TYPE", tpu)
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.setattr(hardware_module.torch.cuda, "is_available", lambda: gpu is not None)
+    monkeypatch.setattr(hardware_module.torch.cuda, "get_device_name", lambda index=0: gpu)
+    monkeypatch.setattr(hardware_module.torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(hardware_module, "ec2_instance_type", lambda: instance)
+    hardware = detect_hardware_id()
+    config = _config(hardware)
+    assert config.mesh_rules.selected not in (None, "cpu-.*"), hardware
+    assert config.backend.value == chip_named(gpu or tpu or instance).backend, hardware
+
+
 @pytest.mark.parametrize(
     ("hardware", "selected", "backend", "mesh", "sharding"),
     [
@@ -75,8 +124,8 @@ def test_a_trainium_host_is_identified_by_its_neuroncores(monkeypatch, instance,
         ("gpu-H100-8x32", "gpu-H(100|200)-8x(3[2-9]|[4-9][0-9]|[0-9]{3,})", "native", {"data": -1, "fsdp": 8}, "fsdp"),
         ("gpu-H200-8x2", "gpu-H(100|200)-.*", "native", {"data": 1, "fsdp": -1}, "fsdp"),
         ("gpu-A100-4x1", "gpu-.*", "native", {"fsdp": -1}, "fsdp"),
-        ("trn2-64x4", "trn2-.*", "xla", {"fsdp": -1}, "fsdp"),
-        ("trn1-32x2", "trn1-.*", "xla", {"fsdp": -1}, "fsdp"),
+        ("trn2-64x4", "trn2u?-.*", "xla", {"fsdp": -1}, "fsdp"),
+        ("trn1-32x2", "trn1n?-.*", "xla", {"fsdp": -1}, "fsdp"),
         ("cpu-2x1", "cpu-.*", "single", {"data": 1, "fsdp": 1}, "replicated"),
     ],
 )
@@ -101,7 +150,7 @@ def test_the_command_line_wins_over_the_rule():
 
 
 def test_no_matching_rule_is_an_error_that_lists_the_rules():
-    with pytest.raises(ConfigError, match=r"mesh_rules\.hardware='abacus-1x1'.*'tpu-v5e-256', 'tpu-v6e-\.\*'"):
+    with pytest.raises(ConfigError, match=r"mesh_rules\.hardware='abacus-1x1'.*'tpu-v5e-256', 'tpu-v5e-\.\*'"):
         _config("abacus-1x1")
 
 
