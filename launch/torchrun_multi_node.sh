@@ -68,7 +68,7 @@ if [[ "$RDZV_BACKEND" == static ]]; then
   node_rank=(--node-rank "$NODE_RANK")
 fi
 
-exec "$TORCHRUN" \
+exec launch/preemptible.sh "$TORCHRUN" \
   --nnodes "$NNODES" \
   --nproc-per-node "$NPROC" \
   --max-restarts "$MAX_RESTARTS" \

@@ -23,5 +23,5 @@ cd "$(dirname "$0")/.."
 NPROC_FALLBACK=2
 source launch/torchrun_env.sh
 
-exec "$TORCHRUN" --standalone --nnodes 1 --nproc-per-node "$NPROC" --max-restarts "$MAX_RESTARTS" \
+exec launch/preemptible.sh "$TORCHRUN" --standalone --nnodes 1 --nproc-per-node "$NPROC" --max-restarts "$MAX_RESTARTS" \
   -m axtorch.train "$@"

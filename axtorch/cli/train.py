@@ -30,7 +30,9 @@ from axtorch.compose.registry import register_configs
 from axtorch.config.errors import ConfigError
 from axtorch.parallel.shutdown import exit_process
 from axtorch.train.checkpoint_manifest import CheckpointError
+from axtorch.train.exit_codes import ExitCode, process_exit_code
 from axtorch.train.numerics import NonFiniteError
+from axtorch.train.preemption import PreemptionWatch
 from axtorch.train.run_layout import SUMMARY
 from axtorch.train.trainer import Trainer, TrainResult
 
@@ -48,35 +50,39 @@ _FLAGS_WITH_VALUE = (
 )
 
 
-def _fail(error: Exception, status: int = 2, ran_collectives: bool = False) -> None:
+def _fail(error: Exception, code: ExitCode, ran_collectives: bool = False) -> None:
     print(f"axtorch-train: {error}", file=sys.stderr)
-    exit_process(status, ran_collectives)
+    exit_process(int(code), ran_collectives)
 
 
-def _train(cfg: DictConfig) -> None:
+def _train(cfg: DictConfig, preemption: PreemptionWatch) -> None:
     ran_collectives = False  # whether this process joined a process group (see exit_process)
     try:
         trainer = Trainer(to_experiment_config(cfg))
         ran_collectives = dist.is_available() and dist.is_initialized()
         try:
-            result = trainer.fit()
+            result = trainer.fit(preemption=preemption)
         finally:
             trainer.backend.close()
     except ConfigError as error:  # also raised by fit(), e.g. resuming checkpoints of another model
-        _fail(error, ran_collectives=ran_collectives)
-    except (CheckpointError, NonFiniteError) as error:  # nothing to resume from, a failed save, NaNs
-        _fail(error, status=1, ran_collectives=ran_collectives)
+        _fail(error, ExitCode.CONFIG_ERROR, ran_collectives)
+    except CheckpointError as error:  # nothing to resume from, a failed save
+        _fail(error, ExitCode.FAILED, ran_collectives)
+    except NonFiniteError as error:
+        _fail(error, ExitCode.NON_FINITE, ran_collectives)
+    code = ExitCode.PREEMPTED if result.preempted_by else ExitCode.FINISHED
     if trainer.backend.is_main_process:
-        _report(result)
-    if ran_collectives:
-        exit_process(0, ran_collectives)
+        _report(result, code)
+    if code or ran_collectives:
+        exit_process(process_exit_code(code), ran_collectives)
 
 
-def _report(result: TrainResult) -> None:
+def _report(result: TrainResult, code: ExitCode) -> None:
     if result.preempted_by:
+        newest = result.checkpoint or "none yet (no step had been trained)"
         print(
-            f"preempted by {result.preempted_by} at step {result.step}: saved {result.checkpoint}; "
-            "run the same command to resume"
+            f"preempted by {result.preempted_by} at step {result.step}: newest checkpoint {newest}; "
+            f"exit {int(code)} (resume me): run the same command to resume"
         )
         return
     start = f"{result.initial_eval_loss:.4f} -> " if result.initial_eval_loss is not None else ""
@@ -101,25 +107,32 @@ def split_arguments(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 def main() -> None:
-    register_configs()
-    overrides, config_dirs = split_arguments(sys.argv[1:])
-    try:
-        # --help: Hydra's, listing the config groups and every key of the composed config.
-        if not {"-m", "--multirun", *HELP_FLAGS} & set(sys.argv):
-            # Strict keys and clear errors before Hydra runs; then the mesh rule's overrides join the
-            # command line, so that the config Hydra composes is the one checked here.
-            composed = compose_experiment_config(overrides, config_dirs, apply_mesh_rules=False)
-            chosen, composed = resolve_choices(overrides, composed, config_dirs)
-            if chosen != overrides:  # a rule or sharding=auto chose: hand Hydra the overrides checked here
-                flags = [arg for arg in sys.argv[1:] if arg not in overrides]
-                sys.argv = [sys.argv[0], *flags, *chosen]
-            if composed.mesh_rules.selected:
-                print(f"mesh rule {composed.mesh_rules.selected!r} for hardware {composed.mesh_rules.hardware}")
-            if composed.sharding.auto:
-                print(f"sharding=auto: {describe_auto_sharding(composed)}")
-        hydra.main(version_base=None, config_path=f"pkg://{CONFIG_MODULE}", config_name=PRIMARY_CONFIG)(_train)()
-    except ConfigError as error:
-        _fail(error)
+    # Entered first, so that a preemption signal during start-up stops the run before its first
+    # step instead of killing it (axtorch/train/preemption.py).
+    with PreemptionWatch() as preemption:
+        register_configs()
+        overrides, config_dirs = split_arguments(sys.argv[1:])
+        try:
+            # --help: Hydra's, listing the config groups and every key of the composed config.
+            if not {"-m", "--multirun", *HELP_FLAGS} & set(sys.argv):
+                # Strict keys and clear errors before Hydra runs; then the mesh rule's overrides join the
+                # command line, so that the config Hydra composes is the one checked here.
+                composed = compose_experiment_config(overrides, config_dirs, apply_mesh_rules=False)
+                chosen, composed = resolve_choices(overrides, composed, config_dirs)
+                if chosen != overrides:  # a rule or sharding=auto chose: hand Hydra the overrides checked here
+                    flags = [arg for arg in sys.argv[1:] if arg not in overrides]
+                    sys.argv = [sys.argv[0], *flags, *chosen]
+                if composed.mesh_rules.selected:
+                    print(f"mesh rule {composed.mesh_rules.selected!r} for hardware {composed.mesh_rules.hardware}")
+                if composed.sharding.auto:
+                    print(f"sharding=auto: {describe_auto_sharding(composed)}")
+
+            def train(cfg: DictConfig) -> None:
+                _train(cfg, preemption)
+
+            hydra.main(version_base=None, config_path=f"pkg://{CONFIG_MODULE}", config_name=PRIMARY_CONFIG)(train)()
+        except ConfigError as error:
+            _fail(error, ExitCode.CONFIG_ERROR)
 
 
 if __name__ == "__main__":

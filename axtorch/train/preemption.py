@@ -2,14 +2,20 @@
 
 The signal only sets a flag; the loop finishes its current step, every process agrees on stopping
 at the same step (the signal may reach them at different moments), a checkpoint is saved, and the
-run exits 0 so that the launcher's restart resumes it. A second signal acts at once, as usual.
+run exits with ``ExitCode.PREEMPTED`` so that the launcher restarts it and it resumes. A signal
+during start-up stops the run before its first step, with nothing new to save.
+
+Repeats are ignored, with a line on stderr: a launcher may pass on a signal that the scheduler
+has already sent to every process (torch 2.9's torchrun forwards SIGTERM to workers that Slurm
+signalled itself), and a second signal that acted at once would end a rank in the middle of the
+save the first one asked for. SIGKILL or SIGQUIT end a run at once.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
-from collections.abc import Callable
 from types import FrameType, TracebackType
 from typing import Any, Optional, Protocol
 
@@ -23,14 +29,18 @@ class _Gather(Protocol):
 
 
 class PreemptionWatch:
-    """While entered, turns the first SIGTERM or SIGINT into a request to stop at the next step boundary."""
+    """While entered, turns the first SIGTERM or SIGINT into a request to stop at the next step
+    boundary, and ignores the ones after it. Re-entrant: the command line enters it before
+    start-up, and the trainer's loop enters the same watch again."""
 
     def __init__(self) -> None:
         self.signal_name: Optional[str] = None
         self._previous: dict[int, Any] = {}
+        self._depth = 0
 
     def __enter__(self) -> PreemptionWatch:
-        if threading.current_thread() is threading.main_thread():  # Python delivers signals only there
+        self._depth += 1
+        if self._depth == 1 and threading.current_thread() is threading.main_thread():  # signals arrive there
             for number in SIGNALS:
                 self._previous[number] = signal.signal(number, self._request)
         return self
@@ -38,14 +48,24 @@ class PreemptionWatch:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
     ) -> None:
+        self._depth -= 1
+        if self._depth:
+            return
         for number, handler in self._previous.items():
             signal.signal(number, handler)
         self._previous.clear()
 
     def _request(self, number: int, frame: Optional[FrameType]) -> None:
-        self.signal_name = signal.Signals(number).name
-        previous: Callable[..., Any] | int | None = self._previous.get(number)
-        signal.signal(number, previous if previous is not None else signal.SIG_DFL)  # a second one acts at once
+        name = signal.Signals(number).name
+        if self.signal_name is None:
+            self.signal_name = name
+            return
+        # os.write, not print: the handler may interrupt a print to the same stream.
+        os.write(
+            2,
+            f"axtorch: {name} again, ignored: the run stops at the next step boundary after saving "
+            f"(asked by {self.signal_name}); SIGKILL or SIGQUIT end it at once\n".encode(),
+        )
 
     def agreed(self, collective: _Gather) -> Optional[str]:
         """The signal that stops the run, if any process received one; the same answer on every process."""

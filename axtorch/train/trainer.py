@@ -430,12 +430,17 @@ class Trainer:
 
     # ------------------------------------------------------------------------------ the loop
 
-    def fit(self, until_step: Optional[int] = None) -> TrainResult:
+    def fit(self, until_step: Optional[int] = None, preemption: Optional[PreemptionWatch] = None) -> TrainResult:
         """Train to ``trainer.max_steps`` (or stop early at ``until_step``, e.g. before a preemption).
 
         Resumes from the newest checkpoint in the run directory. Stopping early still checkpoints,
-        so a later ``fit`` continues exactly where this one stopped.
+        so a later ``fit`` continues exactly where this one stopped. ``preemption``: a watch the
+        caller entered before start-up (the command line does), so that a signal then counts too.
         """
+        with preemption or PreemptionWatch() as watch:
+            return self._fit(until_step, watch)
+
+    def _fit(self, until_step: Optional[int], preemption: PreemptionWatch) -> TrainResult:
         trainer = self.config.trainer
         stop = trainer.max_steps if until_step is None else min(until_step, trainer.max_steps)
         last_checkpoint = self._resume_latest()
@@ -444,11 +449,9 @@ class Trainer:
         self.goodput.enabled = main
         initial_eval = final_eval = None
         metrics_logger = MetricsLogger(self.run_dir, enable_tensorboard=trainer.tensorboard) if main else None
-        preempted_by = None
         watchdog = Watchdog(trainer.watchdog_seconds, trainer.watchdog_action, self.run_dir, self.backend.rank)
         with (
             self.checkpointer.saves_finish_on_error(),
-            PreemptionWatch() as preemption,
             watchdog,
             metrics_logger or contextlib.nullcontext() as metrics,
         ):
@@ -460,7 +463,8 @@ class Trainer:
             progress = self._progress_bar(stop)
             window = _MetricsWindow()
             self.model.train()
-            while self.step < stop:
+            preempted_by = preemption.agreed(self.backend)  # during start-up: stop with nothing new to save
+            while preempted_by is None and self.step < stop:
                 fetched = time.perf_counter()
                 set_aside = self._set_aside_seconds()
                 result, seconds = self._timed_train_step(next(self.train_batches), metrics)
@@ -476,11 +480,13 @@ class Trainer:
                 # The step's wall time, logging included, less its evaluation and checkpoint.
                 set_aside = self._set_aside_seconds() - set_aside
                 self.goodput.step_done(self.step, time.perf_counter() - fetched - set_aside)
-                if preempted_by := preemption.agreed(self.backend):
-                    if not saved_now:
-                        last_checkpoint = self.save_checkpoint() or last_checkpoint
-                    break
+                if (preempted_by := preemption.agreed(self.backend)) and not saved_now:
+                    last_checkpoint = self.save_checkpoint() or last_checkpoint
             progress.close()
+        if preempted_by and self.step >= trainer.max_steps:
+            if main:
+                print(f"{preempted_by} arrived as the last step ended: the run finished")
+            preempted_by = None
         if final_eval is None and preempted_by is None:  # resumed at (or past) the last step: report it
             final_eval = self.evaluate().get("eval/loss")
         self._wrap_up(plot=preempted_by is None)

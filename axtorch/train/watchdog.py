@@ -19,8 +19,10 @@ from pathlib import Path
 from types import TracebackType
 from typing import Optional
 
+from axtorch.train.exit_codes import ExitCode
+
 #: The exit code of a process that the watchdog ended (as coreutils' ``timeout``).
-WATCHDOG_EXIT_CODE = 124
+WATCHDOG_EXIT_CODE = int(ExitCode.HUNG)
 
 
 class WatchdogAction(enum.Enum):

@@ -99,7 +99,7 @@ class SlurmCluster:
                     "SchedulerParameters=sched_interval=2",  # and a requeued one soon after its wait (60 s)
                     "ReturnToService=2",
                     "JobRequeue=1",
-                    "KillWait=60",  # SIGTERM to SIGKILL when a job is requeued: time for the save
+                    "KillWait=30",  # SIGTERM to SIGKILL when a job is requeued: Slurm's default, what clusters run
                     "MinJobAge=3600",  # keep finished jobs' records for scontrol show job
                     "MpiDefault=none",
                     "SlurmdParameters=config_overrides",  # the node line's CPUs, whatever slurmd detects

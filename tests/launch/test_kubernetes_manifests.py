@@ -14,8 +14,10 @@ from k8s_schemas import load_schema
 from torch.distributed.run import get_args_parser
 
 from axtorch.compose.experiment_loader import load_experiment_config
+from axtorch.train.exit_codes import ExitCode
 
-MANIFESTS = Path(__file__).parents[2] / "launch" / "kubernetes"
+REPO = Path(__file__).parents[2]
+MANIFESTS = REPO / "launch" / "kubernetes"
 
 
 @pytest.fixture(scope="module")
@@ -85,8 +87,10 @@ def test_pytorchjob_torchrun_counts_and_mesh_follow_the_replicas_and_gpus():
         for name, value in {**env, "MASTER_ADDR": "master", "MASTER_PORT": "23456"}.items():
             shell = shell.replace(f'"${name}"', value).replace(f"${name}", value)
         words = shlex.split(shell)
-        assert words[:2] == ["exec", "torchrun"], words
-        args = get_args_parser().parse_args(words[2:])  # torchrun's own parser: a misspelt flag fails here
+        # The wrapper that gives the pod axtorch's exit codes (test_pytorchjob_restarts_...).
+        assert words[:3] == ["exec", "launch/preemptible.sh", "torchrun"], words
+        assert (REPO / words[1]).is_file()
+        args = get_args_parser().parse_args(words[3:])  # torchrun's own parser: a misspelt flag fails here
         assert (int(args.nnodes), args.nproc_per_node) == (nodes, str(gpus))
         assert int(env["OMP_NUM_THREADS"]) >= 1
         # torchrun waits for its workers' save inside the grace period, both beyond the 30 s defaults.
@@ -115,3 +119,96 @@ def test_jobset_hosts_and_chips_fill_the_tpu_topology_and_the_mesh():
     config = load_experiment_config(container["command"][3:])
     assert math.prod(config.mesh.resolve(devices).values()) == devices
     assert config.backend.name == "xla" and "sharding=fsdp" in container["command"]
+
+
+# What each scheduler does with a pod's exit code, as its operator documents it, applied to the
+# manifest's own policies. A pod's code is axtorch's (docs/training.md, "Exit codes"): the
+# JobSet's hosts run the trainer as their first process; the PyTorchJob's pods run torchrun under
+# launch/preemptible.sh, which exits 203 for a preempted run and 1 when torchrun gave up on its
+# workers, whatever their own codes (tests/train/test_preemption.py runs that wrapper).
+KILLED = 137  # SIGKILL: the grace period ran out, or the OOM killer
+RESTART_UNCOUNTED = "restart, not counted as a failure"
+RESTART_COUNTED = "restart, counted against the failure budget"
+FAILED = "job failed"
+DONE = "job succeeded"
+
+
+def _pytorchjob_action(restart_policy: str, code: int) -> str:
+    """Kubeflow training operator v1 (kubeflow.org/v1 PyTorchJob): ``ExitCode`` treats 1-127 as
+    permanent errors and 128-255 as retryable, and restarts the pod without counting it against
+    ``backoffLimit``; ``OnFailure`` restarts any failure, counting it; ``Never`` restarts none."""
+    if code == 0:
+        return DONE
+    if restart_policy == "ExitCode":
+        return RESTART_UNCOUNTED if code >= 128 else FAILED
+    return {"OnFailure": RESTART_COUNTED, "Never": FAILED}[restart_policy]
+
+
+def _job_failure_reason(job: dict[str, Any], code: int, conditions: tuple[str, ...]) -> str:
+    """batch/v1 Job with backoffLimit 0: the first podFailurePolicy rule that matches acts (FailJob
+    fails the Job with reason PodFailurePolicy, Ignore recreates the pod uncounted); otherwise the
+    failure counts, and past backoffLimit the Job fails with reason BackoffLimitExceeded."""
+    for rule in job.get("podFailurePolicy", {}).get("rules", []):
+        codes = rule.get("onExitCodes")
+        matches = bool(codes) and (code in codes["values"]) == (codes["operator"] == "In")
+        matches |= any(pattern["type"] in conditions for pattern in rule.get("onPodConditions", []))
+        if matches:
+            return {"FailJob": "PodFailurePolicy", "Ignore": "ignored"}[rule["action"]]
+    assert job["backoffLimit"] == 0
+    return "BackoffLimitExceeded"
+
+
+def _jobset_action(manifest: dict[str, Any], code: int, conditions: tuple[str, ...] = ()) -> str:
+    """JobSet v1alpha2: a failed Job is matched against failurePolicy.rules in order (an empty
+    onJobFailureReasons matches any reason); with no match the action is RestartJobSet, counted
+    against maxRestarts."""
+    if code == 0 and not conditions:
+        return DONE
+    job = manifest["spec"]["replicatedJobs"][0]["template"]["spec"]
+    reason = _job_failure_reason(job, code, conditions)
+    policy = manifest["spec"]["failurePolicy"]
+    action = next(
+        (r["action"] for r in policy.get("rules", []) if reason in r.get("onJobFailureReasons", [reason])),
+        "RestartJobSet",
+    )
+    return {
+        "RestartJobSetAndIgnoreMaxRestarts": RESTART_UNCOUNTED,
+        "RestartJobSet": RESTART_COUNTED,
+        "FailJobSet": FAILED,
+    }[action]
+
+
+def test_pytorchjob_restarts_a_preempted_pod_uncounted_and_fails_on_a_real_failure():
+    replicas = _load("pytorchjob.yaml")["spec"]["pytorchReplicaSpecs"]
+    expected = {
+        ExitCode.FINISHED: DONE,
+        ExitCode.FAILED: FAILED,  # torchrun's in-place restarts (--max-restarts) are spent
+        KILLED: RESTART_UNCOUNTED,  # the kubelet's SIGKILL, or the OOM killer
+        ExitCode.PREEMPTED: RESTART_UNCOUNTED,
+    }
+    for name, spec in replicas.items():
+        got = {code: _pytorchjob_action(spec["restartPolicy"], int(code)) for code in expected}
+        assert got == expected, name
+    # The policy the manifest used before: a preempted run that exited 0 ended the job.
+    assert _pytorchjob_action("OnFailure", 0) == DONE
+
+
+def test_jobset_restarts_a_preempted_slice_uncounted_and_counts_every_other_failure():
+    manifest = _load("jobset.yaml")
+    expected = {
+        ExitCode.FINISHED: DONE,
+        ExitCode.FAILED: RESTART_COUNTED,
+        ExitCode.CONFIG_ERROR: RESTART_COUNTED,
+        ExitCode.NON_FINITE: RESTART_COUNTED,
+        ExitCode.HUNG: RESTART_COUNTED,
+        KILLED: RESTART_COUNTED,
+        ExitCode.PREEMPTED: RESTART_UNCOUNTED,
+    }
+    assert {code: _jobset_action(manifest, int(code)) for code in expected} == expected
+    # A host evicted before it could save: the slice restarts uncounted, from the newest checkpoint.
+    assert _jobset_action(manifest, KILLED, conditions=("DisruptionTarget",)) == RESTART_UNCOUNTED
+    pod = manifest["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    assert pod["restartPolicy"] == "Never"  # what podFailurePolicy requires
+    (container,) = pod["containers"]
+    rules = manifest["spec"]["replicatedJobs"][0]["template"]["spec"]["podFailurePolicy"]["rules"]
+    assert all(rule["onExitCodes"]["containerName"] == container["name"] for rule in rules if "onExitCodes" in rule)

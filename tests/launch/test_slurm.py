@@ -1,6 +1,7 @@
 """``sbatch launch/slurm.sbatch <overrides>`` on a real one-node Slurm cluster, as the script's header
 shows it, with the #SBATCH lines a CPU cluster's user overrides: losses equal to one device's, and
-a preempted job that saves, requeues without counting as a failure, and resumes exactly."""
+a preempted job that saves, requeues without counting as a failure, and resumes exactly. Run on
+torch 2.9.0 too, whose torchrun passes on a second SIGTERM, with Slurm's default KillWait=30."""
 
 from __future__ import annotations
 
@@ -87,6 +88,8 @@ def test_a_preempted_job_saves_requeues_uncounted_and_resumes_exactly(slurm, str
     assert record["JobState"] == "COMPLETED" and record["Restarts"] == "2", (record, output[-3000:])
     assert output.count("preempted by SIGTERM at step") == 2 and output.count("resumed from") == 2, output[-3000:]
     assert "not counted as a failure" in output and "axtorch-failures" not in record.get("Comment", "")
+    # The job step ended with the "resume me" code both times (launch/preemptible.sh around torchrun).
+    assert output.count("axtorch: preempted (exit 203)") == 2, output[-3000:]
     # Every step once, each loss equal to the uninterrupted job's: nothing lost or repeated.
     assert _losses_by_step(run_dir) == _losses_by_step(root / "straight")
     final = f"step_{LONG_STEPS:08d}"

@@ -191,7 +191,7 @@ def test_expert_parallel_moe_matches_one_device_with_experts_split_over_the_expe
 
 
 @pytest.mark.slow
-def test_a_sigterm_under_xla_finishes_the_step_saves_and_exits_0(tmp_path, data_cache):
+def test_a_sigterm_under_xla_finishes_the_step_saves_and_exits_resume_me(tmp_path, data_cache):
     """One host, 4 devices (fsdp=4): the signal ends the run at a step boundary with a valid checkpoint."""
     env = xla_env(4)
     run_dir = tmp_path / "run"

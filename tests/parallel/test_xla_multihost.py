@@ -143,15 +143,18 @@ def test_the_two_hosts_checkpoint_resumes_on_one_xla_host_and_on_one_device(runs
 @needs_xla
 @pytest.mark.slow
 def test_a_sigterm_to_one_host_stops_both_at_the_same_step_with_one_checkpoint(tmp_path, data_cache):
-    """Only host 1 is signalled; both hosts agree on the step, save together and exit 0."""
+    """Only host 1 is signalled; both hosts agree on the step, save together and exit 203. Each
+    pod host is its own first process; here torchrun stands in for the hosts, so
+    launch/preemptible.sh gives its status as a pod's would be."""
     run_dir = tmp_path / "run"
     overrides = debug_overrides(run_dir, data_cache, *_FSDP4, "trainer.max_steps=500")
-    command = [*torchrun(HOSTS, XLA_PYTHON), "-m", "axtorch.train", "backend=xla", *overrides]
+    hosts = [str(ROOT / "launch" / "preemptible.sh"), *torchrun(HOSTS, XLA_PYTHON)]
+    command = [*hosts, "-m", "axtorch.train", "backend=xla", *overrides]
     launcher = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=xla_env(DEVICES, HOSTS), cwd=ROOT
     )
     wait_for_steps(launcher, run_dir)
-    (host1,) = [p for p in psutil.Process(launcher.pid).children() if p.environ().get("RANK") == "1"]
+    (host1,) = [p for p in psutil.Process(launcher.pid).children(recursive=True) if p.environ().get("RANK") == "1"]
     host1.send_signal(signal.SIGTERM)
     checkpoint = preempted_checkpoint(launcher, run_dir)
     files = {p["file"] for entry in read_index(checkpoint).values() for p in entry["pieces"]}

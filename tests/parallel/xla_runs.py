@@ -15,6 +15,7 @@ from debug_runs import train_losses
 from torchrun_runs import torchrun
 
 from axtorch.train.checkpoint import checkpoint_problems, list_checkpoints
+from axtorch.train.exit_codes import ExitCode
 
 ROOT = Path(__file__).resolve().parents[2]
 XLA_PYTHON = Path(os.environ.get("AXTORCH_XLA_PYTHON", ROOT / ".venv-xla" / "bin" / "python"))
@@ -54,9 +55,10 @@ def wait_for_steps(process: subprocess.Popen, run_dir: Path, steps: int = 3) -> 
 
 
 def preempted_checkpoint(process: subprocess.Popen, run_dir: Path) -> Path:
-    """The checkpoint a SIGTERMed run saved: it exits 0, says at which step, and that checkpoint is sound."""
+    """The checkpoint a SIGTERMed run saved: it exits 203 ("resume me"), says at which step, and that
+    checkpoint is sound."""
     stdout, stderr = process.communicate(timeout=300)
-    assert process.returncode == 0, stdout[-2000:] + stderr[-3000:]
+    assert process.returncode == ExitCode.PREEMPTED, stdout[-2000:] + stderr[-3000:]
     said = next(line for line in stdout.splitlines() if line.startswith("preempted by SIGTERM at step "))
     step = int(said.removeprefix("preempted by SIGTERM at step ").split(":")[0])
     assert 3 <= step < 500
