@@ -77,8 +77,9 @@ test-newest: $(VENV)/.axtorch-test $(OLDEST_VENV)/.axtorch-xla
 # test stays), config composition, mesh rules and the planner (Hydra and arithmetic), the data
 # pipeline (numpy and tokenizers, with its streamed training runs), import layering and feature
 # locality (source text), the suite's own tooling (tiers, timings, coverage floors), the launcher script, the command-line journeys whose pieces the unit tests cover on 2.9 (generate,
-# export, the SmolLM2 fine-tune), the GGUF file formats (numpy and gguf; the models they load are
-# the HF-parity-tested ones) and the GPU script's CPU smoke run.
+# export, the SmolLM2 fine-tune), the GGUF file formats and the real GGUFs' tokenizers and special
+# tokens (numpy, gguf and tokenizers; the models they load are the HF-parity-tested ones) and the
+# GPU script's CPU smoke run.
 ONE_DEVICE_JOURNEYS := \
 	--deselect tests/parallel/test_native_backend.py::test_launcher_runs_native_training_and_rejects_a_mesh_that_does_not_fit \
 	--deselect tests/train/test_preemption.py::test_a_sigterm_and_its_repeat_save_at_a_step_boundary_and_exit_resume_me \
@@ -96,6 +97,7 @@ test-oldest: $(OLDEST_VENV)/.axtorch-xla
 		--ignore=tests/interop/test_gguf_llama.py --ignore=tests/interop/test_gguf_quantisations.py \
 		--ignore=tests/interop/test_gguf_sentencepiece.py --ignore=tests/interop/test_gguf_smollm2.py \
 		--ignore=tests/interop/test_gguf_experts.py --ignore=tests/interop/test_gguf_pre_tokenizers.py \
+		--ignore=tests/interop/test_gguf_gemma3.py --ignore=tests/interop/test_imported_special_tokens.py \
 		$(ONE_DEVICE_JOURNEYS) $(ARGS)
 
 # A wheel, installed into an empty environment, run from outside the repository.
