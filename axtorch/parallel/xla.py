@@ -81,14 +81,7 @@ class XlaBackend:
         self.num_devices = num_devices
         self.devices_per_process = num_devices // self.world_size
         self.device_name = xla_device_name()
-        rows = self.sizes["data"] * self.sizes["fsdp"]
-        if rows % self.world_size:
-            raise ConfigError(
-                "mesh",
-                f"data={self.sizes['data']} x fsdp={self.sizes['fsdp']}",
-                f"a data x fsdp product that is a multiple of the {self.world_size} hosts",
-                reason="each host feeds its own rows of the batch, the rows its devices hold",
-            )
+        self.hosts.check_feedable(self.sizes)
         if self.world_size > 1 and not dist.is_initialized():
             # Host-side coordination (barriers, checkpoint piece lists, preemption) over gloo.
             importlib.import_module("torch_xla.distributed.xla_backend")  # registers xla://

@@ -36,6 +36,32 @@ class XlaHosts:
         """How the hosts' gloo group finds its members: torchrun's ``env://`` here, torch_xla's ``xla://`` on a pod."""
         return "env://" if self.simulated else "xla://"
 
+    def check_feedable(self, sizes: dict[str, int]) -> None:
+        """Refuse a mesh whose batches torch_xla's per-host transfer cannot feed, before the hosts meet.
+
+        Each host sends its own rows (``minibatch=True``), the rows its devices hold, so the rows
+        must split over the hosts; and that transfer splits only the batch dimension across
+        hosts, so a sequence cut over ``seq`` cannot be fed on more than one host. A simulation
+        sends the whole batch and would not fail: it is refused alike, as the pod would be.
+        """
+        if self.count == 1:
+            return
+        if sizes["seq"] > 1:
+            raise ConfigError(
+                "mesh.seq",
+                sizes["seq"],
+                f"1 with backend=xla on {self.count} hosts",
+                reason="each host sends its own rows with torch_xla's per-host transfer (minibatch=True), "
+                "which splits only the batch dimension across hosts; context parallelism over seq runs on one host",
+            )
+        if (sizes["data"] * sizes["fsdp"]) % self.count:
+            raise ConfigError(
+                "mesh",
+                f"data={sizes['data']} x fsdp={sizes['fsdp']}",
+                f"a data x fsdp product that is a multiple of the {self.count} hosts",
+                reason="each host feeds its own rows of the batch, the rows its devices hold",
+            )
+
     def device_block(self, num_devices: int) -> range:
         """The global device ids this host drives: a contiguous block of the device order, as on a pod."""
         per_host = num_devices // self.count

@@ -22,6 +22,7 @@ from xla_runs import ROOT, XLA_PYTHON, needs_xla, preempted_checkpoint, run_work
 from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.config.errors import ConfigError
 from axtorch.data.loader import build_data
+from axtorch.parallel.mesh import MeshConfig
 from axtorch.parallel.xla_hosts import SIMULATED_HOSTS_ENV, XlaHosts, xla_hosts
 from axtorch.train.checkpoint import (
     MODEL,
@@ -179,14 +180,40 @@ def test_hosts_come_from_the_runtime_unless_a_simulation_asks_for_torchrun_ranks
         xla_hosts(lambda: (0, 1))
 
 
+def test_a_mesh_the_hosts_cannot_feed_is_refused_naming_the_key():
+    def refusal(hosts: int, **axes: int) -> str:
+        try:
+            XlaHosts(0, hosts).check_feedable(MeshConfig(**axes).resolve(8, "mesh"))
+        except ConfigError as error:
+            return str(error)
+        return ""
+
+    assert refusal(1, fsdp=4, seq=2) == ""  # one host: context parallelism is fine
+    assert refusal(2, fsdp=8) == ""
+    said = refusal(2, fsdp=4, seq=2)
+    assert "mesh.seq=2" in said and "1 with backend=xla on 2 hosts" in said, said
+    assert "splits only the batch dimension across hosts" in said, said
+    said = refusal(8, fsdp=4, model=2)
+    assert "mesh='data=1 x fsdp=4'" in said and "a multiple of the 8 hosts" in said, said
+
+
 @needs_xla
-def test_a_mesh_whose_rows_do_not_split_over_the_hosts_is_refused_before_the_hosts_meet(tmp_path, data_cache):
-    """Host 0 of 2, 1 device each, model=2: every row is on both devices, so no host has rows of its own.
-    The refusal comes before the gloo rendezvous, so host 0 alone (torchrun's variables set by hand) says it."""
-    overrides = debug_overrides(tmp_path / "run", data_cache, "mesh.model=2", "sharding=fsdp_tp")
+@pytest.mark.parametrize(
+    ("axes", "refusal"),
+    [
+        (("mesh.model=2", "sharding=fsdp_tp"), "invalid config mesh='data=1 x fsdp=1': each host feeds its own rows"),
+        (("mesh.seq=2",), "invalid config mesh.seq=2"),
+    ],
+    ids=["rows", "sequence"],
+)
+def test_a_mesh_the_hosts_cannot_feed_is_refused_before_the_hosts_meet(tmp_path, data_cache, axes, refusal):
+    """Host 0 of 2, 1 device each. rows: model=2 puts every row on both devices, so no host has rows
+    of its own; sequence: seq=2 cuts each sequence over the two hosts. The refusal comes before the
+    gloo rendezvous, so host 0 alone (torchrun's variables set by hand) says it."""
+    overrides = debug_overrides(tmp_path / "run", data_cache, *axes)
     torchrun_said = {"RANK": "0", "WORLD_SIZE": str(HOSTS), "MASTER_ADDR": "localhost", "MASTER_PORT": "1"}
     env = {**xla_env(HOSTS, HOSTS), **torchrun_said}
     command = [str(XLA_PYTHON), "-m", "axtorch.train", "backend=xla", *overrides]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert result.returncode == 2, result.stderr[-3000:]
-    assert "invalid config mesh='data=1 x fsdp=1': each host feeds its own rows" in result.stderr, result.stderr[-3000:]
+    assert refusal in result.stderr, result.stderr[-3000:]
