@@ -52,11 +52,12 @@ test-quick: $(VENV)/.axtorch-test
 
 environments: $(VENV)/.axtorch-test $(OLDEST_VENV)/.axtorch-xla
 
-# Lint, formatting and types: fast, so they run first.
+# Lint, formatting and types (and the container images' Dockerfiles): fast, so they run first.
 check: $(VENV)/.axtorch-test
 	$(VENV)/bin/ruff check axtorch tests benchmarks .ci
 	$(VENV)/bin/ruff format --check axtorch tests benchmarks .ci
 	$(VENV)/bin/mypy axtorch
+	$(VENV)/bin/hadolint launch/docker/*.Dockerfile
 
 # One pytest worker per core, each taking whole scheduling groups (tests/xdist_scheduling.py): a file (so
 # its module fixtures run once) or a finer group named there. The groups start in collection
@@ -70,7 +71,7 @@ test-newest: $(VENV)/.axtorch-test $(OLDEST_VENV)/.axtorch-xla
 
 # The same suite on torch 2.9.0, less what does not depend on the torch version: the XLA tests
 # (their workers already run on 2.9, the simulated hosts too), the multi-node launcher (torchrun's
-# rendezvous; the native backend's own tests stay), the Kubernetes manifests (YAML; the Slurm tests
+# rendezvous; the native backend's own tests stay), the Kubernetes manifests and Dockerfiles (YAML and hadolint; the Slurm tests
 # stay: torch 2.9's torchrun passes SIGTERM on to workers Slurm already signalled, and its
 # preemption must still save and requeue), the documented commands (they exercise the docs), the
 # single-process kill, goodput and signal journeys (process handling; the torchrun preemption
@@ -87,7 +88,7 @@ ONE_DEVICE_JOURNEYS := \
 	--deselect tests/infer/test_generate.py::test_generate_command_continues_prompts_from_a_trained_run
 test-oldest: $(OLDEST_VENV)/.axtorch-xla
 	$(OLDEST_VENV)/bin/python -m pytest $(PARALLEL) --durations=15 --timings-json $(REPORT)/oldest.json --ignore=tests/parallel/test_xla_backend.py --ignore=tests/parallel/test_xla_multihost.py \
-		--ignore=tests/parallel/test_multi_node.py --ignore=tests/launch/test_kubernetes_manifests.py --ignore=tests/docs \
+		--ignore=tests/parallel/test_multi_node.py --ignore=tests/launch/test_kubernetes_manifests.py --ignore=tests/launch/test_container_images.py --ignore=tests/docs \
 		--ignore=tests/infer/test_xla_decode.py --ignore=tests/train/test_kill_and_resume.py \
 		--ignore=tests/train/test_goodput.py --ignore=tests/config --ignore=tests/parallel/test_mesh_rules.py \
 		--ignore=tests/train/test_gpu_train_benchmark.py --ignore=tests/cli/test_plan.py \

@@ -19,10 +19,14 @@ from pathlib import Path
 
 import pytest
 
-#: Programs a test may start without being a journey: compilers and linkers (a kernel's first build)
-#: and the small probes of the machine that libraries run.
+#: Programs a test may start without being a journey: compilers and linkers (a kernel's first build),
+#: the small probes of the machine that libraries run, and a linter that answers in milliseconds.
 NOT_JOURNEYS = frozenset(
-    {"cc", "gcc", "g++", "c++", "clang", "clang++", "ld", "ar", "nm", "uname", "lscpu", "getconf", "nproc", "ldconfig"}
+    {
+        *("cc", "gcc", "g++", "c++", "clang", "clang++", "ld", "ar", "nm"),
+        *("uname", "lscpu", "getconf", "nproc", "ldconfig"),
+        "hadolint",
+    }
 )
 #: Markers that pytest itself provides, which an ``-m`` expression may name too.
 BUILTIN_MARKERS = frozenset({"parametrize", "skip", "skipif", "xfail", "usefixtures", "filterwarnings"})
