@@ -1,9 +1,13 @@
-"""A one-node Slurm cluster (Debian's slurm-wlm: munged, slurmctld, slurmd) for the launcher tests.
+"""A Slurm cluster of several nodes (Debian's slurm-wlm: munged, slurmctld, a slurmd per node) for the
+launcher tests.
 
-CI runs as root on a fresh machine, so the set-up installs the packages itself (apt-get, about
-30 s; nothing when they are installed) and starts the daemons with a configuration of their own
-in a temporary directory, on free ports: the machine's /etc/slurm is not touched. Jobs are
-tracked by proctrack/linuxproc (process parentage): a container has no cgroup for Slurm to manage.
+Each node is a host of its own (``network_hosts``: a network namespace with its own address on a
+bridge, its own hostname and /etc/hosts), running its own slurmd; slurmctld runs on this machine
+and reaches them over the bridge, so a job's nodes meet by name as on a cluster. CI runs as root
+on a fresh machine, so the set-up installs the packages itself (apt-get, about 30 s; nothing when
+they are installed) and starts the daemons with a configuration of their own in a temporary
+directory, on free ports: the machine's /etc/slurm is not touched. Jobs are tracked by
+proctrack/linuxproc (process parentage): a container has no cgroup for Slurm to manage.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from network_hosts import NetworkHosts
 
 PACKAGES = ("munge", "slurmctld", "slurmd", "slurm-client")
 PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch")
@@ -58,24 +64,34 @@ def _wait(condition: Callable[[], bool], timeout: float, what: str) -> None:
 
 
 class SlurmCluster:
-    """slurmctld and slurmd on this machine, as one node with all its CPUs in one partition."""
+    """slurmctld on this machine and ``nodes`` nodes of its CPUs each, in one partition."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, nodes: int = 2) -> None:
         self.root = root
         self.conf = root / "slurm.conf"
         self.env = {**os.environ, "PATH": PATH, "SLURM_CONF": str(self.conf)}
+        self.hosts = NetworkHosts(nodes, root / "hosts")
         self._munged_pid: int | None = None
+
+    @property
+    def node_names(self) -> list[str]:
+        return [self.hosts.name(index) for index in range(self.hosts.count)]
 
     def start(self) -> None:
         self._start_munge()
-        node = socket.gethostname().split(".")[0]
+        self.hosts.__enter__()
         (self.root / "state").mkdir(parents=True, exist_ok=True)
-        (self.root / "spool").mkdir(exist_ok=True)
+        nodes = [
+            f"NodeName={name} NodeAddr={self.hosts.address(index)} CPUs={os.cpu_count()} State=UNKNOWN"
+            for index, name in enumerate(self.node_names)
+        ]
+        for name in self.node_names:
+            (self.root / "spool" / name).mkdir(parents=True, exist_ok=True)
         self.conf.write_text(
             "\n".join(
                 [
                     "ClusterName=axtorch-test",
-                    f"SlurmctldHost={node}(127.0.0.1)",
+                    f"SlurmctldHost=controller({self.hosts.bridge_address})",
                     "SlurmUser=root",
                     "SlurmdUser=root",
                     f"SlurmctldPort={free_port()}",
@@ -85,11 +101,11 @@ class SlurmCluster:
                     # waits before it may start again: 120 s by default.
                     "AuthInfo=cred_expire=10",
                     f"StateSaveLocation={self.root / 'state'}",
-                    f"SlurmdSpoolDir={self.root / 'spool'}",
+                    f"SlurmdSpoolDir={self.root / 'spool' / '%n'}",  # %n: the node's name
                     f"SlurmctldPidFile={self.root / 'slurmctld.pid'}",
-                    f"SlurmdPidFile={self.root / 'slurmd.pid'}",
+                    f"SlurmdPidFile={self.root / 'slurmd-%n.pid'}",
                     f"SlurmctldLogFile={self.root / 'slurmctld.log'}",
-                    f"SlurmdLogFile={self.root / 'slurmd.log'}",
+                    f"SlurmdLogFile={self.root / 'slurmd-%n.log'}",
                     "ProctrackType=proctrack/linuxproc",  # no cgroup to manage in a container
                     "TaskPlugin=task/none",
                     "JobAcctGatherType=jobacct_gather/none",
@@ -103,16 +119,17 @@ class SlurmCluster:
                     "MinJobAge=3600",  # keep finished jobs' records for scontrol show job
                     "MpiDefault=none",
                     "SlurmdParameters=config_overrides",  # the node line's CPUs, whatever slurmd detects
-                    f"NodeName={node} NodeAddr=127.0.0.1 CPUs={os.cpu_count()} State=UNKNOWN",
-                    f"PartitionName=test Nodes={node} Default=YES MaxTime=INFINITE State=UP",
+                    *nodes,
+                    "PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP",
                     "",
                 ]
             )
         )
         subprocess.run(["slurmctld", "-i"], check=True, env=self.env, timeout=60)
-        subprocess.run(["slurmd"], check=True, env=self.env, timeout=60)
+        for index in range(self.hosts.count):  # each slurmd on its host, named by the host's hostname
+            subprocess.run(self.hosts.command(index, ["slurmd"]), check=True, env=self.env, timeout=60)
         try:
-            _wait(self._node_idle, 60, "an idle node")
+            _wait(self._nodes_idle, 60, "idle nodes")
         except TimeoutError as error:
             raise RuntimeError(f"{error}\n{self.logs()}") from error
 
@@ -136,14 +153,21 @@ class SlurmCluster:
 
     def stop(self) -> None:
         """End the daemons this cluster started, by their pid files."""
-        for pid_file in (self.root / "slurmd.pid", self.root / "slurmctld.pid"):
+        pid_files = [self.root / f"slurmd-{name}.pid" for name in self.node_names]
+        for pid_file in (*pid_files, self.root / "slurmctld.pid"):
             if pid_file.exists():
                 _terminate(int(pid_file.read_text()))
         if self._munged_pid is not None:
             _terminate(self._munged_pid)
+        self.hosts.__exit__(None, None, None)
 
-    def _node_idle(self) -> bool:
-        return self._slurm("sinfo", "--noheader", "--format=%T").strip() == "idle"
+    def _nodes_idle(self) -> bool:
+        states = self._slurm("sinfo", "--noheader", "--Node", "--format=%T").split()
+        return states == ["idle"] * self.hosts.count
+
+    def node_pids(self, node: int) -> list[int]:
+        """The processes running on node ``node`` (its network namespace), its slurmd among them."""
+        return self.hosts.pids(node)
 
     def _slurm(self, *command: str) -> str:
         return subprocess.run(command, check=True, capture_output=True, text=True, env=self.env, timeout=60).stdout
@@ -194,7 +218,7 @@ class SlurmCluster:
 
     def logs(self) -> str:
         tails = []
-        for name in ("slurmctld.log", "slurmd.log"):
+        for name in ("slurmctld.log", *(f"slurmd-{node}.log" for node in self.node_names)):
             path = self.root / name
             lines = path.read_text(errors="replace").splitlines()[-20:] if path.exists() else ["(none)"]
             tails.append(f"--- {name}\n" + "\n".join(lines))

@@ -1,5 +1,6 @@
-"""launch/torchrun_multi_node.sh started on this machine as several "nodes", as its header documents
-(rendezvous on 127.0.0.1, CPU gloo processes): FSDP and HSDP across two nodes train as one device
+"""launch/torchrun_multi_node.sh started as several nodes, as its header documents, each node a host of
+its own on this machine (its own network namespace, address and hostname; the rendezvous at host
+0's name; CPU gloo processes): FSDP and HSDP across two nodes train as one device
 does, a checkpoint written by both nodes resumes on other node counts, and a lost node ends the
 survivor through the documented rendezvous timeout, after which a rerun resumes exactly."""
 
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from debug_runs import STEPS, assert_weights_match_one_device, debug_overrides, train_losses
+from network_hosts import NetworkHosts
 from torchrun_nodes import Node, kill_node, start_nodes
 
 from axtorch.compose.experiment_loader import load_experiment_config
@@ -49,11 +51,13 @@ class LostNode:
     run_dir: Path
 
 
-def _start(nnodes: int, nproc: int, run_dir: Path, cache: Path, *extra: str, **options) -> list[Node]:
+def _start(
+    hosts: NetworkHosts, nnodes: int, nproc: int, run_dir: Path, cache: Path, *extra: str, **options
+) -> list[Node]:
     """Start one job of the debug experiment over ``nnodes`` launchers; ``options`` go to start_nodes."""
     overrides = debug_overrides(run_dir, cache, *extra)
     logs = run_dir.with_name(f"{run_dir.name}.logs")
-    return start_nodes(nnodes, nproc, overrides, logs / str(len(list(logs.glob("*")))), **options)
+    return start_nodes(hosts, nnodes, nproc, overrides, logs / str(len(list(logs.glob("*")))), **options)
 
 
 def _finish(*jobs: list[Node]) -> None:
@@ -106,30 +110,31 @@ def runs(tmp_path_factory, data_cache):
     started: list[Node] = []
 
     def start(*args, **options) -> list[Node]:
-        nodes = _start(*args, **options)
+        nodes = _start(hosts, *args, **options)
         started.extend(nodes)
         return nodes
 
-    try:
-        with ThreadPoolExecutor(1) as side:
-            lost_node = side.submit(_lose_a_node_then_rerun, root / "lost_node", cache, start)
-            fsdp4 = start(2, 2, root / "fsdp4", cache, *FSDP4, store_first=False)
-            hsdp = start(2, 2, root / "hsdp_static", cache, *HSDP, rdzv_backend="static", store_first=False)
-            # Meanwhile (the launchers take seconds to start), and filling the data cache first.
-            Trainer(load_experiment_config(debug_overrides(root / "single", cache))).fit()  # LAST_STEP steps
-            _finish(fsdp4, hsdp)
-            # Both nodes' checkpoint of step STEPS, resumed on one node and on four.
-            on_one_node = _resume_from_step(root / "fsdp4", root / "fsdp4_on_1x2")
-            on_four_nodes = _resume_from_step(root / "hsdp_static", root / "hsdp_on_4x1")
-            _finish(
-                start(1, 2, on_one_node, cache, *FSDP2, store_first=False),
-                start(4, 1, on_four_nodes, cache, *FSDP4, store_first=False),
-            )
-            lost = lost_node.result()
-    finally:
-        for node in started:
-            if node.process.poll() is None:  # a failed set-up leaves no job running
-                kill_node(node)
+    with NetworkHosts(4, root / "hosts") as hosts:
+        try:
+            with ThreadPoolExecutor(1) as side:
+                lost_node = side.submit(_lose_a_node_then_rerun, root / "lost_node", cache, start)
+                fsdp4 = start(2, 2, root / "fsdp4", cache, *FSDP4, store_first=False)
+                hsdp = start(2, 2, root / "hsdp_static", cache, *HSDP, rdzv_backend="static", store_first=False)
+                # Meanwhile (the launchers take seconds to start), and filling the data cache first.
+                Trainer(load_experiment_config(debug_overrides(root / "single", cache))).fit()  # LAST_STEP steps
+                _finish(fsdp4, hsdp)
+                # Both nodes' checkpoint of step STEPS, resumed on one node and on four.
+                on_one_node = _resume_from_step(root / "fsdp4", root / "fsdp4_on_1x2")
+                on_four_nodes = _resume_from_step(root / "hsdp_static", root / "hsdp_on_4x1")
+                _finish(
+                    start(1, 2, on_one_node, cache, *FSDP2, store_first=False),
+                    start(4, 1, on_four_nodes, cache, *FSDP4, store_first=False),
+                )
+                lost = lost_node.result()
+        finally:
+            for node in started:
+                if node.process.poll() is None:  # a failed set-up leaves no job running
+                    kill_node(node)
     return root, lost
 
 

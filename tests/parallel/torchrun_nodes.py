@@ -1,5 +1,6 @@
-"""Several "nodes" on this machine: launch/torchrun_multi_node.sh started once per node, as its header
-documents, and a node lost whole. Shared by the tests that launch multi-node jobs."""
+"""Several nodes on this machine: launch/torchrun_multi_node.sh started once per node, as its header
+documents, each node a host of its own (``network_hosts``: its own network namespace, address,
+hostname and /etc/hosts), and a node lost whole. Shared by the tests that launch multi-node jobs."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from network_hosts import NetworkHosts
 from process_tree import kill_process_tree
 from torchrun_runs import TORCHRUN_EXECUTABLE
 
@@ -18,7 +20,8 @@ LAUNCHER = Path(__file__).resolve().parents[2] / "launch" / "torchrun_multi_node
 
 
 def free_port() -> int:
-    """A TCP port that nothing listens on now (the kernel's choice), for one job's rendezvous."""
+    """A TCP port that nothing listens on now (the kernel's choice), for one job's rendezvous. The
+    hosts' namespaces have ports of their own; a port free here keeps concurrent jobs apart."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
@@ -44,6 +47,7 @@ class Node:
 
 
 def start_node(
+    hosts: NetworkHosts,
     node_rank: int,
     nnodes: int,
     nproc: int,
@@ -54,16 +58,17 @@ def start_node(
     rdzv_backend: str = "c10d",
     env: Optional[dict[str, str]] = None,
 ) -> Node:
-    """Start the multi-node launcher as node ``node_rank`` of ``nnodes``, each with ``nproc`` CPU processes.
+    """Start the multi-node launcher on host ``node_rank`` as node ``node_rank`` of ``nnodes``, each
+    with ``nproc`` CPU processes.
 
-    The rendezvous is on ``127.0.0.1:port``. ``overrides`` go to ``axtorch.train`` unchanged; the
+    The rendezvous is on host 0, by its name, at ``port``. ``overrides`` go to ``axtorch.train`` unchanged; the
     launcher's output goes to ``log``. ``env`` adds to or replaces the launcher's environment
     (e.g. ``RDZV_JOIN_TIMEOUT``). The launcher leads a session of its own, so that
     :func:`kill_node` can take the node down without touching the caller.
     """
     node_env = {
         **os.environ,
-        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_ADDR": hosts.name(0),
         "MASTER_PORT": str(port),
         "NNODES": str(nnodes),
         "NPROC": str(nproc),
@@ -75,12 +80,17 @@ def start_node(
     }
     with log.open("w") as output:
         process = subprocess.Popen(
-            [str(LAUNCHER), *overrides], stdout=output, stderr=subprocess.STDOUT, env=node_env, start_new_session=True
+            hosts.command(node_rank, [str(LAUNCHER), *overrides]),
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            env=node_env,
+            start_new_session=True,
         )
     return Node(process, log)
 
 
 def start_nodes(
+    hosts: NetworkHosts,
     nnodes: int,
     nproc: int,
     overrides: list[str],
@@ -90,7 +100,8 @@ def start_nodes(
     env: Optional[dict[str, str]] = None,
     store_first: bool = True,
 ) -> list[Node]:
-    """Start one job's ``nnodes`` nodes on a fresh port, logging to ``log_dir/node<i>.log``.
+    """Start one job's ``nnodes`` nodes on hosts 0 .. nnodes-1 and a fresh port, logging to
+    ``log_dir/node<i>.log``. Several jobs may share the hosts, as on a cluster.
 
     With ``store_first``, node 0 starts first and the others once its rendezvous store listens, so
     node 0 hosts the store, as MASTER_ADDR's node does on a cluster: under c10d the first launcher
@@ -102,21 +113,21 @@ def start_nodes(
 
     def start(rank: int) -> Node:
         return start_node(
-            rank, nnodes, nproc, port, overrides, log_dir / f"node{rank}.log", rdzv_backend=rdzv_backend, env=env
+            hosts, rank, nnodes, nproc, port, overrides, log_dir / f"node{rank}.log", rdzv_backend=rdzv_backend, env=env
         )
 
     first = start(0)
     deadline = time.monotonic() + 120
-    while store_first and not _listening(port):
+    while store_first and not _listening(hosts.address(0), port):
         if first.process.poll() is not None or time.monotonic() > deadline:
             raise AssertionError(f"node 0 did not open its rendezvous store on port {port}:\n{first.tail()}")
         time.sleep(0.05)
     return [first, *(start(rank) for rank in range(1, nnodes))]
 
 
-def _listening(port: int) -> bool:
+def _listening(address: str, port: int) -> bool:
     with socket.socket() as probe:
-        return probe.connect_ex(("127.0.0.1", port)) == 0
+        return probe.connect_ex((address, port)) == 0
 
 
 def kill_node(node: Node) -> None:
