@@ -71,9 +71,10 @@ test-newest: $(VENV)/.axtorch-test $(OLDEST_VENV)/.axtorch-xla
 
 # The same suite on torch 2.9.0, less what does not depend on the torch version: the XLA tests
 # (their workers already run on 2.9, the simulated hosts too), the multi-node launcher (torchrun's
-# rendezvous; the native backend's own tests stay), the Kubernetes manifests and Dockerfiles (YAML and hadolint; the Slurm tests
-# stay: torch 2.9's torchrun passes SIGTERM on to workers Slurm already signalled, and its
-# preemption must still save and requeue), the documented commands (they exercise the docs), the
+# rendezvous; the native backend's own tests stay), the Kubernetes manifests and Dockerfiles (YAML and
+# hadolint), Slurm's two-node jobs (the one-node Slurm tests stay: torch 2.9's torchrun passes
+# SIGTERM on to workers Slurm already signalled, and its preemption must still save and requeue),
+# the documented commands (they exercise the docs), the
 # single-process kill, goodput and signal journeys (process handling; the torchrun preemption
 # test stays), config composition, mesh rules and the planner (Hydra and arithmetic), the data
 # pipeline (numpy and tokenizers, with its streamed training runs), import layering and feature
@@ -81,11 +82,14 @@ test-newest: $(VENV)/.axtorch-test $(OLDEST_VENV)/.axtorch-xla
 # export, the SmolLM2 fine-tune), the GGUF file formats and the real GGUFs' tokenizers and special
 # tokens (numpy, gguf and tokenizers; the models they load are the HF-parity-tested ones) and the
 # GPU script's CPU smoke run.
-ONE_DEVICE_JOURNEYS := \
+ALSO_NOT_ON_OLDEST := \
 	--deselect tests/parallel/test_native_backend.py::test_launcher_runs_native_training_and_rejects_a_mesh_that_does_not_fit \
 	--deselect tests/train/test_preemption.py::test_a_sigterm_and_its_repeat_save_at_a_step_boundary_and_exit_resume_me \
 	--deselect tests/train/test_preemption.py::test_a_sigint_saves_at_a_step_boundary_and_exits_resume_me \
-	--deselect tests/infer/test_generate.py::test_generate_command_continues_prompts_from_a_trained_run
+	--deselect tests/infer/test_generate.py::test_generate_command_continues_prompts_from_a_trained_run \
+	--deselect tests/launch/test_slurm.py::test_a_two_node_job_submitted_as_documented_matches_one_device \
+	--deselect tests/launch/test_slurm.py::test_a_preempted_two_node_job_requeues_uncounted_and_resumes_exactly \
+	--deselect tests/launch/test_slurm.py::test_a_node_whose_job_step_is_killed_requeues_counted_and_resumes_exactly
 test-oldest: $(OLDEST_VENV)/.axtorch-xla
 	$(OLDEST_VENV)/bin/python -m pytest $(PARALLEL) --durations=15 --timings-json $(REPORT)/oldest.json --ignore=tests/parallel/test_xla_backend.py --ignore=tests/parallel/test_xla_multihost.py \
 		--ignore=tests/parallel/test_multi_node.py --ignore=tests/launch/test_kubernetes_manifests.py --ignore=tests/launch/test_container_images.py --ignore=tests/docs \
@@ -99,7 +103,7 @@ test-oldest: $(OLDEST_VENV)/.axtorch-xla
 		--ignore=tests/interop/test_gguf_sentencepiece.py --ignore=tests/interop/test_gguf_smollm2.py \
 		--ignore=tests/interop/test_gguf_experts.py --ignore=tests/interop/test_gguf_pre_tokenizers.py \
 		--ignore=tests/interop/test_gguf_gemma3.py --ignore=tests/interop/test_imported_special_tokens.py \
-		$(ONE_DEVICE_JOURNEYS) $(ARGS)
+		$(ALSO_NOT_ON_OLDEST) $(ARGS)
 
 # A wheel, installed into an empty environment, run from outside the repository.
 newcomer:

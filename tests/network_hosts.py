@@ -2,9 +2,10 @@
 its own address on a bridge the test creates, its own hostname, and an /etc/hosts that names them
 all, so that "localhost" cannot hide a wrong address. The traffic stays inside them.
 
-A host's processes run under ``ip netns exec`` (its network), ``unshare --uts --mount`` (its
-hostname, and its own view of /etc/hosts, bind-mounted from a file this creates); nothing of the
-machine's own network, hostname or /etc/hosts changes. Needs root (CI runs as root).
+A host's processes run under ``nsenter --net`` (its network; not ``ip netns exec``, which mounts a
+/sys of its own without the cgroup filesystem that slurmd needs) and ``unshare --uts --mount``
+(its hostname, and its own view of /etc/hosts, bind-mounted from a file this creates); nothing of
+the machine's own network, hostname or /etc/hosts changes. Needs root (CI runs as root).
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ class NetworkHosts:
     def command(self, index: int, argv: list[str]) -> list[str]:
         """``argv`` as host ``index`` runs it: the same process, its network, name and /etc/hosts."""
         return [
-            *("ip", "netns", "exec", self._namespace(index)),
+            *("nsenter", f"--net=/run/netns/{self._namespace(index)}"),
             *("unshare", "--uts", "--mount", "--propagation", "private"),
             *("sh", "-c", _ENTER, self.name(index), str(self.hosts_file), *argv),
         ]

@@ -91,7 +91,8 @@ class SlurmCluster:
             "\n".join(
                 [
                     "ClusterName=axtorch-test",
-                    f"SlurmctldHost=controller({self.hosts.bridge_address})",
+                    # This machine, by its own name (slurmctld checks it), at its address on the bridge.
+                    f"SlurmctldHost={socket.gethostname().split('.')[0]}({self.hosts.bridge_address})",
                     "SlurmUser=root",
                     "SlurmdUser=root",
                     f"SlurmctldPort={free_port()}",

@@ -1,10 +1,17 @@
-"""``sbatch launch/slurm.sbatch <overrides>`` on a real one-node Slurm cluster, as the script's header
-shows it, with the #SBATCH lines a CPU cluster's user overrides: losses equal to one device's, and
-a preempted job that saves, requeues without counting as a failure, and resumes exactly. Run on
-torch 2.9.0 too, whose torchrun passes on a second SIGTERM, with Slurm's default KillWait=30."""
+"""``sbatch launch/slurm.sbatch <overrides>`` on a real Slurm cluster of two nodes, each a host of its
+own (tests/launch/slurm_cluster.py), as the script's header shows it, with the #SBATCH lines a CPU
+cluster's user overrides: one-node and two-node jobs' losses equal to one device's; a preempted
+job that saves, requeues without counting as a failure, and resumes exactly; a failed job that
+requeues counting its failures; a node whose job step is killed, requeued and resumed exactly.
+The one-node tests run on torch 2.9.0 too, whose torchrun passes on a second SIGTERM, with
+Slurm's default KillWait=30."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import re
+import signal
 import time
 from pathlib import Path
 
@@ -28,11 +35,11 @@ LONG = (f"trainer.max_steps={LONG_STEPS}", f"trainer.checkpoint_every={LONG_STEP
 FSDP2 = ("backend=native", "mesh.fsdp=2", "sharding=fsdp")
 
 
-def _submit(slurm: SlurmCluster, out: Path, overrides: list[str], **env: str) -> int:
-    """Two CPU processes on one node: no GPUs, the node's 2 CPUs, a short time limit."""
-    options = ["--nodes=1", "--gpus-per-node=0", "--cpus-per-task=2", "--time=15", f"--output={out}"]
+def _submit(slurm: SlurmCluster, out: Path, overrides: list[str], nodes: int = 1, **env: str) -> int:
+    """Two CPU processes on one node, or one on each of ``nodes``: no GPUs, a node's 2 CPUs, a short time limit."""
+    options = [f"--nodes={nodes}", "--gpus-per-node=0", "--cpus-per-task=2", "--time=15", f"--output={out}"]
     environment = {
-        "NPROC": "2",
+        "NPROC": str(2 // nodes),
         "MASTER_PORT": str(free_port()),
         "TORCHRUN": str(TORCHRUN_EXECUTABLE),
     }
@@ -48,6 +55,18 @@ def _wait_for_step(run_dir: Path, step: int) -> None:
     while logged_steps(run_dir) < step:
         assert time.monotonic() < deadline, f"no step {step} in {run_dir} after 300 s"
         time.sleep(0.2)
+
+
+def _assert_resumed_exactly(run_dir: Path, straight_dir: Path, redone: bool = False) -> None:
+    """Every step's loss and the final weights equal the uninterrupted job's; each step logged once,
+    unless ``redone`` (a crash: the steps after the newest checkpoint ran twice; their last counts)."""
+    losses, expected_losses = _losses_by_step(run_dir), _losses_by_step(straight_dir)
+    assert (dict(losses) if redone else losses) == (dict(expected_losses) if redone else expected_losses)
+    final = f"step_{LONG_STEPS:08d}"
+    expected = read_model_tensors(straight_dir / "checkpoints" / final)
+    got = read_model_tensors(run_dir / "checkpoints" / final)
+    for name, tensor in expected.items():
+        assert torch.equal(tensor, got[name]), name
 
 
 @pytest.fixture(scope="module")
@@ -90,13 +109,7 @@ def test_a_preempted_job_saves_requeues_uncounted_and_resumes_exactly(slurm, str
     assert "not counted as a failure" in output and "axtorch-failures" not in record.get("Comment", "")
     # The job step ended with the "resume me" code both times (launch/preemptible.sh around torchrun).
     assert output.count("axtorch: preempted (exit 203)") == 2, output[-3000:]
-    # Every step once, each loss equal to the uninterrupted job's: nothing lost or repeated.
-    assert _losses_by_step(run_dir) == _losses_by_step(root / "straight")
-    final = f"step_{LONG_STEPS:08d}"
-    expected = read_model_tensors(root / "straight" / "checkpoints" / final)
-    got = read_model_tensors(run_dir / "checkpoints" / final)
-    for name, tensor in expected.items():
-        assert torch.equal(tensor, got[name]), name
+    _assert_resumed_exactly(run_dir, root / "straight")
 
 
 def test_a_failing_job_requeues_itself_max_requeues_times(slurm, tmp_path, data_cache):
@@ -112,3 +125,60 @@ def test_a_failing_job_requeues_itself_max_requeues_times(slurm, tmp_path, data_
     assert record["Comment"] == "axtorch-failures=1"
     assert output.count("requeueing job") == 1 and "failure 1 of 1" in output, output[-3000:]
     assert output.count("axtorch: 1 nodes x 2 processes") == 2, output[-3000:]  # the requeued run ran
+
+
+@pytest.fixture(scope="module")
+def two_nodes(slurm, straight, data_cache):
+    """The uninterrupted run as a job of two nodes, one process on each: fsdp=2 across the hosts."""
+    root, _ = straight
+    overrides = debug_overrides(root / "two_nodes", data_cache, *FSDP2, *LONG)
+    job = _submit(slurm, root / "two_nodes.out", overrides, nodes=2)
+    return root, slurm.wait_until_finished(job)
+
+
+def test_a_two_node_job_submitted_as_documented_matches_one_device(two_nodes):
+    root, record = two_nodes
+    output = (root / "two_nodes.out").read_text()
+    assert record["JobState"] == "COMPLETED" and record["NodeList"] == "node[0-1]", (record, output[-3000:])
+    assert "axtorch: 2 nodes x 1 processes, rendezvous at node0:" in output, output[-3000:]
+    single, distributed = train_losses(root / "single"), train_losses(root / "two_nodes")
+    assert len(distributed) == LONG_STEPS
+    torch.testing.assert_close(torch.tensor(distributed[:STEPS]), torch.tensor(single), rtol=1e-5, atol=1e-5)
+
+
+def test_a_preempted_two_node_job_requeues_uncounted_and_resumes_exactly(slurm, two_nodes, data_cache):
+    root, _ = two_nodes
+    run_dir, out = root / "two_nodes_preempted", root / "two_nodes_preempted.out"
+    job = _submit(slurm, out, debug_overrides(run_dir, data_cache, *FSDP2, *LONG), nodes=2, MAX_REQUEUES="0")
+    _wait_for_step(run_dir, 5)
+    slurm.scontrol("requeue", str(job))  # SIGTERM to every process of the job, on both nodes
+    slurm.wait_until_requeued(job, 1)
+    record = slurm.wait_until_finished(job)
+    output = out.read_text()
+    assert record["JobState"] == "COMPLETED" and record["Restarts"] == "1", (record, output[-3000:])
+    assert output.count("preempted by SIGTERM at step") == 1 and "axtorch: preempted (exit 203)" in output
+    assert "axtorch-failures" not in record.get("Comment", ""), record
+    _assert_resumed_exactly(run_dir, root / "two_nodes")
+
+
+def test_a_node_whose_job_step_is_killed_requeues_counted_and_resumes_exactly(slurm, two_nodes, data_cache):
+    """Node 1's task (launch/preemptible.sh, torchrun, the worker) SIGKILLed whole, as a crash takes
+    it: srun ends the step on both nodes, the script counts a failure and requeues, and the rerun
+    resumes from the newest checkpoint."""
+    root, _ = two_nodes
+    run_dir, out = root / "two_nodes_killed", root / "two_nodes_killed.out"
+    overrides = debug_overrides(run_dir, data_cache, *FSDP2, *LONG, "trainer.checkpoint_every=20")
+    job = _submit(slurm, out, overrides, nodes=2, MAX_REQUEUES="1")
+    _wait_for_step(run_dir, 25)
+    for pid in slurm.node_pids(1):
+        if Path(f"/proc/{pid}/comm").read_text().strip() not in ("slurmd", "slurmstepd"):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    slurm.wait_until_requeued(job, 1)
+    record = slurm.wait_until_finished(job)
+    output = out.read_text()
+    assert record["JobState"] == "COMPLETED" and record["Restarts"] == "1", (record, output[-3000:])
+    assert record["Comment"] == "axtorch-failures=1" and "failure 1 of 1" in output, (record, output[-3000:])
+    resumed = re.findall(r"resumed from \S+step_(\d+) at step", output)
+    assert len(resumed) == 1 and int(resumed[0]) >= 20, output[-3000:]
+    _assert_resumed_exactly(run_dir, root / "two_nodes", redone=True)
