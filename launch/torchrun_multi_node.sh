@@ -45,6 +45,10 @@
 # agents timed out reading the new round's keys from the store.) tests/parallel/test_multi_node.py
 # runs this script as 2 nodes on one machine, kills one, and checks the timeout and the rerun.
 #
+# Exit status (launch/preemptible.sh runs torchrun): 0 when the run finished, 203 when a signal
+# stopped it at a step boundary after saving ("resume me": start it again, no failure), torchrun's
+# own status otherwise (docs/training.md, "Exit codes").
+#
 # Runs from the repository root, so a relative run_dir lands there.
 #
 # NCCL picks its network interface itself; set NCCL_SOCKET_IFNAME (and GLOO_SOCKET_IFNAME for

@@ -16,6 +16,10 @@
 #   OMP_NUM_THREADS   CPU threads per process; default: this machine's cores / NPROC (at least 1)
 #   TORCHRUN          the torchrun to use; default: torchrun on PATH, else the repository's .venv
 #
+# Exit status (launch/preemptible.sh runs torchrun): 0 when the run finished, 203 when a signal
+# stopped it at a step boundary after saving ("resume me": start it again, no failure), torchrun's
+# own status otherwise (docs/training.md, "Exit codes").
+#
 # Runs from the repository root, so the default run_dir (runs/<experiment name>) lands there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
