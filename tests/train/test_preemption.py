@@ -77,6 +77,22 @@ def test_a_signal_during_start_up_stops_before_the_first_step_with_nothing_to_sa
     assert list_checkpoints(tmp_path / "run" / "checkpoints") == []
 
 
+def test_a_signal_during_the_first_step_stops_after_it_with_its_checkpoint(tmp_path, data_cache):
+    trainer = _trainer(tmp_path / "run", data_cache)
+    train_step = trainer.train_step
+
+    def first_step_signalled(batch):
+        if trainer.step == 0:
+            _signal_self(signal.SIGTERM)
+        return train_step(batch)
+
+    trainer.train_step = first_step_signalled
+    result = trainer.fit()
+    assert (result.step, result.preempted_by) == (1, "SIGTERM")
+    assert [c.name for c in list_checkpoints(tmp_path / "run" / "checkpoints")] == ["step_00000001"]
+    assert checkpoint_problems(result.checkpoint) == []
+
+
 def test_repeated_signals_during_a_save_leave_it_whole_and_the_run_stops_at_its_step(tmp_path, data_cache):
     """torch 2.9's torchrun passes on a SIGTERM that Slurm already sent each worker: two in a row."""
     trainer = _trainer(tmp_path / "run", data_cache, "trainer.async_checkpoint=false")
