@@ -21,9 +21,6 @@ from typing import Optional
 
 from axtorch.train.exit_codes import ExitCode
 
-#: The exit code of a process that the watchdog ended (as coreutils' ``timeout``).
-WATCHDOG_EXIT_CODE = int(ExitCode.HUNG)
-
 
 class WatchdogAction(enum.Enum):
     #: Dump the stacks and end the process (exit 124), for the launcher to restart.
@@ -70,11 +67,11 @@ class Watchdog:
             message = f"axtorch watchdog: no training step completed in {self.timeout_s:g} s; stacks in {path}"
             if self.action is WatchdogAction.exit:
                 print(
-                    f"{message}; exiting with {WATCHDOG_EXIT_CODE} so that the launcher restarts the job",
+                    f"{message}; exiting with {int(ExitCode.HUNG)} so that the launcher restarts the job",
                     file=sys.stderr,
                     flush=True,
                 )
-                os._exit(WATCHDOG_EXIT_CODE)  # the main thread is stuck: no clean way to unwind it
+                os._exit(int(ExitCode.HUNG))  # the main thread is stuck: no clean way to unwind it
             print(message, file=sys.stderr, flush=True)
             self._last_step = time.monotonic()  # warn again only after another full timeout
 

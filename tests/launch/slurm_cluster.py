@@ -166,10 +166,6 @@ class SlurmCluster:
         states = self._slurm("sinfo", "--noheader", "--Node", "--format=%T").split()
         return states == ["idle"] * self.hosts.count
 
-    def node_pids(self, node: int) -> list[int]:
-        """The processes running on node ``node`` (its network namespace), its slurmd among them."""
-        return self.hosts.pids(node)
-
     def _slurm(self, *command: str) -> str:
         return subprocess.run(command, check=True, capture_output=True, text=True, env=self.env, timeout=60).stdout
 

@@ -170,7 +170,7 @@ def test_a_node_whose_job_step_is_killed_requeues_counted_and_resumes_exactly(sl
     overrides = debug_overrides(run_dir, data_cache, *FSDP2, *LONG, "trainer.checkpoint_every=20")
     job = _submit(slurm, out, overrides, nodes=2, MAX_REQUEUES="1")
     _wait_for_step(run_dir, 25)
-    for pid in slurm.node_pids(1):
+    for pid in slurm.hosts.pids(1):
         if Path(f"/proc/{pid}/comm").read_text().strip() not in ("slurmd", "slurmstepd"):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)

@@ -12,8 +12,8 @@ import pytest
 from quiet_runs import quiet_debug_run
 
 from axtorch.compose.experiment_loader import load_experiment_config
+from axtorch.train.exit_codes import ExitCode
 from axtorch.train.trainer import Trainer
-from axtorch.train.watchdog import WATCHDOG_EXIT_CODE
 
 HANGING_RUN = """
 import sys, time
@@ -49,7 +49,7 @@ def test_a_hang_dumps_every_stack_and_exits_for_the_launcher_to_restart(tmp_path
         text=True,
         timeout=300,
     )
-    assert result.returncode == WATCHDOG_EXIT_CODE, result.stderr[-2000:]
+    assert result.returncode == ExitCode.HUNG, result.stderr[-2000:]
     assert time.monotonic() - started < 120  # not the 600 s of the hang
     assert "no training step completed in 1 s" in result.stderr
     (dump,) = run_dir.glob("hang-rank0-*.txt")
