@@ -16,10 +16,13 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Optional
 
 from axtorch.config.errors import ConfigError
 
 SIMULATED_HOSTS_ENV = "AXTORCH_XLA_SIMULATED_HOSTS"
+#: Set by GKE in each container of a multi-host TPU slice: the slice's hosts, comma-separated.
+TPU_HOSTS_ENV = "TPU_WORKER_HOSTNAMES"
 #: What torchrun sets and a simulation needs (``env://`` reads the last two).
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -54,7 +57,7 @@ class XlaHosts:
                 reason="each host sends its own rows with torch_xla's per-host transfer (minibatch=True), "
                 "which splits only the batch dimension across hosts; context parallelism over seq runs on one host",
             )
-        if (sizes["data"] * sizes["fsdp"]) % self.count:
+        if -1 not in (sizes["data"], sizes["fsdp"]) and (sizes["data"] * sizes["fsdp"]) % self.count:
             raise ConfigError(
                 "mesh",
                 f"data={sizes['data']} x fsdp={sizes['fsdp']}",
@@ -66,6 +69,16 @@ class XlaHosts:
         """The global device ids this host drives: a contiguous block of the device order, as on a pod."""
         per_host = num_devices // self.count
         return range(self.index * per_host, (self.index + 1) * per_host)
+
+
+def expected_host_count() -> Optional[int]:
+    """The hosts an XLA job will have, where the environment says so before the runtime starts
+    (a simulation's torchrun, a GKE TPU slice); None where only the runtime knows (a TPU VM's metadata)."""
+    if os.environ.get(SIMULATED_HOSTS_ENV) == "1" and os.environ.get("WORLD_SIZE", "").isdigit():
+        return int(os.environ["WORLD_SIZE"])
+    if hostnames := os.environ.get(TPU_HOSTS_ENV):
+        return len([name for name in hostnames.split(",") if name.strip()])
+    return None
 
 
 def xla_hosts(runtime: Callable[[], tuple[int, int]]) -> XlaHosts:

@@ -18,10 +18,11 @@ from axtorch.layers.transformer import TransformerLayerConfig
 from axtorch.models.causal_lm import CausalLMConfig
 from axtorch.parallel.backend_kind import BackendKind
 from axtorch.parallel.execution import ExecutionConfig, LayerRunnerKind
-from axtorch.parallel.mesh import MeshConfig
+from axtorch.parallel.mesh import MESH_AXES, MeshConfig
 from axtorch.parallel.mesh_rules import MeshRulesConfig
 from axtorch.parallel.pipeline_config import PipelineConfig
 from axtorch.parallel.sharding import ShardingConfig
+from axtorch.parallel.xla_hosts import XlaHosts, expected_host_count
 from axtorch.train.config import TrainerConfig
 from axtorch.train.loss import CrossEntropyLossConfig
 from axtorch.train.optimizer import OptimConfig
@@ -115,6 +116,9 @@ class ExperimentConfig:
             )
         if self.backend is BackendKind.single:
             self.mesh.resolve(1, "mesh")  # distributed backends check the mesh against their world size
+        if self.backend is BackendKind.xla and (hosts := expected_host_count()):
+            # Where the environment already names the hosts; the backend checks again with the runtime's.
+            XlaHosts(0, hosts).check_feedable({axis: getattr(self.mesh, axis) for axis in MESH_AXES})
 
     def _validate_layer_parallelism(self, layer: TransformerLayerConfig) -> None:
         """The mesh against one of the decoder's layer configs (each variant of a stack has its own)."""

@@ -23,7 +23,7 @@ from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.config.errors import ConfigError
 from axtorch.data.loader import build_data
 from axtorch.parallel.mesh import MeshConfig
-from axtorch.parallel.xla_hosts import SIMULATED_HOSTS_ENV, XlaHosts, xla_hosts
+from axtorch.parallel.xla_hosts import SIMULATED_HOSTS_ENV, TPU_HOSTS_ENV, XlaHosts, expected_host_count, xla_hosts
 from axtorch.train.checkpoint import (
     MODEL,
     OPTIMIZER,
@@ -195,6 +195,33 @@ def test_a_mesh_the_hosts_cannot_feed_is_refused_naming_the_key():
     assert "splits only the batch dimension across hosts" in said, said
     said = refusal(8, fsdp=4, model=2)
     assert "mesh='data=1 x fsdp=4'" in said and "a multiple of the 8 hosts" in said, said
+
+
+def test_composition_refuses_what_the_hosts_named_by_the_environment_cannot_feed(monkeypatch):
+    """GKE names a TPU slice's hosts, a simulation's torchrun its ranks: the refusal comes at
+    composition, before any device is touched; where only the runtime knows, the backend refuses."""
+
+    def composed(*overrides: str) -> str:
+        try:
+            load_experiment_config(["experiment=debug", "backend=xla", *overrides])
+        except ConfigError as error:
+            return str(error)
+        return ""
+
+    for name in (TPU_HOSTS_ENV, SIMULATED_HOSTS_ENV, "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    assert expected_host_count() is None and composed("mesh.seq=2") == ""
+    monkeypatch.setenv(TPU_HOSTS_ENV, "t1v-n-0,t1v-n-1,t1v-n-2,t1v-n-3")
+    assert expected_host_count() == 4
+    said = composed("mesh.fsdp=-1", "mesh.seq=2")
+    assert "mesh.seq=2" in said and "1 with backend=xla on 4 hosts" in said, said
+    said = composed("mesh.fsdp=2", "mesh.model=2", "sharding=fsdp_tp")
+    assert "mesh='data=1 x fsdp=2'" in said and "a multiple of the 4 hosts" in said, said
+    assert composed("mesh.fsdp=-1", "mesh.model=2", "sharding=fsdp_tp") == ""  # resolved by the runtime
+    monkeypatch.delenv(TPU_HOSTS_ENV)
+    monkeypatch.setenv(SIMULATED_HOSTS_ENV, "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert expected_host_count() == 2 and "on 2 hosts" in composed("mesh.fsdp=2", "mesh.seq=2")
 
 
 @needs_xla
