@@ -89,7 +89,8 @@ ALSO_NOT_ON_OLDEST := \
 	--deselect tests/infer/test_generate.py::test_generate_command_continues_prompts_from_a_trained_run \
 	--deselect tests/launch/test_slurm.py::test_a_two_node_job_submitted_as_documented_matches_one_device \
 	--deselect tests/launch/test_slurm.py::test_a_preempted_two_node_job_requeues_uncounted_and_resumes_exactly \
-	--deselect tests/launch/test_slurm.py::test_a_node_whose_job_step_is_killed_requeues_counted_and_resumes_exactly
+	--deselect tests/launch/test_slurm.py::test_a_node_whose_job_step_is_killed_requeues_counted_and_resumes_exactly \
+	--deselect tests/launch/test_slurm.py::test_a_node_that_never_comes_back_leaves_the_job_waiting_says_what_to_do_and_loses_no_checkpoint
 test-oldest: $(OLDEST_VENV)/.axtorch-xla
 	$(OLDEST_VENV)/bin/python -m pytest $(PARALLEL) --durations=15 --timings-json $(REPORT)/oldest.json --ignore=tests/parallel/test_xla_backend.py --ignore=tests/parallel/test_xla_multihost.py \
 		--ignore=tests/parallel/test_multi_node.py --ignore=tests/launch/test_kubernetes_manifests.py --ignore=tests/launch/test_container_images.py --ignore=tests/docs \

@@ -12,6 +12,7 @@ proctrack/linuxproc (process parentage): a container has no cgroup for Slurm to 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -116,6 +117,7 @@ class SlurmCluster:
                     "SchedulerParameters=sched_interval=2",  # and a requeued one soon after its wait (60 s)
                     "ReturnToService=2",
                     "JobRequeue=1",
+                    "SlurmdTimeout=20",  # a silent node is marked DOWN after (300 s by default)
                     "KillWait=30",  # SIGTERM to SIGKILL when a job is requeued: Slurm's default, what clusters run
                     "MinJobAge=3600",  # keep finished jobs' records for scontrol show job
                     "MpiDefault=none",
@@ -133,6 +135,15 @@ class SlurmCluster:
             _wait(self._nodes_idle, 60, "idle nodes")
         except TimeoutError as error:
             raise RuntimeError(f"{error}\n{self.logs()}") from error
+
+    def bring_back(self, index: int) -> None:
+        """Node ``index`` up again after a failure: its slurmd started, and Slurm told it may use it."""
+        if not any(Path(f"/proc/{pid}/comm").read_text().strip() == "slurmd" for pid in self.hosts.pids(index)):
+            subprocess.run(self.hosts.command(index, ["slurmd"]), check=True, env=self.env, timeout=60)
+        _wait(lambda: "*" not in self._slurm("sinfo", "--noheader", "--Node", "--format=%T"), 60, "node responding")
+        with contextlib.suppress(subprocess.CalledProcessError):  # a node that was never down
+            self.scontrol("update", f"NodeName={self.hosts.name(index)}", "State=RESUME")
+        _wait(self._nodes_idle, 60, "idle nodes")
 
     def _start_munge(self) -> None:
         """Use a running munged, else start one as the munge user (it refuses other keys' owners)."""

@@ -2,7 +2,8 @@
 own (tests/launch/slurm_cluster.py), as the script's header shows it, with the #SBATCH lines a CPU
 cluster's user overrides: one-node and two-node jobs' losses equal to one device's; a preempted
 job that saves, requeues without counting as a failure, and resumes exactly; a failed job that
-requeues counting its failures; a node whose job step is killed, requeued and resumed exactly.
+requeues counting its failures; a node whose job step is killed, requeued and resumed exactly; a
+node lost for good, whose job waits, says what to do, and resumes on the node left.
 The one-node tests run on torch 2.9.0 too, whose torchrun passes on a second SIGTERM, with
 Slurm's default KillWait=30."""
 
@@ -22,7 +23,7 @@ from slurm_cluster import SlurmCluster, free_port
 from torchrun_runs import TORCHRUN_EXECUTABLE
 from train.process_runs import logged_steps
 
-from axtorch.train.checkpoint import read_model_tensors
+from axtorch.train.checkpoint import checkpoint_problems, read_model_tensors
 from axtorch.train.metrics import read_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.journey]
@@ -182,3 +183,40 @@ def test_a_node_whose_job_step_is_killed_requeues_counted_and_resumes_exactly(sl
     resumed = re.findall(r"resumed from \S+step_(\d+) at step", output)
     assert len(resumed) == 1 and int(resumed[0]) >= 20, output[-3000:]
     _assert_resumed_exactly(run_dir, root / "two_nodes", redone=True)
+
+
+def test_a_node_that_never_comes_back_leaves_the_job_waiting_says_what_to_do_and_loses_no_checkpoint(
+    slurm, two_nodes, data_cache
+):
+    """Node 1 gone whole (slurmd too), as a host that fails: Slurm marks it DOWN after SlurmdTimeout,
+    cancels and requeues the job, which waits for two nodes; the job's output says which node and
+    what to do. Doing it (scancel, then the job again on the one node left) resumes from the newest
+    checkpoint exactly."""
+    root, _ = two_nodes
+    run_dir, out = root / "two_nodes_lost", root / "two_nodes_lost.out"
+    overrides = debug_overrides(run_dir, data_cache, *FSDP2, *LONG, "trainer.checkpoint_every=20")
+    job = _submit(slurm, out, overrides, nodes=2, MAX_REQUEUES="1")
+    _wait_for_step(run_dir, 25)
+    try:
+        for pid in slurm.hosts.pids(1):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        slurm.wait_for(job, lambda job: "DOWN" in job["Reason"], "waiting for its nodes")
+        record, output = slurm.job(job), out.read_text()
+        assert record["JobState"] == "PENDING" and record["Restarts"] == "1", (record, output[-3000:])
+        assert "axtorch-failures" not in record.get("Comment", ""), record
+        said = f"axtorch: node node1 stopped responding; Slurm requeues job {job}, which waits for 2 nodes"
+        assert said in output and f"scancel {job}, then sbatch --nodes=<fewer>" in output, output[-3000:]
+        assert "preempted" not in output, output[-3000:]
+        checkpoints = sorted((run_dir / "checkpoints").glob("step_*"))
+        assert checkpoints and all(not checkpoint_problems(c) for c in checkpoints), checkpoints
+        slurm.scancel(str(job))
+        rerun_out = root / "two_nodes_lost_rerun.out"
+        record = slurm.wait_until_finished(_submit(slurm, rerun_out, overrides, nodes=1))
+        output = rerun_out.read_text()
+        assert record["JobState"] == "COMPLETED", (record, output[-3000:])
+        resumed = re.findall(r"resumed from \S+step_(\d+) at step", output)
+        assert [int(step) for step in resumed] == [int(checkpoints[-1].name.removeprefix("step_"))], output[-3000:]
+        _assert_resumed_exactly(run_dir, root / "two_nodes", redone=True)
+    finally:
+        slurm.bring_back(1)
