@@ -9,10 +9,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import functools
 import hashlib
 import math
-import operator
 import random
 import resource
 import time
@@ -37,7 +35,7 @@ from axtorch.interop.pretrained import (
 from axtorch.layers.init import initial_parameter_values
 from axtorch.models.causal_lm import CausalLM
 from axtorch.models.transforms import apply_model_transforms
-from axtorch.parallel.backend import Backend, MicroBatchLoss, materialize
+from axtorch.parallel.backend import Backend, materialize
 from axtorch.parallel.factory import build_backend
 from axtorch.parallel.single import SingleDeviceBackend
 from axtorch.train.adapters import BASE_DIGEST_KEY, base_digest, check_base, with_fresh_adapters
@@ -47,7 +45,6 @@ from axtorch.train.config import Precision, SaveErrorPolicy, TrainerConfig
 from axtorch.train.experiment import ExperimentConfig
 from axtorch.train.flops import layer_flops_per_token, mfu, model_flops_per_token
 from axtorch.train.goodput import GoodputRecorder
-from axtorch.train.loss import LossInput, LossOutput, forward_with_loss
 from axtorch.train.metrics import MetricsLogger
 from axtorch.train.numerics import NonFiniteError, NonFiniteGuard
 from axtorch.train.optimizer import build_optimizer
@@ -56,6 +53,7 @@ from axtorch.train.preemption import PreemptionWatch
 from axtorch.train.rng import capture_rng_state, restore_rng_state
 from axtorch.train.run_layout import CHECKPOINTS_DIR, CONFIG_FILE, LOSS_PLOT_FILE, TOKENIZER_FILE
 from axtorch.train.schedule import learning_rate
+from axtorch.train.step import TrainStep
 from axtorch.train.watchdog import Watchdog
 
 T = TypeVar("T")
@@ -83,13 +81,14 @@ def build_model(config: ExperimentConfig, device: torch.device) -> CausalLM:
 
 
 def build_parallel_model(
-    config: ExperimentConfig, backend: Backend, pretrained: Optional[Pretrained] = None
+    config: ExperimentConfig, backend: Backend, pretrained: Optional[Pretrained] = None, fill: bool = True
 ) -> CausalLM:
     """Build on the meta device, shard with ``backend``, then fill the shards one parameter at a time.
 
     The values are the seeded initialisation or ``pretrained``'s weights. A seeded start never
     holds the whole model in one process (only one module's parameters at a time); an import
     still does, in ``pretrained``, whose parameters are released one by one as they are copied.
+    Without ``fill`` the shards are allocated and left unset: a dry run's fake tensors hold no values.
     """
     transforms = config.model.transforms()
     with torch.device("meta"):
@@ -99,12 +98,13 @@ def build_parallel_model(
         initial = config.model.build() if transforms else whole
     apply_model_transforms(transforms, whole, backend.device)
     model = backend.parallelize(whole)  # ``whole`` itself, or this process's pipeline stages of it
-    torch.manual_seed(config.trainer.seed)
-    # The seeded draws are the whole model's, so every pipeline stage gets its own.
-    values: Iterable[tuple[str, torch.Tensor]] = (
-        initial_parameter_values(initial) if pretrained is None else pretrained.release_parameters()
-    )
-    materialize(backend, model, with_fresh_adapters(values, whole), whole_model=model is whole)
+    if fill:
+        torch.manual_seed(config.trainer.seed)
+        # The seeded draws are the whole model's, so every pipeline stage gets its own.
+        values: Iterable[tuple[str, torch.Tensor]] = (
+            initial_parameter_values(initial) if pretrained is None else pretrained.release_parameters()
+        )
+        materialize(backend, model, with_fresh_adapters(values, whole), whole_model=model is whole)
     # e.g. an int8 frozen base, before any optimizer
     apply_model_transforms(transforms, model, backend.device, loaded=True)
     return model
@@ -185,7 +185,6 @@ class Trainer:
         self.backend = backend or _build_backend(config)
         self.device = self.backend.device
         self.local_batch_size = _rows_per_replica(config.trainer, self.backend.data_parallel_size)
-        self.micro_batch_size = self.local_batch_size // config.trainer.grad_accum_steps
         random.seed(config.trainer.seed)
         self.pretrained, tokenizer_path = _pretrained_start(config, self.run_dir)
         #: The run's config: the caller's, with the imported tokenizer's path when ``init_from`` brings one.
@@ -194,9 +193,10 @@ class Trainer:
         _check_vocabulary(config.model.vocab_size, self.data.tokenizer.vocab_size)
         self.model = build_parallel_model(config, self.backend, self.pretrained)
         self.pretrained = None  # free the imported copy
-        self.loss_fn = config.loss.build()
         self.optimizer = build_optimizer(self.model, config.optim)
         self.backend.prepare_optimizer(self.optimizer)
+        micro_batch_size = self.local_batch_size // config.trainer.grad_accum_steps
+        self.work = TrainStep(config, self.backend, self.model, config.loss.build(), self.optimizer, micro_batch_size)
         trainer = config.trainer
         self.checkpointer = Checkpointer(
             self.run_dir / CHECKPOINTS_DIR,
@@ -245,11 +245,6 @@ class Trainer:
         return resolve_peak_flops(
             self.config.trainer.peak_flops, backend.device_name, dtype, backend.num_devices, backend.devices_per_process
         )
-
-    def autocast(self) -> contextlib.AbstractContextManager:
-        """bf16 autocast of the forwards under ``trainer.precision=bf16``; nothing under fp32."""
-        enabled = self.config.trainer.precision is Precision.bf16
-        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=enabled)
 
     def _prepare_run_dir(self) -> None:
         if not self.backend.is_main_process:
@@ -317,43 +312,21 @@ class Trainer:
 
     # ------------------------------------------------------------------------------ the step
 
-    def _micro_batches(self, batch: Batch) -> list[Batch]:
-        """This replica's rows, cut into micro-batches on the device."""
-        return [
-            self.backend.to_device({k: v[i : i + self.micro_batch_size] for k, v in batch.items()})
-            for i in range(0, len(batch["input_ids"]), self.micro_batch_size)
-        ]
-
     def _replica_rows(self, batch: Batch) -> Batch:
         """This replica's rows of a global batch (a final validation batch may be short)."""
         start = self.backend.data_parallel_rank * self.local_batch_size
         return {k: v[start : start + self.local_batch_size] for k, v in batch.items()}
 
     def train_step(self, batch: Batch) -> dict[str, float]:
-        """One optimizer step over ``batch`` (this replica's rows of the global batch), with gradient accumulation.
-
-        Every micro-batch's summed loss is divided by the target count of the whole global batch,
-        so accumulation and data parallelism weigh every token the same as one big batch would.
-        The backend's runner runs the micro-batches (``train_whole_model``, or pipeline stages).
-        """
-        micro_batches = self._micro_batches(batch)
-        local_targets = functools.reduce(
-            operator.add, ((mb["labels"] != self.config.loss.ignore_index).sum() for mb in micro_batches)
-        )
-        num_targets = self.backend.all_reduce_sum(local_targets)
-        total_loss = self.backend.runner.train(micro_batches, num_targets, self)
-        grad_norm = self.backend.clip_grad_norm(list(self.model.parameters()), self.config.optim.grad_clip_norm)
-        loss_sum = self.backend.all_reduce_sum(total_loss)
+        """One optimizer step over ``batch`` (this replica's rows of the global batch), with gradient
+        accumulation (``TrainStep``), and the reads that decide whether its update applies."""
+        loss_sum, grad_norm = self.work.gradients(batch)
         self.backend.run_traced()  # forward, backward and clipping as one program, before the reads below
         loss_value = float(loss_sum)
         norm_value = float(grad_norm)  # the global norm: every process takes the same decision below
         lr = learning_rate(self.config.optim.schedule, self.config.optim.lr, self.step, self.config.trainer.max_steps)
         apply = self.numerics.check(self.step + 1, loss_value, norm_value)
-        if apply:
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            self.backend.step_optimizer(self.optimizer)
-        self.optimizer.zero_grad(set_to_none=True)
+        self.work.update(lr if apply else None)
         self.backend.run_traced()  # the update
         self.step += 1
         metrics = {"train/loss": loss_value, "train/grad_norm": norm_value, "train/lr": lr}
@@ -361,63 +334,14 @@ class Trainer:
             metrics["train/skipped_update"] = 1.0
         return metrics
 
-    # The trainer's ``MicroBatchSteps``: what the backend's runner runs for a step or an evaluation.
-
-    def train_whole_model(self, micro_batches: list[Batch], num_targets: torch.Tensor) -> torch.Tensor:
-        """Forward and backward of each micro-batch through the model; their cross-entropy shares, summed."""
-        total_loss = torch.zeros((), device=self.device)
-        for mb in micro_batches:
-            with self.autocast():
-                loss, aux_loss = self._forward(mb, num_targets)
-                objective = loss.loss
-                if aux_loss is not None:
-                    # A mean over this replica's tokens, unlike the loss (its share of a global sum):
-                    # divided by the replicas that the gradient averaging below sums over, the
-                    # replicas' aux losses enter as their mean.
-                    objective = objective + aux_loss / (len(micro_batches) * self.backend.gradient_divisor)
-            (objective * self.backend.gradient_divisor).backward()
-            total_loss += loss.cross_entropy.detach()
-        return total_loss
-
-    def evaluate_whole_model(self, micro_batch: Batch) -> torch.Tensor:
-        """``[cross-entropy sum, tokens]`` of one held-out micro-batch (per-token means, weighed by their count)."""
-        with self.autocast():
-            loss, _ = self._forward(micro_batch)
-        return torch.stack([loss.cross_entropy.double() * loss.num_tokens, loss.num_tokens.double()])
-
-    def _forward(
-        self, micro_batch: Batch, num_targets: Optional[torch.Tensor] = None
-    ) -> tuple[LossOutput, Optional[torch.Tensor]]:
-        """The model's forward and loss of a micro-batch (``forward_with_loss``)."""
-        return forward_with_loss(
-            self.model,
-            self.loss_fn,
-            micro_batch["input_ids"],
-            micro_batch["labels"],
-            num_targets,
-            micro_batch.get("positions"),
-            micro_batch.get("segment_ids"),
-        )
-
-    def stage_loss(self, num_targets: Optional[torch.Tensor]) -> MicroBatchLoss:
-        """The last pipeline stage's loss of a micro-batch, for a training step or (``num_targets`` None) evaluation."""
-
-        def loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            out = self.loss_fn(LossInput(logits, labels, num_targets))
-            if num_targets is None:  # evaluation: per-token means, weighed by their token counts
-                return out.loss, out.cross_entropy * out.num_tokens, out.num_tokens
-            return out.loss * self.backend.gradient_divisor, out.cross_entropy, out.num_tokens
-
-        return loss
-
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """Token-weighted cross-entropy over the held-out split; empty when there is no held-out data."""
         self.model.eval()
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # (loss sum, tokens)
         for batch in self.data.val_batches(self.config.trainer.batch_size, self.config.trainer.eval_batches):
-            for mb in self._micro_batches(self._replica_rows(batch)):
-                micro_batch_sums = self.backend.runner.evaluate(mb, self)
+            for mb in self.work.micro_batches(self._replica_rows(batch)):
+                micro_batch_sums = self.backend.runner.evaluate(mb, self.work)
                 if micro_batch_sums is not None:  # None: a short last batch a pipeline cannot split
                     sums += micro_batch_sums
                 self.backend.run_traced()  # one batch's program, the same for every batch

@@ -35,7 +35,7 @@ def _trainer(run_dir: Path, cache: Path, *extra: str) -> Trainer:
 
 def _poison(trainer: Trainer, bad_steps: set[int]) -> None:
     """Make the loss NaN during the given (1-based) steps, as a diverging model or a bad batch would."""
-    compute = trainer.loss_fn.forward
+    compute = trainer.work.loss_fn.forward
 
     def forward(inputs):
         output = compute(inputs)
@@ -44,7 +44,7 @@ def _poison(trainer: Trainer, bad_steps: set[int]) -> None:
             output.cross_entropy = output.cross_entropy * float("nan")
         return output
 
-    trainer.loss_fn.forward = forward
+    trainer.work.loss_fn.forward = forward
 
 
 def _records(run_dir: Path) -> list[dict]:
