@@ -112,6 +112,10 @@ def main() -> None:
     with PreemptionWatch() as preemption:
         register_configs()
         overrides, config_dirs = split_arguments(sys.argv[1:])
+        if any(arg.split("=", 1)[0] == "dry_run" for arg in overrides):
+            from axtorch.cli.dry_run import run_dry  # its tracing tools load only for a dry run
+
+            raise SystemExit(run_dry(overrides, config_dirs))
         try:
             # --help: Hydra's, listing the config groups and every key of the composed config.
             if not {"-m", "--multirun", *HELP_FLAGS} & set(sys.argv):

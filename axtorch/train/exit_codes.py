@@ -28,6 +28,8 @@ class ExitCode(enum.IntEnum):
     CONFIG_ERROR = 2
     #: ``trainer.nonfinite`` stopped the run after saving its last good state.
     NON_FINITE = 3
+    #: A dry run (``dry_run=true``) whose step would not fit the named hardware's device memory.
+    DOES_NOT_FIT = 4
     #: The hang watchdog ended the process (``trainer.watchdog_action=exit``).
     HUNG = 124
     #: A signal stopped the run at a step boundary; its newest checkpoint holds everything trained.

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Optional, TypeVar
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from tqdm.auto import tqdm
 
 from axtorch.config.errors import ConfigError
@@ -91,7 +92,8 @@ def build_parallel_model(
     Without ``fill`` the shards are allocated and left unset: a dry run's fake tensors hold no values.
     """
     transforms = config.model.transforms()
-    with torch.device("meta"):
+    # Outside a dry run's fake mode: its parameters could not leave the meta device (``to_empty``).
+    with torch.device("meta"), unset_fake_temporarily():
         whole = config.model.build()
         # A transform may swap in modules that initialise their own way (torchao's float8 linears
         # draw as torch's Linear does): the seeded values come from the model as configured.

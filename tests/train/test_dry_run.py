@@ -1,0 +1,106 @@
+"""The dry run (``dry_run=true``): the real step on fake tensors and a fake process group, held to
+what the shapes say it must hold and send, and its refusals before any tracing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from axtorch.cli.dry_run import run_dry
+from axtorch.config.errors import ConfigError
+from axtorch.plan import load_plan_inputs
+from axtorch.train.dry_run import dry_run, format_report
+from axtorch.train.exit_codes import ExitCode
+from axtorch.train.trainer import build_model
+
+DEBUG = ["experiment=debug", "backend=native"]
+
+
+def _parameter_bytes(overrides: list[str]) -> int:
+    config, _ = load_plan_inputs(overrides)
+    return sum(p.numel() * p.element_size() for p in build_model(config, torch.device("meta")).parameters())
+
+
+@pytest.fixture(scope="module")
+def fsdp4():
+    config, mesh = load_plan_inputs([*DEBUG, "mesh.fsdp=4", "sharding=fsdp"])
+    return dry_run(config, mesh), _parameter_bytes(DEBUG)
+
+
+def test_an_fsdp_rank_holds_a_quarter_of_the_weights_and_adams_two_moments(fsdp4):
+    report, whole = fsdp4
+    (rank,) = report.ranks
+    held = rank.memory_at_peak
+    # FSDP pads each parameter's first dimension to a multiple of 4: within a few rows of a quarter.
+    assert whole / 4 <= held["parameters"] <= whole / 4 * 1.02, (held, whole)
+    assert held["optimizer state"] == pytest.approx(2 * held["parameters"], rel=0.01), held
+    assert held["activations"] > 0 and rank.peak_bytes == sum(held.values())
+
+
+def test_an_fsdp_step_gathers_the_weights_twice_and_reduce_scatters_the_gradients_once(fsdp4):
+    report, whole = fsdp4
+    sent = {c.kind: c for c in report.ranks[0].collectives}
+    # All-gathers before the forward and again before the backward; one reduce-scatter of gradients.
+    assert sent["all-gather"].bytes == pytest.approx(2 * whole, rel=0.02), sent
+    assert sent["reduce-scatter"].bytes == pytest.approx(whole, rel=0.02), sent
+    assert sent["all-gather"].count == 2 * sent["reduce-scatter"].count
+
+
+def test_a_rank_of_four_computes_a_quarter_of_the_one_device_steps_flops(fsdp4):
+    report, _ = fsdp4
+    config, mesh = load_plan_inputs(DEBUG)
+    (one_device,) = dry_run(config, mesh).ranks
+    assert report.ranks[0].flops == pytest.approx(one_device.flops / 4, rel=1e-6)
+    said = format_report(report)
+    assert "dry run: 4 devices (mesh fsdp=4)" in said and "no data read, no checkpoint written" in said
+
+
+@pytest.mark.parametrize(
+    ("overrides", "said"),
+    [
+        (["backend=xla"], "invalid config backend='xla'"),
+        (["mesh.fsdp=2", "mesh.model=2", "sharding=fsdp_tp"], "invalid config mesh.model=2"),
+        (["mesh.fsdp=-1", "devices=6", "mesh.model=4"], "mesh.fsdp=-1"),
+        (["hardware=abacus-9000"], "invalid config hardware='abacus-9000'"),
+        (["steps=0"], "invalid config steps=0"),
+        (["mesh.fsdp=-1"], "invalid config devices"),
+    ],
+    ids=["xla", "tensor-parallel", "indivisible", "unknown-hardware", "no-steps", "no-device-count"],
+)
+def test_what_a_dry_run_cannot_trace_is_refused_before_tracing(overrides, said, capsys):
+    code = run_dry(["dry_run=true", *DEBUG, *overrides], [])
+    assert code == ExitCode.CONFIG_ERROR
+    assert said in capsys.readouterr().err
+
+
+def test_a_dry_run_leaves_no_process_group_behind():
+    config, mesh = load_plan_inputs([*DEBUG, "mesh.data=2", "mesh.fsdp=2"])
+    dry_run(config, mesh, steps=1)
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(ConfigError, match="steps=0"):
+        dry_run(config, mesh, steps=0)
+
+
+@pytest.mark.journey
+def test_a_step_that_would_not_fit_the_hardware_says_so_and_exits_4(tmp_path):
+    command = [
+        sys.executable,
+        "-m",
+        "axtorch.train",
+        "dry_run=true",
+        "model=llama3_1b",
+        "backend=native",
+        "mesh.fsdp=-1",
+        "sharding=fsdp",
+        "hardware=gpu-H100-8x1",
+        "trainer.batch_size=256",
+        "data.seq_len=4096",
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert result.returncode == ExitCode.DOES_NOT_FIT, result.stderr[-3000:]
+    assert "dry run: 8 devices (mesh fsdp=8)" in result.stdout, result.stdout
+    assert "does NOT fit gpu-H100-8x1" in result.stdout and "of 80.00 GiB a device" in result.stdout
+    assert not list(tmp_path.iterdir()), "a dry run writes nothing"
