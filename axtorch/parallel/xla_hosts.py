@@ -23,6 +23,8 @@ from axtorch.config.errors import ConfigError
 SIMULATED_HOSTS_ENV = "AXTORCH_XLA_SIMULATED_HOSTS"
 #: Set by GKE in each container of a multi-host TPU slice: the slice's hosts, comma-separated.
 TPU_HOSTS_ENV = "TPU_WORKER_HOSTNAMES"
+#: Set on Cloud TPU VMs: the slice's accelerator type, e.g. ``v5p-128``.
+TPU_TYPE_ENV = "TPU_ACCELERATOR_TYPE"
 #: What torchrun sets and a simulation needs (``env://`` reads the last two).
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -72,12 +74,28 @@ class XlaHosts:
 
 
 def expected_host_count() -> Optional[int]:
-    """The hosts an XLA job will have, where the environment says so before the runtime starts
-    (a simulation's torchrun, a GKE TPU slice); None where only the runtime knows (a TPU VM's metadata)."""
+    """The hosts an XLA job will have, where the environment says so before the runtime starts: a
+    simulation's torchrun, a GKE TPU slice's host list, a TPU VM's accelerator type; else None."""
     if os.environ.get(SIMULATED_HOSTS_ENV) == "1" and os.environ.get("WORLD_SIZE", "").isdigit():
         return int(os.environ["WORLD_SIZE"])
     if hostnames := os.environ.get(TPU_HOSTS_ENV):
         return len([name for name in hostnames.split(",") if name.strip()])
+    if accelerator := os.environ.get(TPU_TYPE_ENV):
+        return tpu_slice_hosts(accelerator)
+    return None
+
+
+def tpu_slice_hosts(accelerator_type: str) -> Optional[int]:
+    """Hosts of a TPU slice by its accelerator type (``v5p-128``, ``v5litepod-16``, ``v6e-8``); None for
+    a generation not listed. Google's slice shapes: v4 and v5p count TensorCores (2 a chip), 4 chips
+    a host; v5e and v6e count chips, 8 on one host up to 8, else 4 a host."""
+    generation, _, size = accelerator_type.partition("-")
+    if not size.isdigit():
+        return None
+    if generation in ("v4", "v5p"):
+        return max(1, int(size) // 2 // 4)
+    if generation in ("v5litepod", "v5lite", "v6e"):
+        return 1 if int(size) <= 8 else int(size) // 4
     return None
 
 

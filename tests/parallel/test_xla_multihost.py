@@ -23,7 +23,15 @@ from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.config.errors import ConfigError
 from axtorch.data.loader import build_data
 from axtorch.parallel.mesh import MeshConfig
-from axtorch.parallel.xla_hosts import SIMULATED_HOSTS_ENV, TPU_HOSTS_ENV, XlaHosts, expected_host_count, xla_hosts
+from axtorch.parallel.xla_hosts import (
+    SIMULATED_HOSTS_ENV,
+    TPU_HOSTS_ENV,
+    TPU_TYPE_ENV,
+    XlaHosts,
+    expected_host_count,
+    tpu_slice_hosts,
+    xla_hosts,
+)
 from axtorch.train.checkpoint import (
     MODEL,
     OPTIMIZER,
@@ -208,7 +216,7 @@ def test_composition_refuses_what_the_hosts_named_by_the_environment_cannot_feed
             return str(error)
         return ""
 
-    for name in (TPU_HOSTS_ENV, SIMULATED_HOSTS_ENV, "WORLD_SIZE"):
+    for name in (TPU_HOSTS_ENV, TPU_TYPE_ENV, SIMULATED_HOSTS_ENV, "WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
     assert expected_host_count() is None and composed("mesh.seq=2") == ""
     monkeypatch.setenv(TPU_HOSTS_ENV, "t1v-n-0,t1v-n-1,t1v-n-2,t1v-n-3")
@@ -222,6 +230,20 @@ def test_composition_refuses_what_the_hosts_named_by_the_environment_cannot_feed
     monkeypatch.setenv(SIMULATED_HOSTS_ENV, "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert expected_host_count() == 2 and "on 2 hosts" in composed("mesh.fsdp=2", "mesh.seq=2")
+    monkeypatch.delenv(SIMULATED_HOSTS_ENV)
+    monkeypatch.setenv(TPU_TYPE_ENV, "v5p-128")  # a TPU VM: 64 chips, 4 a host
+    assert expected_host_count() == 16 and "on 16 hosts" in composed("mesh.fsdp=-1", "mesh.seq=2")
+
+
+@pytest.mark.parametrize(
+    ("accelerator", "hosts"),
+    [
+        *[("v4-8", 1), ("v4-32", 4), ("v5p-8", 1), ("v5p-1024", 128), ("v5litepod-8", 1), ("v5litepod-16", 4)],
+        *[("v6e-4", 1), ("v6e-256", 64), ("v7x-64", None), ("v5p", None)],
+    ],
+)
+def test_a_tpu_slices_hosts_follow_from_its_accelerator_type(accelerator, hosts):
+    assert tpu_slice_hosts(accelerator) == hosts
 
 
 @needs_xla
