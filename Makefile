@@ -72,8 +72,8 @@ test-newest: $(VENV)/.axtorch-test $(OLDEST_VENV)/.axtorch-xla
 # The same suite on torch 2.9.0, less what does not depend on the torch version: the XLA tests
 # (their workers already run on 2.9, the simulated hosts too), the multi-node launcher (torchrun's
 # rendezvous; the native backend's own tests stay), the Kubernetes manifests and Dockerfiles (YAML and
-# hadolint), Slurm's two-node jobs (the one-node Slurm tests stay: torch 2.9's torchrun passes
-# SIGTERM on to workers Slurm already signalled, and its preemption must still save and requeue),
+# hadolint), Slurm's two-node jobs but their preemption (the preemption tests stay: torch 2.9's
+# torchrun passes SIGTERM on to workers Slurm already signalled, and they must still save and requeue),
 # the documented commands (they exercise the docs), the
 # single-process kill, goodput and signal journeys (process handling; the torchrun preemption
 # test stays), config composition, mesh rules and the planner (Hydra and arithmetic), the data
@@ -88,7 +88,6 @@ ALSO_NOT_ON_OLDEST := \
 	--deselect tests/train/test_preemption.py::test_a_sigint_saves_at_a_step_boundary_and_exits_resume_me \
 	--deselect tests/infer/test_generate.py::test_generate_command_continues_prompts_from_a_trained_run \
 	--deselect tests/launch/test_slurm.py::test_a_two_node_job_submitted_as_documented_matches_one_device \
-	--deselect tests/launch/test_slurm.py::test_a_preempted_two_node_job_requeues_uncounted_and_resumes_exactly \
 	--deselect tests/launch/test_slurm.py::test_a_node_whose_job_step_is_killed_requeues_counted_and_resumes_exactly \
 	--deselect tests/launch/test_slurm.py::test_a_node_that_never_comes_back_leaves_the_job_waiting_says_what_to_do_and_loses_no_checkpoint
 test-oldest: $(OLDEST_VENV)/.axtorch-xla

@@ -4,8 +4,8 @@ cluster's user overrides: one-node and two-node jobs' losses equal to one device
 job that saves, requeues without counting as a failure, and resumes exactly; a failed job that
 requeues counting its failures; a node whose job step is killed, requeued and resumed exactly; a
 node lost for good, whose job waits, says what to do, and resumes on the node left.
-The one-node tests run on torch 2.9.0 too, whose torchrun passes on a second SIGTERM, with
-Slurm's default KillWait=30."""
+The one-node tests and the two-node preemption run on torch 2.9.0 too, whose torchrun passes on
+a second SIGTERM, with Slurm's default KillWait=30."""
 
 from __future__ import annotations
 
