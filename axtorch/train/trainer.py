@@ -112,7 +112,7 @@ def build_parallel_model(
     return model
 
 
-def _build_backend(config: ExperimentConfig) -> Backend:
+def build_run_backend(config: ExperimentConfig) -> Backend:
     """The configured backend; under bf16 it gathers parameters in bf16 and reduces in ``trainer.reduce_precision``.
 
     Pipeline stages balance the layers' FLOPs at the data's ``seq_len`` (``layer_flops_per_token``).
@@ -132,7 +132,7 @@ def _build_backend(config: ExperimentConfig) -> Backend:
     )
 
 
-def _rows_per_replica(trainer: TrainerConfig, replicas: int) -> int:
+def rows_per_replica(trainer: TrainerConfig, replicas: int) -> int:
     """This data-parallel replica's rows of a step, which ``grad_accum_steps`` micro-batches split evenly."""
     if trainer.batch_size % (replicas * trainer.grad_accum_steps):
         raise ConfigError(
@@ -184,9 +184,9 @@ class Trainer:
     def __init__(self, config: ExperimentConfig, backend: Optional[Backend] = None):
         self.run_dir = Path(config.run_dir)
         self.goodput = GoodputRecorder(self.run_dir, enabled=False)  # starts the clock; enabled in fit()
-        self.backend = backend or _build_backend(config)
+        self.backend = backend or build_run_backend(config)
         self.device = self.backend.device
-        self.local_batch_size = _rows_per_replica(config.trainer, self.backend.data_parallel_size)
+        self.local_batch_size = rows_per_replica(config.trainer, self.backend.data_parallel_size)
         random.seed(config.trainer.seed)
         self.pretrained, tokenizer_path = _pretrained_start(config, self.run_dir)
         #: The run's config: the caller's, with the imported tokenizer's path when ``init_from`` brings one.

@@ -1,0 +1,80 @@
+"""A fake world for the native backend: one process as any rank of any world size, on fake tensors.
+
+A dry run (``axtorch.train.dry_run``) builds and runs the real program here: torch's ``fake``
+process-group backend answers every collective without peers; the memory trackers of
+``torch.distributed._tools`` sort the live tensors of FSDP's program (or of a plain one) by kind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.fsdp import FSDPModule
+
+
+@contextlib.contextmanager
+def fake_world(rank: int, world_size: int) -> Iterator[None]:
+    """This process as ``rank`` of ``world_size`` on torch's ``fake`` process group, for the block,
+    with DTensor's shape propagation kept apart from the traced program (``_shapes_propagated_apart``)."""
+    if dist.is_initialized():
+        raise RuntimeError("a dry run needs a process without a process group (run it outside torchrun)")
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=dist.HashStore())
+    try:
+        with _shapes_propagated_apart():
+            yield
+    finally:
+        dist.destroy_process_group()
+
+
+#: The context torch 2.10+ enters around DTensor's shape propagation (``_shapes_propagated_apart``).
+_PROPAGATION_LOCK = "_fake_mode_lock"
+
+
+@contextlib.contextmanager
+def _shapes_propagated_apart() -> Iterator[None]:
+    """DTensor's shape propagation in a fake mode of its own, as torch 2.9 does it.
+
+    Newer torch propagates in the active fake mode, where the memory tracker cannot tell the
+    global-shaped tensors of propagation from the step's own, and counts an 8B model's optimizer
+    step at 85 GiB a rank instead of 1. ``_PROPAGATION_LOCK`` is the context torch enters around
+    propagation (absent before 2.10, where setting it does nothing).
+    """
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    class FreshFakeMode:
+        def __enter__(self) -> None:
+            self.mode = FakeTensorMode(allow_non_fake_inputs=True)
+            self.mode.__enter__()
+
+        def __exit__(self, *exc: Any) -> None:
+            self.mode.__exit__(*exc)
+
+    had = _PROPAGATION_LOCK in vars(ShardingPropagator)
+    former = vars(ShardingPropagator).get(_PROPAGATION_LOCK)
+    setattr(ShardingPropagator, _PROPAGATION_LOCK, FreshFakeMode())
+    try:
+        yield
+    finally:
+        if had:
+            setattr(ShardingPropagator, _PROPAGATION_LOCK, former)
+        else:
+            delattr(ShardingPropagator, _PROPAGATION_LOCK)
+
+
+def memory_tracker(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: Any) -> FSDPMemTracker | MemTracker:
+    """torch's tracker of the memory a step holds, by kind: FSDP's for a sharded model, else the plain one."""
+    if isinstance(model, FSDPModule):
+        tracker = FSDPMemTracker(model, optimizer)
+        tracker.track_inputs((inputs,))
+        return tracker
+    plain = MemTracker()
+    plain.track_external(model, optimizer)
+    return plain
