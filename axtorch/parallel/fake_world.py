@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -45,7 +46,7 @@ def _shapes_propagated_apart() -> Iterator[None]:
     Newer torch propagates in the active fake mode, where the memory tracker cannot tell the
     global-shaped tensors of propagation from the step's own, and counts an 8B model's optimizer
     step at 85 GiB a rank instead of 1. ``_PROPAGATION_LOCK`` is the context torch enters around
-    propagation (absent before 2.10, where setting it does nothing).
+    propagation (absent before 2.10).
     """
     from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
@@ -57,16 +58,9 @@ def _shapes_propagated_apart() -> Iterator[None]:
         def __exit__(self, *exc: Any) -> None:
             self.mode.__exit__(*exc)
 
-    had = _PROPAGATION_LOCK in vars(ShardingPropagator)
-    former = vars(ShardingPropagator).get(_PROPAGATION_LOCK)
-    setattr(ShardingPropagator, _PROPAGATION_LOCK, FreshFakeMode())
-    try:
+    # create: torch 2.9 has no such attribute, and never reads it.
+    with mock.patch.object(ShardingPropagator, _PROPAGATION_LOCK, FreshFakeMode(), create=True):
         yield
-    finally:
-        if had:
-            setattr(ShardingPropagator, _PROPAGATION_LOCK, former)
-        else:
-            delattr(ShardingPropagator, _PROPAGATION_LOCK)
 
 
 def memory_tracker(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: Any) -> FSDPMemTracker | MemTracker:
