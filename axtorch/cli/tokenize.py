@@ -21,9 +21,9 @@ from axtorch.cli.key_values import asks_for_help, format_help, parse_key_values,
 from axtorch.cli.train import split_arguments
 from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.config.errors import ConfigError
+from axtorch.data.corpus_tokenizer import load_or_train_tokenizer
 from axtorch.data.packing import validate_data_config
 from axtorch.data.shards import MANIFEST_FILE, write_shards
-from axtorch.data.tokenizer import load_or_train_tokenizer
 
 
 @dataclass

@@ -1,8 +1,10 @@
 """Data pipeline: document sources, tokenizer, packed token caches, streaming, and resumable batch loaders."""
 
 from axtorch.data.batches import DataModule, TrainBatches
-from axtorch.data.chat import ChatSourceConfig, ChatTemplate
+from axtorch.data.chat import ChatSourceConfig
+from axtorch.data.chat_template import ChatTemplate
 from axtorch.data.config import DataConfig
+from axtorch.data.corpus_tokenizer import load_or_train_tokenizer
 from axtorch.data.loader import BatchIterator, PackedDataModule, build_data
 from axtorch.data.mixture import MixtureEntryConfig
 from axtorch.data.packing import PackedSequences
@@ -17,7 +19,7 @@ from axtorch.data.sources import (
     TextFilesSourceConfig,
 )
 from axtorch.data.streaming import StreamingDataModule
-from axtorch.data.tokenizer import Tokenizer, TokenizerConfig, load_or_train_tokenizer, train_byte_level_bpe
+from axtorch.data.tokenizer import Tokenizer, TokenizerConfig, train_byte_level_bpe
 
 __all__ = [
     "BatchIterator",

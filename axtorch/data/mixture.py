@@ -16,7 +16,8 @@ import numpy as np
 from omegaconf import MISSING
 
 from axtorch.config.errors import ConfigError
-from axtorch.data.sources import DocumentSource, PartitionedSource, SourceConfig, stable_hash
+from axtorch.data.files import stable_hash
+from axtorch.data.sources import DocumentSource, PartitionedSource, SourceConfig
 
 
 @dataclass

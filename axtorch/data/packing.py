@@ -25,13 +25,14 @@ from tqdm import tqdm
 
 from axtorch.config.errors import ConfigError
 from axtorch.data.config import DataConfig
+from axtorch.data.corpus_tokenizer import load_or_train_tokenizer
+from axtorch.data.files import stable_hash, write_file_atomically
 from axtorch.data.held_out import is_held_out, needs_token_split, token_split_size
 from axtorch.data.shards import ShardedTokens, read_shards, token_dtype
-from axtorch.data.sources import DocumentSource, stable_hash, write_file_atomically
+from axtorch.data.sources import DocumentSource
 from axtorch.data.tokenizer import (
     TOKENIZER_FILE,
     Tokenizer,
-    load_or_train_tokenizer,
     tokenizer_fingerprint,
     validate_tokenizer_config,
 )

@@ -38,8 +38,9 @@ from omegaconf import MISSING
 from tqdm import tqdm
 
 from axtorch.config.errors import ConfigError
+from axtorch.data.files import stable_hash, write_file_atomically
 from axtorch.data.held_out import is_held_out, needs_token_split, token_split_size
-from axtorch.data.sources import DocumentSource, SourceConfig, stable_hash, write_file_atomically
+from axtorch.data.sources import DocumentSource, SourceConfig
 from axtorch.data.tokenizer import TOKENIZER_FILE, Tokenizer
 
 MANIFEST_FILE = "manifest.json"

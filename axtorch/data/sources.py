@@ -12,23 +12,22 @@ and a resume seeks instead of reading again.
 from __future__ import annotations
 
 import glob
-import hashlib
 import json
 import os
 import sysconfig
-import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 from omegaconf import MISSING
 
 from axtorch.config.errors import ConfigError
 from axtorch.data.document_tokens import flag_document
+from axtorch.data.files import stable_hash
 
 if TYPE_CHECKING:
     from axtorch.data.tokenizer import Tokenizer
@@ -37,29 +36,6 @@ _STDLIB_EXCLUDED_DIRS = frozenset({"site-packages", "test", "tests", "idlelib"})
 
 
 # Cache helpers: the fingerprints start here, and the tokenizer and packing caches both write files.
-
-
-def stable_hash(*parts: Any) -> str:
-    """A short hex digest of JSON-able parts, identical across processes and Python versions."""
-    payload = json.dumps(parts, sort_keys=True, default=str).encode("utf-8")
-    return hashlib.sha256(payload).hexdigest()[:16]
-
-
-def write_file_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
-    """Write through a temporary file and rename it, so ``path`` is either absent or complete.
-
-    A run killed mid-write must not leave a truncated cache file that the next run would trust.
-    """
-    descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(descriptor, "wb") as file:
-            write(file)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
-    finally:
-        if os.path.exists(temporary):
-            os.remove(temporary)
 
 
 class DocumentSource(ABC):

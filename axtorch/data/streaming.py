@@ -35,11 +35,13 @@ import numpy as np
 from axtorch.config.errors import ConfigError
 from axtorch.data.batches import Batch, iter_validation_batches, to_batch
 from axtorch.data.config import DataConfig
+from axtorch.data.corpus_tokenizer import load_or_train_tokenizer
+from axtorch.data.files import stable_hash
 from axtorch.data.held_out import is_held_out
 from axtorch.data.mixture import InterleavedSource, mixture_sources, row_sources
 from axtorch.data.packing import ENCODE_BATCH_DOCUMENTS
-from axtorch.data.sources import PartitionedSource, stable_hash
-from axtorch.data.tokenizer import TOKENIZER_FILE, Tokenizer, load_or_train_tokenizer, tokenizer_fingerprint
+from axtorch.data.sources import PartitionedSource
+from axtorch.data.tokenizer import TOKENIZER_FILE, Tokenizer, tokenizer_fingerprint
 
 _STATE_FORMAT = 1
 

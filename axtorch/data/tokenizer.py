@@ -13,16 +13,14 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from axtorch.config.errors import ConfigError
-from axtorch.data.sources import DocumentSource, stable_hash, write_file_atomically
-
-if TYPE_CHECKING:
-    from axtorch.data.chat import ChatTemplate
+from axtorch.data.chat_template import ChatTemplate
+from axtorch.data.files import stable_hash, write_file_atomically
 
 TOKENIZER_FILE = "tokenizer.json"
 #: Beside a tokenizer.json: its special tokens and chat template, as HF writes them.
@@ -166,8 +164,6 @@ class Tokenizer:
 
     @cached_property
     def _chat_template(self) -> ChatTemplate:
-        from axtorch.data.chat import ChatTemplate  # chat.py imports this module
-
         if not isinstance(self.settings.get("chat_template"), (str, list)):
             raise ValueError(
                 "the tokenizer has no chat template (an HF directory's or a run's tokenizer_config.json "
@@ -215,18 +211,6 @@ def tokenizer_fingerprint(cfg: TokenizerConfig) -> str:
     return stable_hash("bpe", cfg.vocab_size, cfg.train_max_bytes, eos_token)
 
 
-def _leading_text(documents: Iterator[str], max_bytes: int) -> Iterator[str]:
-    """The first documents, truncated so that at most ``max_bytes`` UTF-8 bytes are yielded."""
-    remaining = max_bytes
-    for document in documents:
-        encoded = document.encode("utf-8")
-        if len(encoded) >= remaining:
-            yield encoded[:remaining].decode("utf-8", errors="ignore")
-            return
-        remaining -= len(encoded)
-        yield document
-
-
 def train_byte_level_bpe(texts: Iterator[str], vocab_size: int, eos_token: str) -> Tokenizer:
     """Train a GPT-2 style byte-level BPE: every byte is in the alphabet, so no text is unknown."""
     inner = tokenizers.Tokenizer(models.BPE())
@@ -240,25 +224,3 @@ def train_byte_level_bpe(texts: Iterator[str], vocab_size: int, eos_token: str) 
     )
     inner.train_from_iterator(texts, trainer=trainer)
     return Tokenizer(inner, eos_token)
-
-
-def load_or_train_tokenizer(cfg: TokenizerConfig, source: DocumentSource, cache_dir: Path) -> Tokenizer:
-    """Load ``cfg.path``, else the tokenizer cached in ``cache_dir``, else train one and cache it.
-
-    ``cache_dir / "tokenizer.json"`` always exists afterwards (a loaded file is copied there), so
-    the cache holds the exact tokenizer its token arrays were made with.
-    """
-    validate_tokenizer_config(cfg)
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    cached = cache_dir / TOKENIZER_FILE
-    if cfg.path is not None:
-        tokenizer = Tokenizer.load(Path(cfg.path).expanduser(), cfg.eos_token)
-        if not cached.exists():
-            tokenizer.save(cached)
-        return tokenizer
-    if cached.exists():
-        return Tokenizer.load(cached, cfg.eos_token)
-    texts = _leading_text(source.iter_documents(), cfg.train_max_bytes)
-    tokenizer = train_byte_level_bpe(texts, cfg.vocab_size, cfg.eos_token or DEFAULT_EOS_TOKEN)
-    tokenizer.save(cached)
-    return tokenizer

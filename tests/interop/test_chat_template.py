@@ -9,7 +9,7 @@ import jinja2
 import pytest
 from test_gguf_smollm2 import smollm2_gguf  # noqa: F401 (the fixture)
 
-from axtorch.data.chat import ChatTemplate
+from axtorch.data.chat_template import ChatTemplate
 from axtorch.data.tokenizer import TOKENIZER_SETTINGS_FILE, Tokenizer
 from axtorch.interop import from_gguf
 from axtorch.interop.gguf import tokenizer_settings

@@ -21,10 +21,11 @@ from test_gguf_gemma3 import gemma3_gguf  # noqa: F401 (the fixture)
 from test_gguf_smollm2 import smollm2_gguf  # noqa: F401 (the fixture)
 
 from axtorch.data.chat import ChatSource, messages_document
+from axtorch.data.corpus_tokenizer import load_or_train_tokenizer
 from axtorch.data.document_tokens import NOT_TARGET, TOKEN_ID
 from axtorch.data.packing import tokenize_documents
 from axtorch.data.sources import JsonlSourceConfig, TextFilesSource
-from axtorch.data.tokenizer import TokenizerConfig, load_or_train_tokenizer
+from axtorch.data.tokenizer import TokenizerConfig
 from axtorch.infer import generate
 from axtorch.infer.decoding import prompt_text
 from axtorch.interop import from_gguf
