@@ -1,6 +1,12 @@
 """Where the suite's time goes: each test file's total (set-up, call and tear-down of its tests)
-and each fixture's total set-up, summed over the run, printed at the end and written as JSON for
-``make test``'s phase table (.ci/suite_report.py).
+in wall seconds and in CPU seconds (the test's process and the subprocesses it waited for:
+torchrun groups, XLA workers, the documented commands), and each fixture's total set-up, summed
+over the run, printed at the end and written as JSON for ``make test``'s phase table
+(.ci/suite_report.py).
+
+Wall seconds say what a worker waited for; CPU seconds say what the machine's cores spent, which
+is what a 2-core run's length is made of once its workers are busy (a test that sleeps through a
+Slurm timeout costs wall, not CPU).
 
 ``--durations`` names the slowest tests; these totals name the costly files and the shared set-up
 (a torchrun group, a compiled XLA program, a converted model) that a new test may add to. Under
@@ -11,6 +17,7 @@ sees every test's report anyway.
 from __future__ import annotations
 
 import json
+import resource
 import time
 from collections import Counter
 from pathlib import Path
@@ -18,6 +25,13 @@ from pathlib import Path
 import pytest
 
 _FIXTURE_SECONDS = "axtorch_fixture_seconds"
+_CPU_SECONDS = "axtorch_cpu_seconds"
+
+
+def cpu_seconds() -> float:
+    """User and system time of this process and of the subprocesses it has waited for."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -36,6 +50,15 @@ class SuiteTiming:
         self.config = config
         self.files: Counter[str] = Counter()
         self.fixtures: Counter[str] = Counter()
+        self.cpu: Counter[str] = Counter()
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None):
+        start = cpu_seconds()
+        try:
+            return (yield)
+        finally:
+            self.cpu[item.nodeid.partition("::")[0]] += cpu_seconds() - start
 
     @pytest.hookimpl(wrapper=True)
     def pytest_fixture_setup(self, fixturedef: pytest.FixtureDef, request: pytest.FixtureRequest):
@@ -53,22 +76,26 @@ class SuiteTiming:
         workeroutput = getattr(self.config, "workeroutput", None)
         if workeroutput is not None:  # an xdist worker: the controller sums
             workeroutput[_FIXTURE_SECONDS] = json.dumps(self.fixtures)
+            workeroutput[_CPU_SECONDS] = json.dumps(self.cpu)
             return
         path = self.config.getoption("timings_json")
         if path:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-            Path(path).write_text(json.dumps({"files": self.files, "fixtures": self.fixtures}, indent=1))
+            figures = {"files": self.files, "cpu": self.cpu, "fixtures": self.fixtures}
+            Path(path).write_text(json.dumps(figures, indent=1))
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_testnodedown(self, node, error) -> None:
         self.fixtures.update(json.loads(node.workeroutput.get(_FIXTURE_SECONDS, "{}")))
+        self.cpu.update(json.loads(node.workeroutput.get(_CPU_SECONDS, "{}")))
 
     def pytest_terminal_summary(self, terminalreporter) -> None:
         """Printed beside ``--durations`` (as make's suites ask), after the slowest tests."""
         if self.files and self.config.getoption("durations") is not None:
             top = self.config.getoption("timings_top")
             terminalreporter.write_sep("=", f"where the time went: the {top} costliest test files and fixtures")
-            for title, totals in (("test file", self.files), ("fixture set-up", self.fixtures)):
+            sections = (("test file", self.files), ("test file, CPU", self.cpu), ("fixture set-up", self.fixtures))
+            for title, totals in sections:
                 terminalreporter.write_line(f"{'seconds':>9}  {title} (of {sum(totals.values()):.0f} s in all)")
                 for name, seconds in totals.most_common(top):
                     if seconds >= 0.05:
