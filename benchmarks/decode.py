@@ -14,8 +14,8 @@ with ``axtorch.infer.generate_ids`` (right-padded batch, KV cache), transformers
 only, and the time includes the prompt's prefill. "same tokens" counts rows whose tokens agree with
 transformers'. axtorch runs four ways: "default", ``generate_ids(model, ...)`` as a library caller
 calls it on the loaded model (its decode weight formats, ``cpu_weights.decode_weights``: q/k/v and
-gate/up stacked, the kernel whose decode step it timed the fastest at the thread count, with
-axtorch's own kernel its layer step, prepared on the first call and reused after); "compiled",
+gate/up stacked, the rule's kernel, ``default_kernel``: axtorch's own with its layer step where it
+compiled, prepared on the first call and reused after); "compiled",
 the same with ``compile=True`` (``torch.compile`` of the decode step, inductor's C++ wrapper,
 the KV cache's length rounded up to a multiple of 256); "torch linears" (``pack=False``: the
 model's own modules); and int8 (``quantize_int8``, then the layers it skips packed:
@@ -291,7 +291,7 @@ def main() -> None:
         torch.set_num_threads(threads)
         for batch in args.batches:
             prompts = (PROMPTS * batch)[:batch]
-            for name, run in runs.items():  # untimed: the default mode times its kernels and prepares
+            for name, run in runs.items():  # untimed: the default mode prepares
                 started = time.perf_counter()  # its weights here, the compiled one compiles its step
                 run(prompts)
                 print(

@@ -23,13 +23,39 @@ from axtorch.cli.key_values import read_config
 from axtorch.config.errors import ConfigError
 from axtorch.data.tokenizer import Tokenizer
 from axtorch.infer import generate
-from axtorch.infer.cpu_weights import quantize_int8
+from axtorch.infer.cpu_weights import DecodeKernel, available_kernels, quantize_int8
 from axtorch.infer.decoding import prompt_text
 from axtorch.infer.sampling import SamplingConfig
 from axtorch.models.causal_lm import CausalLM
 from axtorch.parallel.single import resolve_device
 from axtorch.train.checkpoint_manifest import CheckpointError
 from axtorch.train.trained_model import load_trained_model
+
+
+@dataclass
+class DecodeOptions:
+    #: The CPU decode kernel of float32 weights (``cpu_weights.DecodeKernel``): auto, the rule's
+    #: (axtorch's own where it compiled here, else torch's linear), or linear, transposed, packed,
+    #: native. Chosen, never timed: the same prompt gives the same tokens on every run.
+    kernel: str = "auto"
+
+    def validate(self, compile: bool) -> None:
+        names = ["auto", *(kernel.name for kernel in DecodeKernel)]
+        if self.kernel not in names:
+            raise ConfigError("decode.kernel", self.kernel, f"one of {names}")
+        available = [kernel.name for kernel in available_kernels()]
+        if self.kernel != "auto" and self.kernel not in available:
+            raise ConfigError("decode.kernel", self.kernel, f"auto or one this machine has: {available}")
+        if compile and self.kernel not in ("auto", "linear"):
+            raise ConfigError(
+                "decode.kernel",
+                self.kernel,
+                "auto or linear with compile=true",
+                reason="inductor lowers torch's linear",
+            )
+
+    def chosen(self) -> DecodeKernel | None:
+        return None if self.kernel == "auto" else DecodeKernel[self.kernel]
 
 
 @dataclass
@@ -54,10 +80,11 @@ class GenerateConfig:
     chat: bool = False
     #: "int8": int8 weights for the attention projections and the output head (CPU only).
     quantize: Optional[str] = None
-    #: On the CPU, decode float32 weights in decode formats (q/k/v and gate/up stacked, the faster
-    #: kernel at the thread count): the same math (``generate``'s ``pack``, ``cpu_weights.decode_weights``).
+    #: On the CPU, decode float32 weights in decode formats (q/k/v and gate/up stacked, multiplied by
+    #: ``decode.kernel``): the same math (``generate``'s ``pack``, ``cpu_weights.decode_weights``).
     #: Ignored elsewhere.
     pack: bool = True
+    decode: DecodeOptions = field(default_factory=DecodeOptions)
     #: Compile the decode step (torch.compile; CUDA graphs on a GPU): slow to start, faster per token.
     compile: bool = False
     #: Row i samples with seed + i.
@@ -85,6 +112,7 @@ class GenerateConfig:
         if self.quantize not in (None, "int8"):
             raise ConfigError("quantize", self.quantize, "null or int8")
         self.sampling.validate("sampling")
+        self.decode.validate(self.compile)
 
 
 def load_source(config: GenerateConfig, device: torch.device) -> tuple[CausalLM, Tokenizer]:
@@ -141,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         compile=config.compile,
         step_boundary=step_boundary,
         pack=config.pack,
+        kernel=config.decode.chosen(),
         chat=config.chat,
     )
     if stream:

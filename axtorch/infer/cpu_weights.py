@@ -1,14 +1,14 @@
 """Weight formats for decoding on a CPU: stacked projections, oneDNN's packed layout, and int8.
 
 Decoding one token reads every weight once, so on a CPU it runs at the speed at which the matmul
-kernel streams weights from memory. Which kernel streams fastest depends on the thread count and
-the machine (BLAS libraries tune their code paths per CPU vendor and model), so
-``fastest_kernel`` times a decode step with each candidate (``DecodeKernel``) once per thread
-count: torch's own ``linear`` (MKL's matrix-vector product) on the weights as stored; torch's
-matmul on copies stored ``[in, out]`` (``TransposedLinear``); oneDNN's kernel on copies reordered
-into its blocked layout (``PackedLinear``); and axtorch's own product, compiled on this machine
-where it has a C compiler (``native_kernels``), on the weights as stored (``NativeLinear``),
-with its layer step (``native_layers``: a whole layer of a one-row step in one call).
+kernel streams weights from memory. The candidates (``DecodeKernel``): torch's own ``linear``
+(MKL's matrix-vector product) on the weights as stored; torch's matmul on copies stored
+``[in, out]`` (``TransposedLinear``); oneDNN's kernel on copies reordered into its blocked layout
+(``PackedLinear``); and axtorch's own product, compiled on this machine where it has a C compiler
+(``native_kernels``), on the weights as stored (``NativeLinear``), with its layer step
+(``native_layers``: a whole layer of a one-row step in one call). The kernels round differently,
+so the choice is a rule (``default_kernel``) or the caller's, never a timing: the same prompt gives
+the same tokens on every run. ``benchmarks/decode.py`` times them all on a machine.
 
 ``decode_weights`` prepares a model for the duration of a ``with`` block, what ``generate`` does
 by default: the queries', keys' and values' weights stacked into one matrix, and the gate's and
@@ -54,11 +54,11 @@ from axtorch.layers.feed_forward import GateUpProjection
 from axtorch.layers.int8_linear import quantize_per_channel_int8
 from axtorch.layers.linear import Linear
 from axtorch.layers.seams import modules_with_seam
-from axtorch.models.causal_lm import CausalLM, CausalLMInput
+from axtorch.models.causal_lm import CausalLM
 
 
 class DecodeKernel(enum.Enum):
-    """How ``decode_weights`` multiplies by a weight: the candidates ``fastest_kernel`` times."""
+    """How ``decode_weights`` multiplies by a weight (``axtorch-generate decode.kernel=<name>``)."""
 
     #: torch's ``linear`` on the weights as stored, ``[out, in]`` (the stacks, copies anyway, ``[in, out]``).
     linear = "torch linear"
@@ -242,10 +242,6 @@ STACKED_SEAMS: dict[type, tuple[str, ...]] = {
 }
 
 
-#: ``fastest_kernel``'s answers: thread count -> the kernel timed the fastest.
-_FASTEST_KERNEL: dict[int, DecodeKernel] = {}
-
-
 def time_kernels(weights: Sequence[torch.Tensor], trials: int = 3) -> dict[DecodeKernel, float]:
     """Seconds each available kernel takes for one batch-1 product by every weight of ``weights``,
     the best of ``trials`` passes. The kernels take turns, each with its copies made just before
@@ -269,49 +265,18 @@ def time_kernels(weights: Sequence[torch.Tensor], trials: int = 3) -> dict[Decod
     return best
 
 
-def time_decode_steps(model: CausalLM, trials: int = 3) -> dict[DecodeKernel, float]:
-    """Seconds a one-token, one-row decode step of ``model`` takes in each available kernel's
-    formats (``decode_weights`` with it: with axtorch's own kernel, its layer step too), the best
-    of ``trials`` steps after an untimed one. The kernels take turns, each with its copies made
-    just before its steps (the prepared copies of one kernel replace the last's, so the weights
-    are held at most twice)."""
-    parameter = next(model.parameters())
-    token = torch.zeros(1, 1, dtype=torch.long, device=parameter.device)
-    best = {}
-    with torch.no_grad():
-        for kernel in available_kernels():
-            with decode_weights(model, kernel):
-                caches = model.allocate_kv_caches(1, 1, dtype=parameter.dtype, device=parameter.device)
-                step = CausalLMInput(input_ids=token, positions=token, kv_caches=caches)
-                model(step)
-                best[kernel] = math.inf
-                for _ in range(trials):
-                    started = time.perf_counter()
-                    model(step)
-                    best[kernel] = min(best[kernel], time.perf_counter() - started)
-    return best
+def default_kernel() -> DecodeKernel:
+    """axtorch's own kernel where it compiled here, else torch's ``linear``: a rule, so that a
+    prompt decodes to the same tokens on every run on a machine.
 
-
-def fastest_kernel(model: CausalLM) -> DecodeKernel:
-    """The kernel whose batch-1 decode step of ``model`` is the fastest at the current thread
-    count: timed once per thread count and process (``time_decode_steps``), then remembered.
-
-    None wins everywhere. On this project's 2-core CPUs: on an earlier host torch's linear (MKL) read
-    SmolLM2-135M's matrices at 0.9-1.0 of the read bandwidth on one thread and oneDNN at 0.6-0.8,
-    while on two threads oneDNN, which splits a batch-1 product across threads, was once 1.5-2x
-    faster and under a later load the slower; on an AMD EPYC the ``[in, out]`` copies led on one
-    thread (Gemma 3 270M: 54-60% of the bandwidth, oneDNN 47-48%, torch's linear 34%) and oneDNN on two,
-    until axtorch's own product led on both (73-93% on one thread; docs/benchmarks.md). The whole
-    step is timed, not the products alone: axtorch's own kernel also runs each layer as one call
-    (``native_layers``), which saves more than its products' lead over the others (SmolLM2-135M
-    on one thread: 33 ms a step with its products alone, 18 ms with the layer step). Where no C
-    compiler is, it is not timed.
+    axtorch's own led every kernel ``benchmarks/decode.py`` timed on this project's hosts, on one
+    and on two threads (SmolLM2-135M and Gemma 3 270M: 73-93% of the read bandwidth on one thread,
+    where the best of the others read 34-60%; ``docs/benchmarks.md``), helped by its layer step
+    (``native_layers``), which saves more than its products' lead. Another machine's BLAS may
+    stream faster: ``axtorch-generate decode.kernel=<name>`` (or ``decode_weights(model, kernel)``)
+    picks one, and the benchmark says which.
     """
-    threads = torch.get_num_threads()
-    if threads not in _FASTEST_KERNEL:
-        seconds = time_decode_steps(model)
-        _FASTEST_KERNEL[threads] = min(seconds, key=seconds.__getitem__)
-    return _FASTEST_KERNEL[threads]
+    return DecodeKernel.native if DecodeKernel.native in available_kernels() else DecodeKernel.linear
 
 
 def product_weights(model: CausalLM) -> list[torch.Tensor]:
@@ -334,10 +299,13 @@ def decode_weights(model: CausalLM, kernel: Optional[DecodeKernel] = None) -> It
     its own modules and seams are put back afterwards, so the caller's model still trains and
     saves. The prepared copies stay for the next block (``_reused``). ``kernel``: the one to
     decode with (``DecodeKernel.linear``: what ``torch.compile`` lowers as it was measured); None,
-    the fastest here (``fastest_kernel``)."""
+    the rule's (``default_kernel``)."""
     _on_the_cpu(model, "CPU decode weights")
     if kernel is None:
-        kernel = fastest_kernel(model)
+        kernel = default_kernel()
+    elif kernel not in available_kernels():
+        have = [k.name for k in available_kernels()]
+        raise ValueError(f"decode kernel {kernel.name!r} is not available on this machine; available: {have}")
     seams: list[tuple[nn.Module, str, object]] = []
     stacked: set[str] = set()
     native_stacks: dict[nn.Module, NativeLinear] = {}

@@ -96,6 +96,7 @@ def decode_tokens(
     compile: bool = False,
     step_boundary: Optional[Callable[[], None]] = None,
     pack: bool = True,
+    kernel: Optional[DecodeKernel] = None,
 ) -> Generator[TokenChunk, None, None]:
     """Decode every prompt at once; yield the new tokens every ``sync_every`` steps and at the end.
 
@@ -109,17 +110,20 @@ def decode_tokens(
     ``torch_xla.sync``, which cuts the lazy graph there, so that every decode step is the same
     fixed-shape program, compiled once (``axtorch.parallel.xla.decode_device``).
     ``pack`` decodes float32 weights on a CPU in decode formats (``cpu_weights.decode_weights``):
-    q/k/v and gate/up each one stacked matrix, and whichever kernel was timed the fastest at the
-    thread count (torch's linear, torch's matmul on ``[in, out]`` copies, oneDNN's packed kernel);
-    the same math up to summation order.
+    q/k/v and gate/up each one stacked matrix, multiplied by ``kernel`` (None: the rule's,
+    ``default_kernel``: axtorch's own where it compiled here, else torch's linear); the same math
+    up to summation order, and the same tokens on every run.
     The model's own modules are put back when decoding ends. ``pack=False`` keeps the model's
     modules as they are; elsewhere it changes nothing. With ``compile`` the stacks use torch's
-    linear (``DecodeKernel.linear``: inductor cannot lower oneDNN's packed weights).
+    linear (``DecodeKernel.linear``: inductor cannot lower the other kernels' weights), and another
+    ``kernel`` is refused.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt must contain at least one token")
     if max_new_tokens < 1 or sync_every < 1:
         raise ValueError(f"max_new_tokens ({max_new_tokens}) and sync_every ({sync_every}) must be positive")
+    if compile and kernel not in (None, DecodeKernel.linear):
+        raise ValueError(f"a compiled decode step multiplies with torch's linear, not {kernel.name}")
     lengths = [len(p) for p in prompts]
     total = max(lengths) + max_new_tokens
     if total > model.config.max_seq_len:
@@ -139,7 +143,7 @@ def decode_tokens(
     unpack = contextlib.ExitStack()
     try:
         if pack and can_pack(model):
-            unpack.enter_context(decode_weights(model, DecodeKernel.linear if compile else None))
+            unpack.enter_context(decode_weights(model, DecodeKernel.linear if compile else kernel))
         # The prompts are written in one call, then one token per call: sliding-window layers keep rings.
         slots = compiled_cache_length(total, model.config.max_seq_len) if compile else total
         caches = model.allocate_kv_caches(batch, slots, dtype=parameter.dtype, device=device, max_write=max(lengths))
@@ -233,6 +237,7 @@ def generate_ids(
     compile: bool = False,
     step_boundary: Optional[Callable[[], None]] = None,
     pack: bool = True,
+    kernel: Optional[DecodeKernel] = None,
 ) -> list[list[int]]:
     """Each prompt's new token ids, up to (not including) its first stop token; no tokenizer needed."""
     rows: list[list[int]] = [[] for _ in prompts]
@@ -247,6 +252,7 @@ def generate_ids(
         compile=compile,
         step_boundary=step_boundary,
         pack=pack,
+        kernel=kernel,
     )
     for chunk in chunks:
         for row, new in zip(rows, chunk.tokens):
@@ -282,6 +288,7 @@ def generate(
     compile: bool = False,
     step_boundary: Optional[Callable[[], None]] = None,
     pack: bool = True,
+    kernel: Optional[DecodeKernel] = None,
     chat: bool = False,
 ) -> list[Generation]:
     """Continue every prompt (text or token ids) in one batch; each row stops on its own.
@@ -296,7 +303,8 @@ def generate(
     included), at the first of the ``stop`` strings (the text is cut before it), or after
     ``max_new_tokens``. ``stream(row, text)`` receives each row's new text as it is decoded,
     holding back what could still turn out to be the start of a stop string. ``pack`` (on by
-    default) is ``decode_tokens``'s: on a CPU, float32 weights decode in their decode formats.
+    default) and ``kernel`` are ``decode_tokens``'s: on a CPU, float32 weights decode in their
+    decode formats, with the rule's kernel or the one named.
     """
     sampling = sampling or SamplingConfig()
     encoded = [_prompt_ids(tokenizer, prompt, chat) for prompt in prompts]
@@ -313,6 +321,7 @@ def generate(
         compile=compile,
         step_boundary=step_boundary,
         pack=pack,
+        kernel=kernel,
     )
     for chunk in chunks:
         for index, (row, new) in enumerate(zip(rows, chunk.tokens)):

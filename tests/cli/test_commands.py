@@ -128,3 +128,17 @@ def test_every_command_config_documents_every_key():
     for command, (_, schema, _, _) in COMMANDS.items():
         undocumented = [doc.key for doc in key_docs(schema) if not doc.doc]
         assert not undocumented, f"axtorch-{command}: no #: comment above {undocumented}"
+
+
+@pytest.mark.parametrize(
+    ("arguments", "allowed"),
+    [
+        (["decode.kernel=fastest"], "one of ['auto', 'linear', 'transposed', 'packed', 'native']"),
+        (["decode.kernel=packed", "compile=true"], "auto or linear with compile=true"),
+    ],
+)
+def test_the_decode_kernel_is_auto_or_named_and_anything_else_is_refused_by_name(arguments, allowed, capsys):
+    """Chosen by rule or by the user, never by timing (docs/inference.md); refused before any file is read."""
+    assert generate.main(["checkpoint=no/such/run", "prompt=x", *arguments]) == 2
+    error = capsys.readouterr().err
+    assert "decode.kernel" in error and arguments[0].partition("=")[2] in error and allowed in error, error

@@ -175,7 +175,9 @@ def test_the_cycle_check_sees_a_cycle_however_it_is_hidden(tmp_path, monkeypatch
     assert find_cycle(module_imports()) == ["axtorch.plan.a", "axtorch.plan.b", "axtorch.plan.c", "axtorch.plan.a"]
     (fake / "plan" / "c.py").write_text("def f():\n    import axtorch.plan.a\n")
     assert find_cycle(module_imports()) == ["axtorch.plan.a", "axtorch.plan.b", "axtorch.plan.c", "axtorch.plan.a"]
-    (fake / "plan" / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from axtorch.plan import a\n")
+    (fake / "plan" / "c.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from axtorch.plan import a\n"
+    )
     assert find_cycle(module_imports()) == ["axtorch.plan.a", "axtorch.plan.b", "axtorch.plan.c", "axtorch.plan.a"]
     (fake / "plan" / "c.py").write_text("import axtorch.plan.d\n")
     assert find_cycle(module_imports()) is None

@@ -205,8 +205,8 @@ def test_packed_fp32_weights_give_the_logits_and_the_greedy_tokens(kind):
 
 @pytest.fixture
 def packed_kernel(monkeypatch):
-    """oneDNN's packed kernel as the decode kernel, whatever ``fastest_kernel`` times here."""
-    monkeypatch.setattr(cpu_weights, "fastest_kernel", lambda weights: cpu_weights.DecodeKernel.packed)
+    """oneDNN's packed kernel as the decode kernel, whatever the rule picks here."""
+    monkeypatch.setattr(cpu_weights, "default_kernel", lambda: cpu_weights.DecodeKernel.packed)
 
 
 @pytest.mark.parametrize("tied", [False, True])

@@ -92,14 +92,13 @@ def test_without_a_compiler_decoding_keeps_torchs_kernels(monkeypatch, caplog):
     monkeypatch.setattr(native_kernels, "load_library", native_kernels.load_library.__wrapped__)
     monkeypatch.setattr(native_kernels, "load_matvec", native_kernels.load_matvec.__wrapped__)
     monkeypatch.setattr(cpu_weights, "load_matvec", native_kernels.load_matvec)
-    monkeypatch.setattr(cpu_weights, "_FASTEST_KERNEL", {})
     with caplog.at_level(logging.INFO, logger=native_kernels.__name__):
         assert DecodeKernel.native not in cpu_weights.available_kernels()
     assert "no C compiler" in caplog.text
     torch.manual_seed(0)
     model = build_model(load_experiment_config(["experiment=debug"]), torch.device("cpu")).eval()
     assert generate_ids(model, [[5, 17, 300]], 6) == generate_ids(model, [[5, 17, 300]], 6, pack=False)
-    assert cpu_weights._FASTEST_KERNEL[torch.get_num_threads()] is not DecodeKernel.native
+    assert cpu_weights.default_kernel() is DecodeKernel.linear
 
 
 def test_a_compiler_that_fails_leaves_no_library(tmp_path, caplog):

@@ -65,7 +65,7 @@ def _model(overrides):
 def native_kernel(monkeypatch):
     if DecodeKernel.native not in cpu_weights.available_kernels():
         pytest.skip("the decode kernels did not build here")
-    monkeypatch.setattr(cpu_weights, "fastest_kernel", lambda weights: DecodeKernel.native)
+    monkeypatch.setattr(cpu_weights, "default_kernel", lambda: DecodeKernel.native)
 
 
 def _step_logits(model, steps: int) -> torch.Tensor:
