@@ -15,6 +15,7 @@ import sys
 
 import hydra
 import torch.distributed as dist
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from axtorch.cli.key_values import HELP_FLAGS
@@ -23,6 +24,7 @@ from axtorch.compose.experiment_loader import (
     PRIMARY_CONFIG,
     compose_experiment_config,
     describe_auto_sharding,
+    model_from_file,
     resolve_choices,
     to_experiment_config,
 )
@@ -58,6 +60,8 @@ def _fail(error: Exception, code: ExitCode, ran_collectives: bool = False) -> No
 def _train(cfg: DictConfig, preemption: PreemptionWatch) -> None:
     ran_collectives = False  # whether this process joined a process group (see exit_process)
     try:
+        hydra_run = HydraConfig.get()  # what Hydra composed: the model is init_from's when none was chosen
+        cfg = model_from_file(cfg, list(hydra_run.overrides.task), dict(hydra_run.runtime.choices))
         trainer = Trainer(to_experiment_config(cfg))
         ran_collectives = dist.is_available() and dist.is_initialized()
         try:

@@ -12,7 +12,7 @@ import difflib
 import functools
 import re
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Optional
 
@@ -20,9 +20,10 @@ from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException, MissingConfigException, OverrideParseException
-from omegaconf import DictConfig, Node, OmegaConf
+from omegaconf import DictConfig, Node, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
+from axtorch.compose.model_from_init import default_model_choice, takes_model_from_file, with_model_from_file
 from axtorch.compose.registry import register_configs, resolve_mixture_sources
 from axtorch.config.errors import ConfigError
 from axtorch.config.serialize import to_object
@@ -67,10 +68,27 @@ def _key(override: str) -> str:
 
 
 def _compose(overrides: Sequence[str]) -> DictConfig:
+    return _compose_with_choices(overrides)[0]
+
+
+def _compose_with_choices(overrides: Sequence[str]) -> tuple[DictConfig, dict[str, str]]:
+    """The composed config and the option each config group took (Hydra's ``runtime.choices``)."""
     register_configs()
     GlobalHydra.instance().clear()
     with initialize_config_module(CONFIG_MODULE, version_base=None):
-        return compose(PRIMARY_CONFIG, overrides=list(overrides))
+        composed = compose(PRIMARY_CONFIG, overrides=list(overrides), return_hydra_config=True)
+    choices = {str(group): str(option) for group, option in composed.hydra.runtime.choices.items()}
+    with open_dict(composed):
+        del composed["hydra"]
+    return composed, choices
+
+
+def model_from_file(composed: DictConfig, overrides: Sequence[str], choices: Mapping[str, str]) -> DictConfig:
+    """``composed`` with ``init_from``'s model when no preset was chosen for it (``model_from_init``)."""
+    default = default_model_choice(CONFIG_MODULE, PRIMARY_CONFIG)
+    if takes_model_from_file(composed, overrides, choices.get("model", default), default):
+        return with_model_from_file(composed, overrides)
+    return composed
 
 
 @functools.cache
@@ -249,14 +267,14 @@ def _compose_checked(overrides: Sequence[str]) -> DictConfig:
             )
     try:
         try:
-            composed = _compose(overrides)
+            composed, choices = _compose_with_choices(overrides)
         except (HydraException, OmegaConfBaseException):
             check_overrides(overrides)  # an unknown key gets its own message, with the closest valid keys
             raise
         # Hydra refuses an unknown key by itself, unless a + or ++ adds it: check those strictly.
         if any(override.startswith(("+", "~")) for override in overrides):
             check_overrides(overrides)
-        return composed
+        return model_from_file(composed, overrides, choices)
     except OverrideParseException as error:
         key, _, value = error.override.partition("=")
         raise ConfigError(

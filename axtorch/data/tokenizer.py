@@ -25,6 +25,9 @@ from axtorch.data.files import stable_hash, write_file_atomically
 TOKENIZER_FILE = "tokenizer.json"
 #: Beside a tokenizer.json: its special tokens and chat template, as HF writes them.
 TOKENIZER_SETTINGS_FILE = "tokenizer_config.json"
+#: Beside a tokenizer.json: the chat template, where transformers 5 saves it (older releases put it
+#: in tokenizer_config.json's ``chat_template``, which wins when both are there).
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
 #: Beside a tokenizer.json: the ids that end generation (``eos_token_id``), as HF writes them.
 GENERATION_SETTINGS_FILE = "generation_config.json"
 #: The end-of-text token of a tokenizer that names none (one trained here).
@@ -109,9 +112,13 @@ class Tokenizer:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], eos_token: Optional[str] = None) -> Tokenizer:
-        """``path`` with the ``tokenizer_config.json`` and ``generation_config.json`` beside it, if any."""
+        """``path`` with the ``tokenizer_config.json``, ``chat_template.jinja`` and ``generation_config.json``
+        beside it, if any."""
         directory = Path(path).parent
         settings = _read_json(directory / TOKENIZER_SETTINGS_FILE)
+        template = directory / CHAT_TEMPLATE_FILE
+        if "chat_template" not in settings and template.is_file():
+            settings["chat_template"] = template.read_text()
         ends = _read_json(directory / GENERATION_SETTINGS_FILE).get("eos_token_id", [])
         stop_ids = ends if isinstance(ends, list) else [ends]
         return cls(tokenizers.Tokenizer.from_file(str(path)), eos_token, settings, stop_ids)

@@ -183,19 +183,28 @@ def from_gguf(
     anything axtorch cannot represent (other architectures, RoPE scaling, tokenizer kinds).
     """
     reader = read_gguf(path)
-    architecture = _metadata(reader, "general.architecture")
-    if not gguf_families(architecture):
-        raise ValueError(
-            f"{path}: GGUF general.architecture={architecture!r} is not supported; supported: {gguf_architectures()}"
-        )
-    family, hf = _hf_config(reader, architecture)
-    config = family.config_from_hf(getter(hf))
+    family, config = _family_and_config(reader, path)
     tokenizer = _tokenizer(reader)
     attention = config.decoder.layer.attention
     assert family.gguf is not None  # gguf_families lists only families with a layout
     layout = family.gguf
     tensors = _hf_tensors(reader, attention.num_heads, attention.resolved_kv_heads(), layout)
     return model_from_hf_tensors(family, config, tensors, dtype), config, tokenizer
+
+
+def gguf_model_config(path: str | os.PathLike[str]) -> CausalLMConfig:
+    """The model config a GGUF file describes, from its metadata and tensor names alone (no weight is read)."""
+    return _family_and_config(read_gguf(path), path)[1]
+
+
+def _family_and_config(reader: GGUFReader, path: str | os.PathLike[str]) -> tuple[Family, CausalLMConfig]:
+    architecture = _metadata(reader, "general.architecture")
+    if not gguf_families(architecture):
+        raise ValueError(
+            f"{path}: GGUF general.architecture={architecture!r} is not supported; supported: {gguf_architectures()}"
+        )
+    family, hf = _hf_config(reader, architecture)
+    return family, family.config_from_hf(getter(hf))
 
 
 def tokenizer_from_gguf(path: str | os.PathLike[str]) -> Tokenizer:

@@ -100,6 +100,11 @@ def from_hf(directory: str | os.PathLike[str], dtype: torch.dtype = torch.float3
     return model_from_hf_tensors(family, config, _read_safetensors(directory), dtype), config
 
 
+def hf_model_config(directory: str | os.PathLike[str]) -> CausalLMConfig:
+    """The model config of an HF checkpoint directory, from its ``config.json`` alone (no weight is read)."""
+    return config_from_hf(json.loads((Path(directory) / CONFIG_FILE).read_text()))
+
+
 def _weight_files(directory: Path) -> list[Path]:
     index = directory / WEIGHTS_INDEX_FILE
     if index.is_file():

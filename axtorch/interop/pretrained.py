@@ -23,10 +23,24 @@ from axtorch.config.serialize import config_to_dict
 from axtorch.models.causal_lm import CausalLM, CausalLMConfig
 
 #: Settings that do not change the network a checkpoint holds: initialisation, the maximum length,
-#: the weights of a router's training losses (HF's are one coefficient, axtorch's per layer), and
-#: the adapters that training adds to the imported network (``model/adapter``) and the format
-#: training stores its frozen base in (``model/frozen_base``).
-_IGNORED_KEYS = ("init", "max_seq_len", "load_balancing_loss_weight", "z_loss_weight", "adapter", "frozen_base")
+#: the weights of a router's training losses (HF's are one coefficient, axtorch's per layer),
+#: dropout, and the transforms training applies to the imported network: adapters
+#: (``model/adapter``), the format of its frozen base (``model/frozen_base``), float8 matmuls
+#: (``model/float8``) and activation checkpointing (``model/remat``).
+TRAINING_ONLY_KEYS = frozenset(
+    {
+        "init",
+        "max_seq_len",
+        "load_balancing_loss_weight",
+        "z_loss_weight",
+        "dropout",
+        "embedding_dropout",
+        "adapter",
+        "frozen_base",
+        "float8",
+        "remat",
+    }
+)
 #: float32's unit roundoff (2**-24) with headroom: a value read back from float32 is this close.
 _FLOAT32_RELATIVE_PRECISION = 1e-6
 
@@ -53,6 +67,12 @@ class Pretrained:
             yield name, value
 
 
+def keeps_the_weights(key: str) -> bool:
+    """Whether the dotted model-config ``key`` (``decoder.layer.attention.dropout``) is training-only,
+    so a run may set it on top of imported weights."""
+    return any(part in TRAINING_ONLY_KEYS for part in key.split("."))
+
+
 def _parse(source: str) -> tuple[str, Path]:
     kind, _, location = source.partition(":")
     if kind not in ("hf", "gguf"):
@@ -64,6 +84,22 @@ def pretrained_tokenizer_path(source: str, scratch_dir: Path) -> Path:
     """Where the tokenizer matching ``source`` lives (a GGUF's is extracted into ``scratch_dir``)."""
     kind, path = _parse(source)
     return path / "tokenizer.json" if kind == "hf" else scratch_dir / "pretrained_tokenizer.json"
+
+
+def pretrained_model_config(source: str) -> CausalLMConfig:
+    """The model config ``hf:DIR`` or ``gguf:FILE`` describes, read without its weights."""
+    kind, path = _parse(source)
+    try:
+        if kind == "hf":
+            from axtorch.interop.hf import hf_model_config
+
+            return hf_model_config(path)
+        from axtorch.interop.gguf import gguf_model_config
+
+        return gguf_model_config(path)
+    except (OSError, ValueError) as error:
+        allowed = "an HF directory or GGUF file axtorch can read"
+        raise ConfigError("init_from", source, allowed, reason=str(error)) from error
 
 
 def load_pretrained(source: str, scratch_dir: Path) -> Pretrained:
@@ -92,7 +128,7 @@ def load_pretrained(source: str, scratch_dir: Path) -> Pretrained:
 def _flatten(tree: dict, prefix: str = "") -> dict[str, object]:
     flat = {}
     for key, value in tree.items():
-        if key in _IGNORED_KEYS:
+        if key in TRAINING_ONLY_KEYS:
             continue
         if isinstance(value, dict):
             flat.update(_flatten(value, f"{prefix}{key}."))
@@ -103,7 +139,11 @@ def _flatten(tree: dict, prefix: str = "") -> dict[str, object]:
 
 def _architecture(config: CausalLMConfig) -> dict[str, object]:
     flat = _flatten(config_to_dict(config))
-    flat["decoder.layer.attention.head_dim"] = config.decoder.layer.attention.resolved_head_dim(config.dim)
+    attention = config.decoder.layer.attention
+    head_dim = attention.resolved_head_dim(config.dim)
+    flat["decoder.layer.attention.head_dim"] = head_dim
+    # null is 1/sqrt(head_dim): a file that writes the scale out holds the same network
+    flat["decoder.layer.attention.softmax_scale"] = attention.softmax_scale or head_dim**-0.5
     if config.position_embedding is not None:  # then max_seq_len is the position table's size
         flat["max_seq_len"] = config.max_seq_len
     return flat

@@ -187,3 +187,18 @@ def test_end_of_turn_ids_travel_with_the_tokenizer(tmp_path):
     (tmp_path / "copy").mkdir()
     tokenizer.save(tmp_path / "copy" / "tokenizer.json")
     assert Tokenizer.load(tmp_path / "copy" / "tokenizer.json").stop_ids == tokenizer.stop_ids
+
+
+def test_the_chat_template_is_read_from_chat_template_jinja_where_transformers_5_saves_it(tmp_path):
+    """A directory saved by transformers 5 keeps its template in chat_template.jinja, not in
+    tokenizer_config.json; an older directory's tokenizer_config.json template wins when both are there."""
+    path = _model_tokenizer_files(tmp_path, {"eos_token": "<|im_end|>"})
+    (path.parent / "chat_template.jinja").write_text("{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
+    tokenizer = Tokenizer.load(path)
+    assert tokenizer.chat_prompt([{"role": "user", "content": "hi"}]) == "[hi]"
+    (tmp_path / "copy").mkdir()
+    tokenizer.save(tmp_path / "copy" / "tokenizer.json")  # a run's copy: the template in its tokenizer_config.json
+    assert Tokenizer.load(tmp_path / "copy" / "tokenizer.json").chat_prompt([{"role": "user", "content": "a"}]) == "[a]"
+    settings = {"eos_token": "<|im_end|>", "chat_template": "{{ messages[0]['content'] }}!"}
+    (path.parent / "tokenizer_config.json").write_text(json.dumps(settings))
+    assert Tokenizer.load(path).chat_prompt([{"role": "user", "content": "hi"}]) == "hi!"
