@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from axtorch.layers.linear import Linear
+from axtorch.layers.linear import Linear, plus_adapter
 
 
 def quantize_per_channel_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,8 +115,7 @@ class FrozenInt8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         product = _Int8WeightProduct.apply(x, self.weight_int8, self.weight_scale, self.bias, self.scratch)
-        y = cast(torch.Tensor, product)
-        return y if self.adapter is None else y + self.adapter(x)
+        return plus_adapter(self, x, cast(torch.Tensor, product))
 
     def active_parameter_count(self) -> int:
         """The weights a token multiplies with (``axtorch.train.flops``): the int8 ones count as any other."""

@@ -39,6 +39,13 @@ class LinearAdapter(Protocol):
         ...
 
 
+def plus_adapter(linear: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``y`` (a linear's output on ``x``) plus its adapter's output, if it holds one: the one place
+    any base linear (this one, the int8 frozen base's, float8's) adds its adapter."""
+    adapter = cast(Optional[nn.Module], linear.adapter)
+    return y if adapter is None else y + adapter(x)
+
+
 class Linear(nn.Module):
     """``y = x W^T + b`` with ``weight`` of shape [out_features, in_features] (the HF layout)."""
 
@@ -58,8 +65,7 @@ class Linear(nn.Module):
             nn.init.zeros_(self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
-        return y if self.adapter is None else y + self.adapter(x)
+        return plus_adapter(self, x, F.linear(x, self.weight, self.bias))
 
     @torch.no_grad()
     def merge_adapter(self) -> None:

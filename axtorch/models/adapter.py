@@ -79,6 +79,10 @@ class LinearAdapters:
                 initialize_parameters(linear.adapter)
         return names
 
+    def restore(self, model: nn.Module) -> list[str]:
+        """Every adapter merged into its linear's weight: the same function, as plain linears."""
+        return merge_adapters(model)
+
 
 def adapted_linears(model: nn.Module) -> list[tuple[str, Linear]]:
     """``(name, linear)`` of every linear that holds an adapter."""
@@ -90,9 +94,10 @@ def adapters(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name, cast(nn.Module, m)) for name, m in model.named_modules() if isinstance(m, LinearAdapter)]
 
 
-def merge_adapters(model: nn.Module) -> int:
-    """Fold every adapter into its linear's weight (for export and inference); returns how many."""
+def merge_adapters(model: nn.Module) -> list[str]:
+    """Fold every adapter into its ``Linear``'s weight (for export and inference); returns their
+    names. A float8 or int8 base is made a ``Linear`` first (``restore_model_transforms``)."""
     adapted = adapted_linears(model)
     for _, linear in adapted:
         linear.merge_adapter()
-    return len(adapted)
+    return [name for name, _ in adapted]

@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 from torch import nn
 
 from axtorch.config.errors import ConfigError
-from axtorch.layers.linear import Linear
+from axtorch.layers.linear import Linear, LinearConfig, plus_adapter
 from axtorch.models.transforms import ModelTransformConfig, replace_submodule
 
 #: torchao's float8 matmul needs both dimensions of every weight divisible by this.
@@ -130,10 +130,25 @@ class Float8Linears:
             replace_submodule(model, name, float8_linear)
         return converted
 
+    def restore(self, model: nn.Module) -> list[str]:
+        """Every float8 linear back to a ``Linear`` holding the same ``weight``, ``bias`` and adapter:
+        the full-precision function it trained (export and inference read plain linears)."""
+        linear_class, _ = _torchao_float8(self.config.recipe, emulate=not has_float8_matmul(self.device))
+        restored = [name for name, module in model.named_modules() if isinstance(module, linear_class)]
+        for name in restored:
+            float8_linear = cast(nn.Linear, model.get_submodule(name))  # torchao's subclasses nn.Linear
+            with torch.device("meta"):
+                config = LinearConfig(bias=float8_linear.bias is not None)
+                linear = Linear(config, float8_linear.in_features, float8_linear.out_features)
+            linear.weight, linear.bias = cast(nn.Parameter, float8_linear.weight), float8_linear.bias
+            linear.adapter = getattr(float8_linear, "adapter", None)
+            replace_submodule(model, name, linear)
+        return restored
+
 
 def _add_adapter_output(module: nn.Module, args: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
-    """A forward hook on torchao's linear: adds what ``Linear.forward`` would, the adapter's output on the input."""
-    return output + module.get_submodule("adapter")(args[0])
+    """A forward hook on torchao's linear, whose forward axtorch does not write: ``plus_adapter``."""
+    return plus_adapter(module, args[0], output)
 
 
 def _torchao_float8(recipe: str, emulate: bool) -> tuple[Any, Any]:

@@ -89,13 +89,17 @@ class Int8FrozenBase:
             _keep_large_allocations_mapped()
         return converted
 
+    def restore(self, model: nn.Module) -> list[str]:
+        """Every ``FrozenInt8Linear`` back to a ``Linear`` of its dequantised weight (and its adapter)."""
+        return float_linears(model)
 
-def float_linears(model: nn.Module) -> int:
-    """Every ``FrozenInt8Linear`` of ``model`` back to a ``Linear`` of its dequantised weight; returns how many."""
+
+def float_linears(model: nn.Module) -> list[str]:
+    """Every ``FrozenInt8Linear`` of ``model`` back to a ``Linear`` of its dequantised weight; returns their names."""
     converted = [(name, m) for name, m in model.named_modules() if isinstance(m, FrozenInt8Linear)]
     for name, module in converted:
         replace_submodule(model, name, module.to_linear())
-    return len(converted)
+    return [name for name, _ in converted]
 
 
 #: glibc's ``M_MMAP_THRESHOLD`` option (``mallopt``) and its default: blocks this large or larger

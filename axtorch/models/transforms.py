@@ -1,7 +1,9 @@
 """Model transforms: changes to a built model that its config names and one function applies.
 
 A transform rewrites modules of a model built from its config, in place and on the meta device,
-before a backend shards it: float8 training linears (``model/float8``) are one. A transform that
+before a backend shards it: float8 training linears (``model/float8``) are one. Each has its
+inverse (``restore``), which export and inference apply (``restore_model_transforms``), so that
+what they read is the model's own layers whatever the run trained with. A transform that
 rewrites the weights' values (an int8 frozen base, ``model/frozen_base``) says so
 (``needs_values``) and runs instead once they are loaded, before the optimizer is built. The config lists
 its transforms (``CausalLMConfig.transforms()``) and ``apply_model_transforms`` applies them, so
@@ -23,6 +25,12 @@ from torch import nn
 class ModelTransform(Protocol):
     def apply(self, model: nn.Module) -> list[str]:
         """Rewrite ``model`` in place; returns the qualified names of the modules it changed."""
+        ...
+
+    def restore(self, model: nn.Module) -> list[str]:
+        """The inverse, for export and inference: the modules ``apply`` changed back to the model's
+        own layers computing the same function (an adapter merged into its linear's weight, a
+        float8 or int8 linear a ``Linear`` again); returns their names."""
         ...
 
 
@@ -49,6 +57,13 @@ def apply_model_transforms(
     for config in transforms:
         if config.needs_values == loaded:
             config.build(device).apply(model)
+
+
+def restore_model_transforms(transforms: Sequence[ModelTransformConfig], model: nn.Module) -> None:
+    """Undo ``transforms``, the last applied first, on a model on the CPU: the model as its config
+    builds it (``CausalLMConfig.build()``), with what training changed in its weights."""
+    for config in reversed(transforms):
+        config.build(torch.device("cpu")).restore(model)
 
 
 def replace_submodule(model: nn.Module, name: str, module: nn.Module) -> None:

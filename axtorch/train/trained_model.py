@@ -17,9 +17,8 @@ from axtorch.config.errors import ConfigError
 from axtorch.config.serialize import config_from_yaml
 from axtorch.data.tokenizer import Tokenizer
 from axtorch.interop.pretrained import load_pretrained
-from axtorch.models.adapter import merge_adapters
 from axtorch.models.causal_lm import CausalLM
-from axtorch.models.frozen_base import float_linears
+from axtorch.models.transforms import restore_model_transforms
 from axtorch.parallel.single import SingleDeviceBackend
 from axtorch.train.adapters import base_digest, check_base
 from axtorch.train.checkpoint import (
@@ -71,6 +70,7 @@ def _adapted_base(config: ExperimentConfig, checkpoint: Path) -> CausalLM:
         pretrained = load_pretrained(config.init_from, Path(scratch)) if config.init_from else None
         model = build_parallel_model(config, SingleDeviceBackend(torch.device("cpu")), pretrained)
     load_model(checkpoint, model)  # the adapters: every parameter that trained
-    float_linears(model)  # an int8 frozen base: merged into the dequantised weights it trained with
-    merge_adapters(model)
+    # Back to the model's own layers, the adapters merged into the weights they trained with (an int8
+    # base's dequantised ones, a float8 base's full-precision ones)
+    restore_model_transforms(config.model.transforms(), model)
     return model

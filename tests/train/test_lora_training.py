@@ -123,6 +123,43 @@ def test_init_from_adds_fresh_adapters_and_export_merges_them(tmp_path, hf_dir, 
         load_trained_model(run, torch.device("cpu"))
 
 
+@pytest.mark.parametrize(
+    "base",
+    [pytest.param(["model/float8=tensorwise"], id="float8"), pytest.param(["model/frozen_base=int8"], id="int8")],
+)
+def test_lora_on_a_float8_or_int8_base_exports_merged_weights_transformers_reads_back(
+    tmp_path,
+    hf_dir,  # noqa: F811
+    data_cache,
+    base,
+):
+    """The adapters merge into the weights they trained on (float8's full-precision ones, an int8
+    base's dequantised ones): the HF directory and the GGUF both give transformers our merged logits."""
+    pytest.importorskip("gguf")
+    if base[0].startswith("model/float8"):
+        pytest.importorskip("torchao")
+    run = tmp_path / "run"
+    overrides = [f"init_from=hf:{hf_dir}", "model.adapter.target=_proj", "optim.lr=0.02", "trainer.max_steps=2"]
+    Trainer(_config(run, data_cache, *overrides, *base, "trainer.checkpoint_every=2")).fit()
+    merged, _ = load_trained_model(run, torch.device("cpu"))
+    assert all(type(m).__name__ != "Float8Linear" for m in merged.modules()) and not _adapter_names(merged)
+    imported, _ = from_hf(hf_dir)
+    assert not torch.equal(
+        merged.decoder.layers[0].attention.q_proj.weight, imported.decoder.layers[0].attention.q_proj.weight
+    )
+
+    assert export_main([f"checkpoint={run}", f"to=hf:{tmp_path / 'exported'}"]) == 0
+    assert export_main([f"checkpoint={run}", f"to=gguf:{tmp_path / 'exported.gguf'}", "dtype=f32"]) == 0
+    ids = torch.randint(0, 400, (2, 16))
+    with torch.no_grad():
+        ours = merged(CausalLMInput(ids)).logits
+        for theirs in (
+            transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exported"),
+            transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="exported.gguf"),
+        ):
+            torch.testing.assert_close(theirs.eval()(ids).logits, ours, rtol=1e-4, atol=1e-4)
+
+
 def test_the_base_digest_names_the_imported_file_or_the_seed(tmp_path, data_cache):
     gguf = tmp_path / "base.gguf"
     gguf.write_bytes(b"GGUF and some weights")
