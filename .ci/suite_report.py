@@ -1,8 +1,9 @@
 """The end of ``make test``: the phase table, where the suites' time went, and coverage per package.
 
 - Phases: each phase's wall time and status (.ci/phase.sh writes them), and the whole run's.
-- Where the time went: each test file's and each fixture's total seconds in either suite
-  (tests/suite_timing.py writes them), the costliest first.
+- Where the time went: each test file's total wall and CPU seconds and each fixture's wall
+  seconds in either suite (tests/suite_timing.py writes them), the costliest first. A file whose
+  CPU seconds are far below its wall seconds waits (on Slurm, on a subprocess's timeout).
 - Coverage: the data of every process the suites started, combined; line and branch coverage of
   each package of axtorch/ beside its floor (.ci/coverage_floors.json). With ``--check-floors``
   (the whole suite ran) a package below its floor fails the run, by name.
@@ -53,15 +54,20 @@ def print_costliest(report: Path) -> None:
     }
     if not suites:
         return
-    for kind, title in (("files", "test file"), ("fixtures", "fixture set-up")):
+    sections = (
+        ("files", "test file", "wall seconds summed over workers"),
+        ("cpu", "test file", "CPU seconds of its process and the subprocesses it waited for"),
+        ("fixtures", "fixture set-up", "wall seconds summed over workers"),
+    )
+    for kind, title, unit in sections:
         totals: Counter[str] = Counter()
         for figures in suites.values():
-            totals.update(figures[kind])
+            totals.update(figures.get(kind, {}))
         everything = sum(totals.values())
-        print(f"\n{title}: the {TOP} costliest of {len(totals)}, seconds summed over workers ({everything:.0f} in all)")
+        print(f"\n{title}: the {TOP} costliest of {len(totals)}, {unit} ({everything:.0f} in all)")
         print("".join(f"{column:>14}" for column in suites) + f"{'total':>10}  {title}")
         for name, seconds in totals.most_common(TOP):
-            row = "".join(f"{figures[kind].get(name, 0.0):>14.1f}" for figures in suites.values())
+            row = "".join(f"{figures.get(kind, {}).get(name, 0.0):>14.1f}" for figures in suites.values())
             print(f"{row}{seconds:>10.1f}  {name}")
 
 

@@ -35,7 +35,8 @@ def test_starts_python_unmarked():
 
 @pytest.mark.journey
 def test_starts_python_marked(slow_setup):
-    subprocess.run([sys.executable, "-c", "pass"], check=True)
+    spin = "import time; s = time.process_time(); any(time.process_time() - s >= 0.5 for _ in iter(int, 1))"
+    subprocess.run([sys.executable, "-c", spin], check=True)  # half a CPU-second, in a subprocess
 
 
 def test_starts_nothing(slow_setup):
@@ -65,6 +66,8 @@ def test_an_unmarked_test_that_starts_a_process_fails_and_the_quick_tier_leaves_
     timings = json.loads((tmp_path / "timings.json").read_text())
     assert set(timings["files"]) == {"test_processes.py"}
     assert timings["fixtures"]["test_processes.slow_setup (module)"] >= 0.3
+    # CPU seconds count the subprocess's spin, not the fixture's sleep
+    assert 0.5 <= timings["cpu"]["test_processes.py"] <= timings["files"]["test_processes.py"] - 0.25, timings
     assert "where the time went" in result.stdout
 
     quick = _pytest(tmp_path, "-m", "not journey", "-k", "not unmarked")
