@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from doc_blocks import collect
-from registry_assets import registry_file
+from registry_assets import registry_file, transformers_gguf_tokenizer
 
 pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
@@ -74,7 +74,7 @@ def journey_commands(source: str) -> list[str]:
 def save_as_hf_directory(gguf_file: Path, directory: Path) -> None:
     """The GGUF's model and tokenizer as transformers saves them: what a user downloads from a hub."""
     model = transformers.AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+    tokenizer = transformers_gguf_tokenizer(gguf_file)
     # Loaded from a GGUF, transformers marks the model quantized and will not save it; its weights are dequantized.
     model.config.__dict__.pop("quantization_config", None)
     model.hf_quantizer = None

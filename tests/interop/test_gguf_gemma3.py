@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from registry_assets import registry_file, transformers_gguf_model
+from registry_assets import registry_file, transformers_gguf_model, transformers_gguf_tokenizer
 
 from axtorch.infer.decoding import generate
 from axtorch.interop import from_gguf
@@ -64,9 +64,8 @@ def test_metadata_maps_to_gemma3_270m_with_llama_cpps_layer_pattern(ours):
 
 
 def test_tokenization_equals_transformers_gguf_tokenizer(ours, gemma3_gguf):
-    transformers = pytest.importorskip("transformers")
     _, _, tokenizer = ours
-    theirs = transformers.AutoTokenizer.from_pretrained(gemma3_gguf.parent, gguf_file=gemma3_gguf.name)
+    theirs = transformers_gguf_tokenizer(gemma3_gguf)
     texts = [
         "Hello world",
         "def f(x):\n    return x ** 2  # squared\n\n\n",

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from registry_assets import registry_file, transformers_gguf_model
+from registry_assets import registry_file, transformers_gguf_model, transformers_gguf_tokenizer
 
 from axtorch.infer.decoding import generate
 from axtorch.infer.sampling import SamplingConfig
@@ -50,9 +50,8 @@ def test_metadata_maps_to_the_smollm2_135m_shape(ours):
 
 
 def test_tokenization_equals_transformers_gguf_tokenizer(ours, smollm2_gguf):
-    transformers = pytest.importorskip("transformers")
     _, _, tokenizer = ours
-    reference = transformers.AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
+    reference = transformers_gguf_tokenizer(smollm2_gguf)
     text = f"{PROMPT} Paris. Hugging Face's SmolLM2 (135M parameters) was released in 2024!\n<|im_end|>"
     assert tokenizer.encode(text) == reference(text, add_special_tokens=False)["input_ids"]
 

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 import torch
-from registry_assets import transformers_gguf_model
+from registry_assets import transformers_gguf_model, transformers_gguf_tokenizer
 from test_gguf_gemma3 import gemma3_gguf  # noqa: F401 (the fixture)
 from test_gguf_smollm2 import smollm2_gguf  # noqa: F401 (the fixture)
 
@@ -60,7 +60,7 @@ def gguf_file(request):
 
 @pytest.fixture(scope="module")
 def reference_tokenizer(gguf_file):
-    return transformers.AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+    return transformers_gguf_tokenizer(gguf_file)
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +148,7 @@ def _chat_reference(model_path, prompt_ids: list[int], stop_ids, max_new_tokens:
 def test_library_chat_equals_the_cli_and_transformers_from_apply_chat_template(smollm2_gguf):  # noqa: F811
     question = "What is the capital of France?"
     model, _, tokenizer = from_gguf(smollm2_gguf)
-    reference_tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
+    reference_tokenizer = transformers_gguf_tokenizer(smollm2_gguf)
     prompt_ids = reference_tokenizer.apply_chat_template(
         [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True, return_dict=True
     )["input_ids"]
@@ -171,7 +171,7 @@ def test_gemma_chat_prompt_is_apply_chat_template_with_one_bos(gemma3_gguf):  # 
     (its <end_of_turn> stop is in ``test_generation_stops_at_the_models_end_of_turn``)."""
     model, _, tokenizer = from_gguf(gemma3_gguf)
     tokenizer.settings["chat_template"] = GEMMA_TEMPLATE  # the GGUF has none
-    reference = transformers.AutoTokenizer.from_pretrained(gemma3_gguf.parent, gguf_file=gemma3_gguf.name)
+    reference = transformers_gguf_tokenizer(gemma3_gguf)
     conversation = [
         {"role": "user", "content": "Capital of Italy?"},
         {"role": "assistant", "content": "Rome"},
