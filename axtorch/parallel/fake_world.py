@@ -8,14 +8,15 @@ process-group backend answers every collective without peers; the memory tracker
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from typing import Any
 from unittest import mock
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
@@ -29,7 +30,7 @@ def fake_world(rank: int, world_size: int) -> Iterator[None]:
         raise RuntimeError("a dry run needs a process without a process group (run it outside torchrun)")
     dist.init_process_group("fake", rank=rank, world_size=world_size, store=dist.HashStore())
     try:
-        with _shapes_propagated_apart():
+        with _shapes_propagated_apart(), _meshes_made_of_real_tensors():
             yield
     finally:
         dist.destroy_process_group()
@@ -60,6 +61,34 @@ def _shapes_propagated_apart() -> Iterator[None]:
 
     # create: torch 2.9 has no such attribute, and never reads it.
     with mock.patch.object(ShardingPropagator, _PROPAGATION_LOCK, FreshFakeMode(), create=True):
+        yield
+
+
+#: DeviceMesh's methods that make a mesh: its constructor, a slice of its axes, a flattened one.
+_MESH_MAKERS = ("__init__", "__getitem__", "_flatten")
+
+
+@contextlib.contextmanager
+def _meshes_made_of_real_tensors() -> Iterator[None]:
+    """Device meshes made inside the traced program (a 2-D FSDP mesh joined from the fsdp and
+    model axes, a flattened one) hold their layout in real tensors, as outside fake mode.
+
+    A mesh is a small table of ranks, not part of the step's memory; under fake mode its
+    constructor has no values to find this rank's coordinates with (``nonzero``, ``tolist``).
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+
+    def with_real_tensors(make: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(make)
+        def made(self: DeviceMesh, *args: Any, **kwargs: Any) -> Any:
+            with unset_fake_temporarily():
+                return make(self, *args, **kwargs)
+
+        return made
+
+    with contextlib.ExitStack() as patches:
+        for name in _MESH_MAKERS:
+            patches.enter_context(mock.patch.object(DeviceMesh, name, with_real_tensors(getattr(DeviceMesh, name))))
         yield
 
 

@@ -63,7 +63,7 @@ KIND_ORDER = (
     "collective buffers",
 )
 #: Mesh axes the dry run does not trace yet (``dry_run`` refuses them).
-UNTRACED_AXES = ("model", "seq", "expert", "pipe")
+UNTRACED_AXES = ("expert", "pipe")
 #: Collective ops by name (c10d's and the functional ones), as the report names them.
 _COLLECTIVES = {
     "all_reduce": "all-reduce",
@@ -145,9 +145,9 @@ def dry_run(config: ExperimentConfig, mesh: dict[str, int], steps: int = 2) -> D
                 f"mesh.{axis}",
                 mesh[axis],
                 "1 with dry_run=true",
-                reason="the dry run traces meshes of the data and fsdp axes so far: tensor, sequence, expert "
-                "and pipeline parallelism build their shards with device-mesh operations that fake tensors "
-                "cannot run yet",
+                reason="the dry run traces meshes of the data, fsdp, model (tensor) and seq axes so far: expert "
+                "parallelism sizes its all-to-all by the routing, and the pipeline schedule reads its loss, "
+                "values that fake tensors do not have",
             )
     devices = math.prod(mesh.values())
     # The native backend resolves the mesh against the fake world; the trace runs on the CPU. A
@@ -155,7 +155,7 @@ def dry_run(config: ExperimentConfig, mesh: dict[str, int], steps: int = 2) -> D
     traced = copy.copy(config)
     traced.backend = BackendKind.native
     traced.trainer = dataclasses.replace(config.trainer, device="cpu")
-    # Every rank of a data x fsdp mesh holds the same shapes: rank 0 stands for them all.
+    # Every rank of a data x fsdp x model x seq mesh holds the same shapes: rank 0 stands for them all.
     with fake_world(0, devices):
         memory, collectives, flops = _trace(traced, steps)
     return DryRunReport(devices, mesh, steps, memory, collectives, flops)

@@ -67,16 +67,31 @@ def test_a_rank_of_four_computes_a_quarter_of_the_one_device_steps_flops(fsdp4):
 
 
 @pytest.mark.parametrize(
+    ("axes", "collective"),
+    [(["mesh.model=2", "sharding=fsdp_tp"], "all-reduce"), (["mesh.seq=2", "sharding=fsdp"], "all-gather")],
+    ids=["fsdp-x-tensor", "fsdp-x-sequence"],
+)
+def test_a_rank_of_a_two_axis_mesh_of_four_holds_a_quarter_of_the_weights(axes, collective):
+    """Tensor parallelism splits what FSDP then shards; the sequence axis joins FSDP's (as in torchtitan)."""
+    config, mesh = load_plan_inputs([*DEBUG, "mesh.fsdp=2", *axes])
+    report = dry_run(config, mesh, steps=1)
+    whole = _parameter_bytes(DEBUG)
+    assert whole / 4 <= report.memory_at_peak["parameters"] <= whole / 4 * 1.1, (report.memory_at_peak, whole)
+    assert collective in {c.kind for c in report.collectives}, report.collectives
+    assert f"dry run: 4 devices (mesh fsdp=2 {axes[0].split('.')[1]})" in format_report(report)
+
+
+@pytest.mark.parametrize(
     ("overrides", "said"),
     [
         (["backend=xla"], "invalid config backend='xla'"),
-        (["mesh.fsdp=2", "mesh.model=2", "sharding=fsdp_tp"], "invalid config mesh.model=2"),
+        (["model=mixtral_tiny", "mesh.expert=2", "sharding=fsdp_ep"], "invalid config mesh.expert=2"),
         (["mesh.fsdp=-1", "devices=6", "mesh.model=4"], "mesh.fsdp=-1"),
         (["hardware=abacus-9000"], "invalid config hardware='abacus-9000'"),
         (["steps=0"], "invalid config steps=0"),
         (["mesh.fsdp=-1"], "invalid config devices"),
     ],
-    ids=["xla", "tensor-parallel", "indivisible", "unknown-hardware", "no-steps", "no-device-count"],
+    ids=["xla", "expert-parallel", "indivisible", "unknown-hardware", "no-steps", "no-device-count"],
 )
 def test_what_a_dry_run_cannot_trace_is_refused_before_tracing(overrides, said, capsys):
     code = run_dry(["dry_run=true", *DEBUG, *overrides], [])
