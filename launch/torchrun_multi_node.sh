@@ -2,7 +2,7 @@
 # Several machines: run this once on every node, with the same arguments and environment.
 #
 #   MASTER_ADDR=node0 NNODES=4 NPROC=8 launch/torchrun_multi_node.sh \
-#       backend=native mesh.data=4 mesh.fsdp=8 sharding=fsdp run_dir=/shared/runs/llama
+#       backend=native mesh.data=4 mesh.fsdp=8 sharding=fsdp trainer.batch_size=32 run_dir=/shared/runs/llama
 #
 # Every argument is a Hydra override passed unchanged to `python -m axtorch.train`; pass
 # `backend=native`, and a mesh whose axes multiply to NNODES x NPROC (one axis may be -1).

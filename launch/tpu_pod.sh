@@ -2,7 +2,10 @@
 # TPU VM pod: start one training process on every host of the pod over gcloud ssh.
 #
 #   TPU_NAME=my-v5p-128 ZONE=us-east5-a launch/tpu_pod.sh mesh.fsdp=-1 sharding=fsdp model=llama3_8b \
-#       run_dir=/mnt/shared/runs/llama3_8b
+#       trainer.batch_size=64 run_dir=/mnt/shared/runs/llama3_8b
+#
+# (v5p-128: 64 chips, so a batch of at least 64 rows; check it first on a laptop with the dry-run
+# line in launch/README.md.)
 #
 # Runs the xla backend (torch_xla SPMD: one process per host driving all of the host's chips,
 # PJRT_DEVICE=TPU), which the tests exercise on CPU virtual devices. Untested on a TPU pod: the

@@ -5,8 +5,11 @@
 # axtorch's CI, so this script has never run on a Trainium instance. Treat it as a starting
 # point and expect to adjust it.
 #
-#   launch/trainium.sh mesh.fsdp=-1 sharding=fsdp model=llama3_8b             # VARIANT=native
-#   VARIANT=xla launch/trainium.sh mesh.fsdp=-1 sharding=fsdp model=llama3_8b  # VARIANT=xla
+#   launch/trainium.sh mesh.fsdp=-1 sharding=fsdp model=llama3_8b trainer.batch_size=32             # VARIANT=native
+#   VARIANT=xla launch/trainium.sh mesh.fsdp=-1 sharding=fsdp model=llama3_8b trainer.batch_size=32  # VARIANT=xla
+#
+# (trn1.32xlarge: 32 NeuronCores, so a batch of at least 32 rows; the dry-run line in
+# launch/README.md checks it on a laptop.)
 #
 # Every argument is a Hydra override passed unchanged to `python -m axtorch.train`.
 #
