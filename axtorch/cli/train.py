@@ -60,8 +60,6 @@ def _fail(error: Exception, code: ExitCode, ran_collectives: bool = False) -> No
 def _train(cfg: DictConfig, preemption: PreemptionWatch) -> None:
     ran_collectives = False  # whether this process joined a process group (see exit_process)
     try:
-        hydra_run = HydraConfig.get()  # what Hydra composed: the model is init_from's when none was chosen
-        cfg = model_from_file(cfg, list(hydra_run.overrides.task), dict(hydra_run.runtime.choices))
         trainer = Trainer(to_experiment_config(cfg))
         ran_collectives = dist.is_available() and dist.is_initialized()
         try:
@@ -136,6 +134,11 @@ def main() -> None:
                     print(f"sharding=auto: {describe_auto_sharding(composed)}")
 
             def train(cfg: DictConfig) -> None:
+                hydra_run = HydraConfig.get()  # what Hydra composed: the model is init_from's when none was chosen
+                try:
+                    cfg = model_from_file(cfg, list(hydra_run.overrides.task), dict(hydra_run.runtime.choices))
+                except ConfigError as error:
+                    _fail(error, ExitCode.CONFIG_ERROR)
                 _train(cfg, preemption)
 
             hydra.main(version_base=None, config_path=f"pkg://{CONFIG_MODULE}", config_name=PRIMARY_CONFIG)(train)()
