@@ -219,7 +219,11 @@ def read_gguf(path: str | os.PathLike[str]) -> GGUFReader:
         reader = _plain_array_reader()
     except ImportError as error:
         raise ImportError("GGUF files need the gguf package: pip install 'gguf>=0.10'") from error
-    return reader(path)
+    try:
+        return reader(path)
+    except (ValueError, IndexError) as error:  # gguf's reader meets the end of a short file as a bad shape
+        size = os.path.getsize(path)
+        raise ValueError(f"{path} is not a whole GGUF file ({size:,} bytes; truncated or corrupt): {error}") from error
 
 
 @functools.cache

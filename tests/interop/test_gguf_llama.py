@@ -15,6 +15,8 @@ transformers = pytest.importorskip("transformers")
 
 from hf_shapes import HF_SHAPE
 
+from axtorch.compose.experiment_loader import load_experiment_config
+from axtorch.config.errors import ConfigError
 from axtorch.interop import from_gguf
 from axtorch.models import CausalLMInput
 
@@ -247,3 +249,14 @@ def test_refuses_what_axtorch_cannot_represent(options, message, tmp_path):
     path = _write_gguf(tmp_path / "model.gguf", _hf_model(tie=True), **options)
     with pytest.raises(ValueError, match=message.replace(".", r"\.")):
         from_gguf(path)
+
+
+def test_a_truncated_file_is_refused_by_name_before_any_weight_is_used(tmp_path):
+    path = _write_gguf(tmp_path / "model.gguf", _hf_model(tie=True))
+    whole = path.read_bytes()
+    path.write_bytes(whole[: len(whole) * 2 // 3])
+    said = r"model\.gguf is not a whole GGUF file \([\d,]+ bytes; truncated or corrupt\)"
+    with pytest.raises(ValueError, match=said):
+        from_gguf(path)
+    with pytest.raises(ConfigError, match=r"init_from.*not a whole GGUF file"):
+        load_experiment_config([f"init_from=gguf:{path}"])
