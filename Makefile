@@ -21,32 +21,28 @@ MEASURE := $(if $(filter 1,$(COVERAGE)),COVERAGE_PROCESS_START=$(CURDIR)/pyproje
 # The floors are held only when the whole suite ran: ARGS that select fewer tests cover less.
 FLOOR_CHECK := $(if $(strip $(ARGS)),,$(if $(filter 1,$(COVERAGE)),--check-floors))
 
-.PHONY: train test test-quick check test-newest test-oldest newcomer environments main-lane side-lane
+.PHONY: train test test-quick check test-newest test-oldest newcomer environments suites
 
 train: $(VENV)/.axtorch-base
 	$(VENV)/bin/axtorch-train $(ARGS)
 
-# The whole suite, as CI runs it, in phases: both environments at once; then two lanes at once
-# (.ci/beside.sh): lint and types and the suite on the newest torch (one worker per core) in the
-# main lane, the newcomer's journey (~8 min, mostly pip unpacking on one core) and then the suite
-# on torch 2.9.0 (one worker) beside it; then the report: each phase's wall time, the costliest
-# test files (wall and CPU seconds) and fixtures, and (COVERAGE=1) coverage per package against its floor.
+# The whole suite, as CI runs it, in phases: both environments at once; then lint and types, the
+# suite on the newest torch and on torch 2.9.0, with the newcomer's journey (~8 min, mostly pip
+# unpacking on one core) beside them (.ci/with_newcomer.sh); then the report: each phase's wall
+# time, the costliest test files (wall and CPU seconds) and fixtures, and (COVERAGE=1) coverage
+# per package against its floor.
 # MAKE_COMMAND, not MAKE: a line that expands MAKE runs even under `make -n`.
 test:
 	@rm -rf $(REPORT) .coverage-data && mkdir -p $(REPORT) .coverage-data && date +%s >$(REPORT)/started
 	@.ci/phase.sh environments $(MAKE_COMMAND) --no-print-directory -j2 environments
-	@PYTHON=$(PYTHON) .ci/beside.sh "$(MAKE_COMMAND) --no-print-directory side-lane" $(MAKE_COMMAND) --no-print-directory main-lane; \
-	  status=$$?; \
+	@PYTHON=$(PYTHON) .ci/with_newcomer.sh $(MAKE_COMMAND) --no-print-directory suites; status=$$?; \
 	  .ci/phase.sh "coverage report" $(VENV)/bin/python .ci/suite_report.py $(REPORT) $(FLOOR_CHECK) || { [ $$status -ne 0 ] || status=1; }; \
 	  exit $$status
 
-main-lane:
+suites:
 	@.ci/phase.sh "lint and types" $(MAKE_COMMAND) --no-print-directory check
 	@.ci/phase.sh "suite on torch 2.13.0" $(MAKE_COMMAND) --no-print-directory test-newest
-
-side-lane:
-	@.ci/phase.sh "newcomer's journey (side lane)" .ci/newcomer.sh
-	@.ci/phase.sh "suite on torch 2.9.0 (side lane)" $(MAKE_COMMAND) --no-print-directory test-oldest WORKERS=1
+	@.ci/phase.sh "suite on torch 2.9.0" $(MAKE_COMMAND) --no-print-directory test-oldest
 
 # The inner loop: every test that starts no subprocess journey (the
 # `journey` marker: torchrun groups, XLA workers, the CLI and the documented commands, Slurm), on
@@ -69,8 +65,7 @@ check: $(VENV)/.axtorch-test
 # order, which puts the groups with the most slow tests first (xdist would otherwise start the
 # groups with the most tests first). Most tests wait on subprocesses (torchrun, XLA workers, the
 # documented commands) part of the time.
-WORKERS ?= auto
-PARALLEL := -n $(WORKERS) --dist loadgroup --no-loadscope-reorder
+PARALLEL := -n auto --dist loadgroup --no-loadscope-reorder
 
 test-newest: $(VENV)/.axtorch-test $(OLDEST_VENV)/.axtorch-xla
 	$(MEASURE) $(VENV)/bin/python -m pytest $(PARALLEL) --durations=15 --timings-json $(REPORT)/newest.json $(ARGS)
