@@ -23,7 +23,7 @@ from axtorch.cli.key_values import read_config
 from axtorch.config.errors import ConfigError
 from axtorch.data.tokenizer import Tokenizer
 from axtorch.infer import generate
-from axtorch.infer.cpu_weights import DecodeKernel, available_kernels, quantize_int8
+from axtorch.infer.cpu_weights import DecodeKernel, kernel_refusal, quantize_int8
 from axtorch.infer.decoding import prompt_text
 from axtorch.infer.sampling import SamplingConfig
 from axtorch.models.causal_lm import CausalLM
@@ -43,16 +43,9 @@ class DecodeOptions:
         names = ["auto", *(kernel.name for kernel in DecodeKernel)]
         if self.kernel not in names:
             raise ConfigError("decode.kernel", self.kernel, f"one of {names}")
-        available = [kernel.name for kernel in available_kernels()]
-        if self.kernel != "auto" and self.kernel not in available:
-            raise ConfigError("decode.kernel", self.kernel, f"auto or one this machine has: {available}")
-        if compile and self.kernel not in ("auto", "linear"):
-            raise ConfigError(
-                "decode.kernel",
-                self.kernel,
-                "auto or linear with compile=true",
-                reason="inductor lowers torch's linear",
-            )
+        if refusal := kernel_refusal(self.chosen(), compile):
+            allowed = "auto or linear with compile=true" if compile else "auto or a kernel this machine has"
+            raise ConfigError("decode.kernel", self.kernel, allowed, reason=refusal)
 
     def chosen(self) -> DecodeKernel | None:
         return None if self.kernel == "auto" else DecodeKernel[self.kernel]

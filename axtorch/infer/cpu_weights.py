@@ -279,6 +279,19 @@ def default_kernel() -> DecodeKernel:
     return DecodeKernel.native if DecodeKernel.native in available_kernels() else DecodeKernel.linear
 
 
+def kernel_refusal(kernel: Optional[DecodeKernel], compile: bool = False) -> Optional[str]:
+    """Why ``kernel`` (None: the rule's) cannot decode here, or None: one this machine lacks, or
+    another than torch's linear under ``compile`` (inductor lowers torch's linear)."""
+    if kernel is None:
+        return None
+    if compile and kernel is not DecodeKernel.linear:
+        return f"a compiled decode step multiplies with torch's linear, not {kernel.name}"
+    available = [k.name for k in available_kernels()]
+    if kernel.name not in available:
+        return f"decode kernel {kernel.name!r} is not available on this machine; available: {available}"
+    return None
+
+
 def product_weights(model: CausalLM) -> list[torch.Tensor]:
     """The weights a decode step multiplies by in a copy kernel's layout: every plain linear's, and the tied head's."""
     weights = [cast(torch.Tensor, m.weight) for m in model.modules() if _plain(m)]
@@ -301,11 +314,9 @@ def decode_weights(model: CausalLM, kernel: Optional[DecodeKernel] = None) -> It
     decode with (``DecodeKernel.linear``: what ``torch.compile`` lowers as it was measured); None,
     the rule's (``default_kernel``)."""
     _on_the_cpu(model, "CPU decode weights")
-    if kernel is None:
-        kernel = default_kernel()
-    elif kernel not in available_kernels():
-        have = [k.name for k in available_kernels()]
-        raise ValueError(f"decode kernel {kernel.name!r} is not available on this machine; available: {have}")
+    if refusal := kernel_refusal(kernel):
+        raise ValueError(refusal)
+    kernel = kernel or default_kernel()
     seams: list[tuple[nn.Module, str, object]] = []
     stacked: set[str] = set()
     native_stacks: dict[nn.Module, NativeLinear] = {}

@@ -18,7 +18,7 @@ from typing import Optional, Protocol, Union, cast
 
 import torch
 
-from axtorch.infer.cpu_weights import DecodeKernel, can_pack, decode_weights
+from axtorch.infer.cpu_weights import DecodeKernel, can_pack, decode_weights, kernel_refusal
 from axtorch.infer.sampling import SamplingConfig, apply_penalties, sample_next_token
 from axtorch.models.causal_lm import CausalLM, CausalLMInput
 
@@ -122,8 +122,8 @@ def decode_tokens(
         raise ValueError("every prompt must contain at least one token")
     if max_new_tokens < 1 or sync_every < 1:
         raise ValueError(f"max_new_tokens ({max_new_tokens}) and sync_every ({sync_every}) must be positive")
-    if compile and kernel not in (None, DecodeKernel.linear):
-        raise ValueError(f"a compiled decode step multiplies with torch's linear, not {kernel.name}")
+    if refusal := kernel_refusal(kernel, compile):
+        raise ValueError(refusal)
     lengths = [len(p) for p in prompts]
     total = max(lengths) + max_new_tokens
     if total > model.config.max_seq_len:
