@@ -56,6 +56,10 @@ class SdpaKernel(nn.Module):
     ) -> torch.Tensor:
         """q [B, Hq, Sq, D], k and v [B, Hkv, Sk, D] (Hkv divides Hq); ``mask`` boolean (True: allowed)
         or additive float, broadcastable to [B, Hq, Sq, Sk]; ``scale`` None means ``1/sqrt(D)``."""
+        grouped = q.shape[1] != k.shape[1]
+        if grouped and not sdpa_takes_grouped_heads(q, mask):
+            k, v = repeated_heads(k, v, q.shape[1])
+            grouped = False
         return F.scaled_dot_product_attention(
             q,
             k,
@@ -64,8 +68,26 @@ class SdpaKernel(nn.Module):
             is_causal=causal,
             dropout_p=dropout_p,
             scale=scale,
-            enable_gqa=q.shape[1] != k.shape[1],
+            enable_gqa=grouped,
         )
+
+
+def sdpa_takes_grouped_heads(q: torch.Tensor, mask: Optional[torch.Tensor]) -> bool:
+    """Whether SDPA may be given grouped-query k and v as they are (``enable_gqa``).
+
+    On CUDA only flash attention (half precision, no mask tensor) and the O(S^2) math fallback take
+    grouped heads: in fp32, or with a document mask, SDPA falls back to math and keeps every
+    layer's [B, H, S, S] attention weights for the backward (llama3_1b, batch 4 x 2048 in fp32 on
+    an H200: 77.9 GiB at the peak). With k and v repeated the memory-efficient kernel runs instead.
+    The CPU's flash kernel takes grouped heads with a mask and in fp32.
+    """
+    return q.device.type != "cuda" or (mask is None and q.dtype in (torch.float16, torch.bfloat16))
+
+
+def repeated_heads(k: torch.Tensor, v: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """k and v [B, Hkv, S, D] with each head repeated for its group of query heads: [B, heads, S, D]."""
+    groups = heads // k.shape[1]
+    return k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
 
 
 @dataclass
@@ -106,8 +128,7 @@ class SoftcappedKernel(nn.Module):
         """As ``SdpaKernel``; ``causal`` is never set, since the kernel does not fuse the mask."""
         if mask is None or causal:
             raise ValueError("the soft-capped kernel needs its mask as a tensor")
-        groups = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        k, v = repeated_heads(k, v, q.shape[1])
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         scores = torch.matmul(q, k.transpose(-2, -1)) * scale
         scores = softcap(scores, self.cap)
