@@ -16,7 +16,7 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
@@ -36,31 +36,18 @@ def fake_world(rank: int, world_size: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-#: The context torch 2.10+ enters around DTensor's shape propagation (``_shapes_propagated_apart``).
-_PROPAGATION_LOCK = "_fake_mode_lock"
-
-
 @contextlib.contextmanager
 def _shapes_propagated_apart() -> Iterator[None]:
     """DTensor's shape propagation in a fake mode of its own, as torch 2.9 does it.
 
-    Newer torch propagates in the active fake mode, where the memory tracker cannot tell the
-    global-shaped tensors of propagation from the step's own, and counts an 8B model's optimizer
-    step at 85 GiB a rank instead of 1. ``_PROPAGATION_LOCK`` is the context torch enters around
-    propagation (absent before 2.10).
+    From 2.10 torch propagates in the active fake mode (the one ``detect_fake_mode`` finds), where
+    the memory tracker cannot tell the global-shaped tensors of propagation from the step's own,
+    and counts an 8B model's optimizer step at 85 GiB a rank instead of 1. With no mode found,
+    propagation makes its own. (torch 2.9 never asks: ``create``.)
     """
-    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    from torch.distributed.tensor import _sharding_prop
 
-    class FreshFakeMode:
-        def __enter__(self) -> None:
-            self.mode = FakeTensorMode(allow_non_fake_inputs=True)
-            self.mode.__enter__()
-
-        def __exit__(self, *exc: Any) -> None:
-            self.mode.__exit__(*exc)
-
-    # create: torch 2.9 has no such attribute, and never reads it.
-    with mock.patch.object(ShardingPropagator, _PROPAGATION_LOCK, FreshFakeMode(), create=True):
+    with mock.patch.object(_sharding_prop, "detect_fake_mode", lambda *inputs: None, create=True):
         yield
 
 
