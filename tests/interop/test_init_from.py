@@ -55,6 +55,7 @@ def _config(tmp_path, hf_dir, data_cache, *extra):
             f"run_dir={tmp_path / 'run'}",
             f"data.cache_dir={data_cache}",
             "trainer.progress_bar=false",
+            "trainer.device=cpu",  # compared with models built on the CPU
             f"init_from=hf:{hf_dir}",
             *extra,
         ]

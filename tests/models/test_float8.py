@@ -28,6 +28,7 @@ def _train(tmp_path, name, *extra):
         f"run_dir={tmp_path / name}",
         f"data.cache_dir={tmp_path / 'cache'}",
         "trainer.progress_bar=false",
+        "trainer.device=cpu",  # compared with models built on the CPU
         "trainer.log_every=1",
         "trainer.max_steps=5",
         "trainer.eval_every=100",

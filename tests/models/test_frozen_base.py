@@ -155,6 +155,7 @@ def test_an_int8_base_run_trains_resumes_and_exports_merged_into_its_dequantised
             f"run_dir={run}",
             f"data.cache_dir={data_cache}",
             "trainer.progress_bar=false",
+            "trainer.device=cpu",  # compared with models built on the CPU
             "trainer.plot=false",
             "trainer.tensorboard=false",
             "trainer.eval_batches=1",

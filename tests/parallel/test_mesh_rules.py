@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import yaml
 
 from axtorch.compose.experiment_loader import load_experiment_config
@@ -24,6 +25,7 @@ def _config(hardware, *overrides):
 def test_this_machine_is_identified_by_its_cores_and_hosts(monkeypatch):
     for variable in ("TPU_ACCELERATOR_TYPE", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "SLURM_NNODES", "SLURM_JOB_NUM_NODES"):
         monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU machine, on a GPU one too
     assert detect_hardware_id() == f"cpu-{os.cpu_count()}x1"
     monkeypatch.setenv("WORLD_SIZE", "8")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")

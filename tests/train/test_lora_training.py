@@ -35,6 +35,7 @@ def _config(run_dir, data_cache, *overrides, adapter="lora"):
             f"run_dir={run_dir}",
             f"data.cache_dir={data_cache}",
             "trainer.progress_bar=false",
+            "trainer.device=cpu",  # compared with models built on the CPU
             "trainer.plot=false",
             "trainer.tensorboard=false",
             "trainer.eval_batches=1",

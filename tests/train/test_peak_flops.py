@@ -91,6 +91,7 @@ def _fit(tmp_path, data_cache, backend=None, *overrides):
             f"run_dir={tmp_path / 'run'}",
             f"data.cache_dir={data_cache}",
             "trainer.progress_bar=false",
+            "trainer.device=cpu",  # MFU against the CPU's measured peak, not a GPU's datasheet
             "trainer.max_steps=3",
             "trainer.log_every=1",
             "trainer.eval_every=3",
