@@ -151,7 +151,11 @@ def main() -> None:
         peak = datasheet_peak_flops(name, torch.bfloat16)
         if peak is None:
             raise SystemExit(f"{name!r} is not in axtorch.train.peak_flops: no datasheet peak to state MFU against")
-        peak_source = f"{name} datasheet bf16 dense peak {peak / 1e12:.0f} TFLOP/s"
+        measured = measure_matmul_peak_flops(device, torch.bfloat16, size=8192, seconds=1.0)
+        peak_source = (
+            f"{name} datasheet bf16 dense peak {peak / 1e12:.0f} TFLOP/s "
+            f"(this card's bf16 8192-matmul, measured now: {measured / 1e12:.0f} TFLOP/s)"
+        )
     else:
         peak = measure_matmul_peak_flops(device)
         peak_source = f"measured fp32 GEMM peak {peak / 1e9:.1f} GFLOP/s"
