@@ -20,6 +20,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
+from torch.utils._python_dispatch import _disable_current_modes
 
 
 @contextlib.contextmanager
@@ -38,16 +39,24 @@ def fake_world(rank: int, world_size: int) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _shapes_propagated_apart() -> Iterator[None]:
-    """DTensor's shape propagation in a fake mode of its own, as torch 2.9 does it.
+    """DTensor's shape propagation outside the traced program's modes, in a fake mode of its own.
 
-    From 2.10 torch propagates in the active fake mode (the one ``detect_fake_mode`` finds), where
-    the memory tracker cannot tell the global-shaped tensors of propagation from the step's own,
-    and counts an 8B model's optimizer step at 85 GiB a rank instead of 1. With no mode found,
-    propagation makes its own. (torch 2.9 never asks: ``create``.)
+    Propagation runs each op again at the global shapes. From 2.10 torch runs it in the active fake
+    mode (the one ``detect_fake_mode`` finds), and 2.11's memory tracker counts what it makes in
+    any mode (2.13's skips other modes' ops): AdamW's foreach update held about three global copies
+    of the weights, an 8B model's step 85 GiB a rank instead of 1. With no mode active propagation
+    makes its own, as 2.9 does, and neither the tracker, the FLOP counter nor the collective log sees it.
     """
-    from torch.distributed.tensor import _sharding_prop
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
-    with mock.patch.object(_sharding_prop, "detect_fake_mode", lambda *inputs: None, create=True):
+    propagate = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    @functools.wraps(propagate)
+    def apart(self: ShardingPropagator, op_schema: Any) -> Any:
+        with _disable_current_modes():
+            return propagate(self, op_schema)
+
+    with mock.patch.object(ShardingPropagator, "_propagate_tensor_meta_non_cached", apart):
         yield
 
 
