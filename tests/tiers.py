@@ -19,11 +19,12 @@ from pathlib import Path
 
 import pytest
 
-#: Programs a test may start without being a journey: compilers and linkers (a kernel's first build),
+#: Programs a test may start without being a journey: compilers, linkers and the build tool torch's
+#: extension builder runs (a kernel's first build),
 #: the small probes of the machine that libraries run, and a linter that answers in milliseconds.
 NOT_JOURNEYS = frozenset(
     {
-        *("cc", "gcc", "g++", "c++", "clang", "clang++", "ld", "ar", "nm"),
+        *("cc", "gcc", "g++", "c++", "clang", "clang++", "ld", "ar", "nm", "ninja"),
         *("uname", "lscpu", "getconf", "nproc", "ldconfig"),
         "hadolint",
     }

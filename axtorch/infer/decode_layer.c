@@ -27,7 +27,7 @@ typedef struct {
 } layer_t;
 
 /* The scratch floats a step needs: the caller allocates them (axtorch_decode_layer_scratch). */
-long axtorch_decode_layer_scratch(const layer_t *l, long slots) {
+AXTORCH_EXPORT long axtorch_decode_layer_scratch(const layer_t *l, long slots) {
   return 2 * l->dim + (2 * l->heads + 2 * l->kv_heads) * l->head_dim + l->hidden + l->heads * slots;
 }
 
@@ -120,8 +120,8 @@ static void add_sublayer(const layer_t *l, const float *post_norm, float *sub, f
  * no rotation) and allowed slots ([slots], 0 or 1) the caller computed; the token's keys and values
  * go to `slot` of keys and values [kv_heads, slots, head_dim]. One parallel region of `threads`:
  * the products and the heads are split, the small steps between them run on one thread. */
-void axtorch_decode_layer(const layer_t *l, float *x, const float *cos, const float *sin, const unsigned char *allowed,
-                          float *keys, float *values, long slots, long slot, float *scratch, int threads) {
+AXTORCH_EXPORT void axtorch_decode_layer(const layer_t *l, float *x, const float *cos, const float *sin,
+                                         const unsigned char *allowed, float *keys, float *values, long slots, long slot, float *scratch, int threads) {
   const long dim = l->dim, d = l->head_dim, heads = l->heads, kv = l->kv_heads;
   float *normed = scratch, *qkv = normed + dim, *context = qkv + (heads + 2 * kv) * d, *sub = context + heads * d;
   float *hidden = sub + dim, *scores = hidden + l->hidden;

@@ -5,6 +5,14 @@
 
 #include <string.h>
 
+/* The functions Python calls by name (ctypes): C names, also where torch's extension builder
+ * compiles these files as C++. */
+#ifdef __cplusplus
+#define AXTORCH_EXPORT extern "C"
+#else
+#define AXTORCH_EXPORT
+#endif
+
 #define WIDTH 8
 #define ACCUMULATORS 8
 /* How far ahead of a read its cache lines are asked for, in floats (4 KiB): a weight matrix is one
@@ -52,6 +60,6 @@ static inline void product(const float *w, const float *x, const float *b, float
 }
 
 /* y = W x (+ b), its rows split over `threads`. */
-void axtorch_matvec(const float *w, const float *x, const float *b, float *y, long rows, long cols, int threads);
+AXTORCH_EXPORT void axtorch_matvec(const float *w, const float *x, const float *b, float *y, long rows, long cols, int threads);
 
 #endif

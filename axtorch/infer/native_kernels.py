@@ -1,14 +1,20 @@
-"""axtorch's decode kernels, compiled on the machine that runs them: a batch-1 matrix-vector
-product (``matvec.c``) and a whole transformer layer's step for one token (``decode_layer.c``).
+"""axtorch's decode kernels, built on the machine that runs them: a batch-1 matrix-vector product
+(``matvec.c``) and a whole transformer layer's step for one token (``decode_layer.c``), registered
+as torch operators (``axtorch::matvec`` here, ``axtorch::decode_layer`` in ``native_layers``).
 
 BLAS libraries tune their matrix-vector products per CPU vendor and model, and on some CPUs they
-read weights well below the memory's rate (docs/benchmarks.md: 35-60% on an AMD EPYC). The C
-files are short, depend on no torch header (so one build serves every torch version) and are
-compiled with the system's C compiler for this CPU (``-march=native``) on first use, into one
-library in ``$XDG_CACHE_HOME/axtorch/kernels`` (``~/.cache`` by default). The library's name holds
-a digest of the sources, the compiler, the flags and the CPU's model and features, so a home
-directory shared by different machines holds one build for each. Without a compiler, or if the
-build fails, ``load_library`` gives None and decoding keeps torch's kernels.
+read weights well below the memory's rate (docs/benchmarks.md: 35-60% on an AMD EPYC). The sources
+are short and include no torch header, so a build takes about a second. torch's extension builder
+(``torch.utils.cpp_extension``, with ninja) compiles them for this CPU (``-march=native``) on first
+use, into ``$XDG_CACHE_HOME/axtorch/kernels`` (``~/.cache`` by default), one build directory per
+digest of the sources, the compiler, the flags, torch's version (the library links torch) and the
+CPU's model and features, so a home directory shared by different machines holds one build for
+each, and processes that build at once wait on the builder's lock. Without a compiler or ninja,
+or if the build fails, ``load_library`` gives None and decoding keeps torch's kernels.
+
+The operators have fake implementations, so ``torch.compile`` and ``torch.export`` trace through
+them and see what they write. Eager calls, the batch-1 hot path, skip the dispatcher (about 40 us
+a call, against a layer step of a few hundred) and bump the written tensors' versions themselves.
 """
 
 from __future__ import annotations
@@ -22,23 +28,23 @@ import platform
 import shlex
 import shutil
 import subprocess
-import sysconfig
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Optional
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils import cpp_extension
 
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("matvec.c", "decode_layer.c"))
 #: What the sources include: part of the digest, not of the command.
 HEADERS = (Path(__file__).with_name("kernels.h"),)
-FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-shared", "-fPIC")
-#: After the sources: the math library, for the activations and the softmax.
+FLAGS = ("-O3", "-march=native", "-ffp-contract=fast")
+#: Linked after the sources: the math library, for the activations and the softmax.
 LIBRARIES = ("-lm",)
 #: Threads through OpenMP where the compiler has it; a compiler without it builds a one-thread kernel.
 OPENMP = ("-fopenmp",)
@@ -46,16 +52,13 @@ OPENMP = ("-fopenmp",)
 #: ``matvec(weight, x, bias)``: ``weight @ x + bias`` for a contiguous float32 ``[rows, cols]``
 #: weight and one contiguous float32 row ``x``, on torch's thread count.
 MatVec = Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
+NO_KERNELS = "no compiled decode kernels on this machine (see axtorch.infer.native_kernels)"
 
 
 def compiler() -> Optional[list[str]]:
-    """The C compiler's command: ``$CC``, else the one Python was built with, else ``cc``; None if absent."""
-    for candidate in (os.environ.get("CC"), sysconfig.get_config_var("CC"), "cc"):
-        if candidate:
-            command = shlex.split(candidate)
-            if shutil.which(command[0]):
-                return command
-    return None
+    """The C++ compiler torch's extension builder runs (``$CXX``, else ``c++``); None if absent."""
+    command = shlex.split(cpp_extension.get_cxx_compiler())
+    return command if command and shutil.which(command[0]) else None
 
 
 def _cpu_identity() -> str:
@@ -69,23 +72,33 @@ def _cpu_identity() -> str:
 
 
 def _build(command: list[str], directory: Path) -> Optional[Path]:
-    """The compiled library, built once per sources, compiler, flags and CPU; None if it cannot be built."""
+    """The library built by ``command`` (with OpenMP if it can), once per sources, compiler, flags,
+    torch version and CPU; None if it cannot be built (a failed build leaves nothing behind)."""
     version = subprocess.run([*command, "--version"], capture_output=True, text=True).stdout
     sources = b"\0".join(path.read_bytes() for path in SOURCES + HEADERS)
-    for flags in (FLAGS + OPENMP, FLAGS):
-        digest = hashlib.sha256(b"\0".join(s.encode() for s in (version, *flags, _cpu_identity())) + sources)
-        library = directory / f"kernels-{digest.hexdigest()[:16]}.so"
-        if library.exists():
-            return library
-        directory.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=directory) as scratch:
-            built = Path(scratch) / library.name
-            arguments = [*command, *flags, *map(str, SOURCES), *LIBRARIES, "-o", str(built)]
-            result = subprocess.run(arguments, capture_output=True, text=True)
-            if result.returncode == 0:
-                os.replace(built, library)  # whole or absent, for processes that build at once
-                return library
-        logger.info("building the decode kernels with %s failed: %s", " ".join(flags), result.stderr.strip()[-500:])
+    error = ""
+    for threads in (OPENMP, ()):
+        flags = FLAGS + threads
+        identity = (version, *flags, torch.__version__, _cpu_identity())
+        digest = hashlib.sha256(b"\0".join(s.encode() for s in identity) + sources).hexdigest()[:16]
+        name = f"axtorch_kernels_{digest}"
+        build = directory / name
+        build.mkdir(parents=True, exist_ok=True)
+        try:
+            with mock.patch.dict(os.environ, {"CXX": shlex.join(command)}):
+                cpp_extension.load(
+                    name,
+                    [str(source) for source in SOURCES],
+                    extra_cflags=list(flags),
+                    extra_ldflags=[*LIBRARIES, *threads],
+                    build_directory=str(build),
+                    is_python_module=False,
+                )
+            return build / f"{name}.so"
+        except (RuntimeError, OSError, subprocess.CalledProcessError) as failure:
+            error = str(failure)
+            shutil.rmtree(build, ignore_errors=True)
+    logger.info("building the decode kernels failed: %s", error.strip()[-500:])
     return None
 
 
@@ -98,7 +111,10 @@ def load_library() -> Optional[ctypes.CDLL]:
     """This machine's compiled kernels (built on the first call of a process, or loaded), or None."""
     command = compiler()
     if command is None:
-        logger.info("no C compiler ($CC or cc): decoding keeps torch's kernels")
+        logger.info("no C++ compiler ($CXX or c++): decoding keeps torch's kernels")
+        return None
+    if not cpp_extension.is_ninja_available():
+        logger.info("no ninja (torch's extension builder runs it): decoding keeps torch's kernels")
         return None
     try:
         library = _build(command, kernel_directory())
@@ -128,6 +144,26 @@ def load_matvec() -> Optional[MatVec]:
     return matvec
 
 
+def tracing(x: torch.Tensor) -> bool:
+    """Whether ``x`` flows through a trace (``torch.compile``, ``torch.export``, fake tensors),
+    which must see the kernels as operators, rather than through an eager call."""
+    return torch.compiler.is_compiling() or type(x) is not torch.Tensor
+
+
+@torch.library.custom_op("axtorch::matvec", mutates_args=())
+def matvec_operator(weight: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``load_matvec``'s product as a torch operator."""
+    matvec = load_matvec()
+    if matvec is None:
+        raise RuntimeError(NO_KERNELS)
+    return matvec(weight, x.contiguous(), bias)
+
+
+@matvec_operator.register_fake
+def _(weight: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
 class NativeLinear(nn.Module):
     """``x @ W.T + b`` in float32 by this machine's compiled product (``load_matvec``) for one
     row of ``x``, by torch's ``linear`` for more rows or where gradients are wanted. It holds the
@@ -137,7 +173,7 @@ class NativeLinear(nn.Module):
         super().__init__()
         matvec = load_matvec()
         if matvec is None:
-            raise RuntimeError("no compiled decode kernels on this machine (see axtorch.infer.native_kernels)")
+            raise RuntimeError(NO_KERNELS)
         self.matvec = matvec
         self.weight = weight.detach().contiguous()
         self.bias = None if bias is None else bias.detach().contiguous()
@@ -146,4 +182,6 @@ class NativeLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() != self.in_features or x.dtype != torch.float32 or (torch.is_grad_enabled() and x.requires_grad):
             return F.linear(x, self.weight, self.bias)
+        if tracing(x):
+            return torch.ops.axtorch.matvec(self.weight, x, self.bias)
         return self.matvec(self.weight, x.contiguous(), self.bias)

@@ -16,14 +16,14 @@ own children (``RotaryEmbedding.tables``, the attention's mask), so their rules 
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Optional, cast
 
 import torch
 from torch import nn
 
-from axtorch.infer.native_kernels import NativeLinear, load_library
+from axtorch.infer.native_kernels import NO_KERNELS, NativeLinear, load_library, tracing
 from axtorch.layers.attention import GroupedQueryAttention
 from axtorch.layers.attention_kernel import SdpaKernel, SoftcappedKernel
 from axtorch.layers.feed_forward import Activation, GatedFeedForward
@@ -74,15 +74,90 @@ class LayerStruct(ctypes.Structure):
     ]
 
 
+def layer_struct(
+    weights: Sequence[Optional[torch.Tensor]], sizes: Sequence[int], constants: Sequence[float]
+) -> LayerStruct:
+    """The step's ``layer_t``: ``sizes`` (dim, heads, kv_heads, head_dim, hidden, activation),
+    ``constants`` (norm_eps, head_norm_eps, scale, softcap) and the ``weights`` in ``WEIGHTS``' order."""
+    *shape, activation = sizes
+    addresses = (None if weight is None else weight.data_ptr() for weight in weights)
+    return LayerStruct(*shape, *constants, activation, *addresses)
+
+
+def layer_step(library: ctypes.CDLL) -> Callable[..., None]:
+    """``decode_layer.c``'s step in ``library``."""
+    step = library.axtorch_decode_layer
+    step.argtypes = (
+        [ctypes.POINTER(LayerStruct)]
+        + [ctypes.c_void_p] * 6
+        + [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_int]
+    )
+    step.restype = None
+    return cast(Callable[..., None], step)
+
+
+def _run_step(
+    step: Callable[..., None],
+    struct: LayerStruct,
+    x: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scratch: torch.Tensor,
+    allowed: torch.Tensor,
+    cos: Optional[torch.Tensor],
+    sin: Optional[torch.Tensor],
+    slot: int,
+    threads: int,
+) -> None:
+    tables = (None, None) if cos is None or sin is None else (cos.data_ptr(), sin.data_ptr())
+    # keys.shape[2]: the cache's slots (``KVCache.max_len``), fewer than the positions for a ring.
+    pointers = (x.data_ptr(), *tables, allowed.data_ptr(), keys.data_ptr(), values.data_ptr())
+    step(ctypes.byref(struct), *pointers, keys.shape[2], slot, scratch.data_ptr(), threads)
+
+
+@torch.library.custom_op("axtorch::decode_layer", mutates_args=("x", "keys", "values", "scratch"))
+def decode_layer_operator(
+    x: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scratch: torch.Tensor,
+    allowed: torch.Tensor,
+    cos: Optional[torch.Tensor],
+    sin: Optional[torch.Tensor],
+    weights: list[Optional[torch.Tensor]],
+    sizes: list[int],
+    constants: list[float],
+    slot: int,
+    threads: int,
+) -> None:
+    """One layer's step as a torch operator: ``x`` [1, 1, dim] updated in place, the token's keys
+    and values written at ``slot`` of ``keys`` and ``values`` [1, kv_heads, slots, head_dim]."""
+    library = load_library()
+    if library is None:
+        raise RuntimeError(NO_KERNELS)
+    struct = layer_struct(weights, sizes, constants)
+    _run_step(layer_step(library), struct, x, keys, values, scratch, allowed, cos, sin, slot, threads)
+
+
+@decode_layer_operator.register_fake
+def _(*arguments: object) -> None:
+    return None
+
+
 @dataclass
 class NativeLayer:
     """One layer as the compiled step reads it, and the children that compute its tables."""
 
-    struct: LayerStruct
-    #: The tensors ``struct`` points into, held for as long as it is.
-    tensors: list[torch.Tensor]
+    #: In ``WEIGHTS``' order, None where the layer has no such part.
+    weights: list[Optional[torch.Tensor]]
+    sizes: list[int]
+    constants: list[float]
     attention: GroupedQueryAttention
     rotary: Optional[RotaryEmbedding]
+
+    def __post_init__(self) -> None:
+        #: What eager steps pass, built once: it points into ``weights``, held as long as it is.
+        self.struct = layer_struct(self.weights, self.sizes, self.constants)
 
 
 class _Unsupported(Exception):
@@ -147,21 +222,22 @@ def native_layer(layer: nn.Module, stacks: Mapping[nn.Module, NativeLinear]) -> 
     for name, product in (("qkv", qkv), ("output", output), ("gate_up", gate_up), ("down", down)):
         tensors[name], tensors[f"{name}_bias"] = product.weight, product.bias
     head_dim = attention.head_dim
-    struct = LayerStruct(
-        dim=output.weight.shape[0],
-        heads=output.in_features // head_dim,
-        kv_heads=(qkv.weight.shape[0] - output.in_features) // (2 * head_dim),
-        head_dim=head_dim,
-        hidden=down.in_features,
-        norm_eps=norms[0].eps,
-        head_norm_eps=next((norm.eps for norm in head_norms if norm is not None), 0.0),
-        scale=head_dim**-0.5 if attention.config.softmax_scale is None else attention.config.softmax_scale,
-        softcap=attention.kernel.cap if type(attention.kernel) is SoftcappedKernel else 0.0,
-        activation=ACTIVATIONS[feed_forward.activation],
-        **{name: None if tensor is None else tensor.data_ptr() for name, tensor in tensors.items()},
-    )
+    sizes = [
+        output.weight.shape[0],
+        output.in_features // head_dim,
+        (qkv.weight.shape[0] - output.in_features) // (2 * head_dim),
+        head_dim,
+        down.in_features,
+        ACTIVATIONS[feed_forward.activation],
+    ]
+    constants = [
+        norms[0].eps,
+        next((norm.eps for norm in head_norms if norm is not None), 0.0),
+        head_dim**-0.5 if attention.config.softmax_scale is None else attention.config.softmax_scale,
+        attention.kernel.cap if type(attention.kernel) is SoftcappedKernel else 0.0,
+    ]
     rotary = attention.position if type(attention.position) is RotaryEmbedding else None
-    return NativeLayer(struct, [t for t in tensors.values() if t is not None], attention, rotary)
+    return NativeLayer([tensors[name] for name in WEIGHTS], sizes, constants, attention, rotary)
 
 
 class NativeLayerRunner:
@@ -171,14 +247,9 @@ class NativeLayerRunner:
 
     def __init__(self, library: ctypes.CDLL, layers: Sequence[Optional[NativeLayer]]):
         self.layers = list(layers)
-        self.step = library.axtorch_decode_layer
-        layer = ctypes.POINTER(LayerStruct)
-        self.step.argtypes = (
-            [layer] + [ctypes.c_void_p] * 6 + [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_int]
-        )
-        self.step.restype = None
+        self.step = layer_step(library)
         self.scratch_floats = library.axtorch_decode_layer_scratch
-        self.scratch_floats.argtypes = [layer, ctypes.c_long]
+        self.scratch_floats.argtypes = [ctypes.POINTER(LayerStruct), ctypes.c_long]
         self.scratch_floats.restype = ctypes.c_long
         self.scratch = torch.empty(0)
         self.scratch_for: tuple[int, ...] = ()
@@ -224,20 +295,17 @@ class NativeLayerRunner:
             allowed = native.attention.mask(inputs.positions, cache.slot_positions, None, None, shared).contiguous()
             cos = sin = None
             if native.rotary is not None:
-                cos, sin = (t.data_ptr() for t in native.rotary.tables(inputs.positions, x.device, shared))
-            self.step(
-                ctypes.byref(native.struct),
-                x.data_ptr(),
-                cos,
-                sin,
-                allowed.data_ptr(),
-                cache.keys.data_ptr(),
-                cache.values.data_ptr(),
-                cache.max_len,
-                slot,
-                scratch.data_ptr(),
-                threads,
-            )
+                cos, sin = (t.contiguous() for t in native.rotary.tables(inputs.positions, x.device, shared))
+            if tracing(x):
+                torch.ops.axtorch.decode_layer(
+                    x, cache.keys, cache.values, scratch, allowed, cos, sin,
+                    native.weights, native.sizes, native.constants, slot, threads,
+                )  # fmt: skip
+            else:
+                _run_step(
+                    self.step, native.struct, x, cache.keys, cache.values, scratch, allowed, cos, sin, slot, threads
+                )
+                torch.autograd.graph.increment_version((x, cache.keys, cache.values))  # as the operator would
         return x, aux_loss
 
 

@@ -18,7 +18,7 @@ from axtorch.models import CausalLMInput
 from axtorch.models.lora import LoRA, LoRAConfig
 from axtorch.train.trainer import build_model
 
-pytestmark = pytest.mark.skipif(compiler() is None, reason="no C compiler on this machine")
+pytestmark = pytest.mark.skipif(compiler() is None, reason="no C++ compiler on this machine")
 
 #: Compositions the step recognises in every layer.
 RECOGNISED = {
@@ -135,7 +135,7 @@ def test_batches_and_training_mode_run_the_modules(monkeypatch):
         runner = model.decoder.layer_runner
         assert isinstance(runner, NativeLayerRunner)
         compiled = []
-        monkeypatch.setattr(runner, "step", lambda *arguments: compiled.append(arguments))
+        monkeypatch.setattr(native_layers, "_run_step", lambda *arguments: compiled.append(arguments))
         assert generate_ids(model, prompts, 12) == greedy
         with torch.no_grad():
             model.train()  # dropout, were any configured: the modules apply it
