@@ -14,6 +14,7 @@ buffers) and kernels' workspaces; it traces on the CPU, the same shapes a GPU ru
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import math
@@ -157,16 +158,25 @@ def dry_run(config: ExperimentConfig, mesh: dict[str, int], steps: int = 2) -> D
     traced.trainer = dataclasses.replace(config.trainer, device="cpu")
     # Every rank of a data x fsdp x model x seq mesh holds the same shapes: rank 0 stands for them all.
     with fake_world(0, devices):
-        memory, collectives, flops = _trace(traced, steps)
+        memory, collectives, flops = _measure(traced, steps, fake=True)
     return DryRunReport(devices, mesh, steps, memory, collectives, flops)
 
 
-def _trace(config: ExperimentConfig, steps: int) -> tuple[dict[str, int], list[CollectiveCount], float]:
-    """Memory at the peak by kind, and per step the collectives and FLOPs, of ``steps`` traced steps."""
+def measured_run(config: ExperimentConfig, mesh: dict[str, int], steps: int = 2) -> DryRunReport:
+    """``steps`` real training steps of ``config`` on this process's rank of the process group its
+    launcher started (torchrun), measured with the dry run's own tools on real tensors and real
+    collectives: what the dry run is held to (tests/parallel/test_dry_run_vs_gloo.py)."""
+    memory, collectives, flops = _measure(config, steps, fake=False)
+    return DryRunReport(math.prod(mesh.values()), mesh, steps, memory, collectives, flops)
+
+
+def _measure(config: ExperimentConfig, steps: int, fake: bool) -> tuple[dict[str, int], list[CollectiveCount], float]:
+    """Memory at the peak by kind, and per step the collectives and FLOPs, of ``steps`` training
+    steps on zero tokens: traced on fake tensors, or run on real ones (their weights initialised)."""
     backend = build_run_backend(config)  # the device mesh is made outside fake mode: it reads its ranks
     rows = rows_per_replica(config.trainer, backend.data_parallel_size)
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        model = build_parallel_model(config, backend, fill=False)
+    with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
+        model = build_parallel_model(config, backend, fill=not fake)
         optimizer = build_optimizer(model, config.optim)
         backend.prepare_optimizer(optimizer)
         work = TrainStep(
