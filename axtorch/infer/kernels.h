@@ -20,6 +20,8 @@
  * pass over SmolLM2-135M's matrices from 87-89% of a plain sum's rate to 95-104%. */
 #define PREFETCH_AHEAD 1024
 #define CACHE_LINE_FLOATS 16
+/* The most rows of x one product takes (axtorch_matvec): a decode step of up to 8 sequences. */
+#define MAX_ROWS 8
 typedef float vector __attribute__((vector_size(WIDTH * sizeof(float))));
 
 static inline vector load(const float *p) {
@@ -59,7 +61,9 @@ static inline void product(const float *w, const float *x, const float *b, float
   }
 }
 
-/* y = W x (+ b), its rows split over `threads`. */
-AXTORCH_EXPORT void axtorch_matvec(const float *w, const float *x, const float *b, float *y, long rows, long cols, int threads);
+/* y = x W^T (+ b) for `count` (1 to MAX_ROWS) rows of x [count, cols], y [count, rows]: W's rows split
+ * over `threads`. */
+AXTORCH_EXPORT void axtorch_matvec(const float *w, const float *x, const float *b, float *y, long rows, long cols,
+                                   long count, int threads);
 
 #endif

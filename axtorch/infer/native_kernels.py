@@ -49,8 +49,11 @@ LIBRARIES = ("-lm",)
 #: Threads through OpenMP where the compiler has it; a compiler without it builds a one-thread kernel.
 OPENMP = ("-fopenmp",)
 
-#: ``matvec(weight, x, bias)``: ``weight @ x + bias`` for a contiguous float32 ``[rows, cols]``
-#: weight and one contiguous float32 row ``x``, on torch's thread count.
+#: The most rows of ``x`` the compiled product takes (``MAX_ROWS`` in ``kernels.h``): a decode step
+#: of up to 8 sequences.
+MAX_ROWS = 8
+#: ``matvec(weight, x, bias)``: ``x @ weight.T + bias`` for a contiguous float32 ``[rows, cols]``
+#: weight and 1 to ``MAX_ROWS`` contiguous float32 rows ``x [..., cols]``, on torch's thread count.
 MatVec = Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
 NO_KERNELS = "no compiled decode kernels on this machine (see axtorch.infer.native_kernels)"
 
@@ -131,14 +134,17 @@ def load_matvec() -> Optional[MatVec]:
     if library is None:
         return None
     function = library.axtorch_matvec
-    function.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long, ctypes.c_long, ctypes.c_int]
+    function.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
     function.restype = None
 
     def matvec(weight: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         rows, cols = weight.shape
         out = x.new_empty(*x.shape[:-1], rows)
         bias_address = None if bias is None else bias.data_ptr()
-        function(weight.data_ptr(), x.data_ptr(), bias_address, out.data_ptr(), rows, cols, torch.get_num_threads())
+        count = x.numel() // cols
+        function(
+            weight.data_ptr(), x.data_ptr(), bias_address, out.data_ptr(), rows, cols, count, torch.get_num_threads()
+        )
         return out
 
     return matvec
@@ -165,9 +171,9 @@ def _(weight: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor]) -> to
 
 
 class NativeLinear(nn.Module):
-    """``x @ W.T + b`` in float32 by this machine's compiled product (``load_matvec``) for one
-    row of ``x``, by torch's ``linear`` for more rows or where gradients are wanted. It holds the
-    weight itself, not a copy."""
+    """``x @ W.T + b`` in float32 by this machine's compiled product (``load_matvec``) for up to
+    ``MAX_ROWS`` rows of ``x`` (a decode step), by torch's ``linear`` for more rows (a prefill) or
+    where gradients are wanted. It holds the weight itself, not a copy."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
@@ -180,7 +186,11 @@ class NativeLinear(nn.Module):
         self.in_features = weight.shape[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() != self.in_features or x.dtype != torch.float32 or (torch.is_grad_enabled() and x.requires_grad):
+        if (
+            x.numel() > MAX_ROWS * self.in_features
+            or x.dtype != torch.float32
+            or (torch.is_grad_enabled() and x.requires_grad)
+        ):
             return F.linear(x, self.weight, self.bias)
         if tracing(x):
             return torch.ops.axtorch.matvec(self.weight, x, self.bias)

@@ -24,9 +24,12 @@ pytestmark = pytest.mark.skipif(compiler() is None, reason="no C++ compiler on t
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("rows", [1, 5, 64, 67, 1000])
 @pytest.mark.parametrize("cols", [1, 7, 64, 65, 576, 1000])
-def test_the_product_is_torch_linear_on_any_shape_and_thread_count(rows, cols, threads):
+@pytest.mark.parametrize("count", [1, 3, 8])
+def test_the_product_is_torch_linear_on_any_shape_and_thread_count(rows, cols, threads, count):
+    """``count`` rows of x: a decode step of that many sequences, [count, 1, cols]."""
     generator = torch.Generator().manual_seed(rows * cols)
-    weight, x, bias = (torch.randn(shape, generator=generator) for shape in ((rows, cols), (1, 1, cols), (rows,)))
+    shapes = ((rows, cols), (count, 1, cols), (rows,))
+    weight, x, bias = (torch.randn(shape, generator=generator) for shape in shapes)
     matvec = load_matvec()
     assert matvec is not None
     before = torch.get_num_threads()
@@ -38,10 +41,11 @@ def test_the_product_is_torch_linear_on_any_shape_and_thread_count(rows, cols, t
         torch.set_num_threads(before)
 
 
-def test_more_rows_and_gradients_go_to_torch_linear():
+def test_more_rows_and_gradients_go_to_torch_linear(monkeypatch):
     weight, bias = torch.randn(12, 8), torch.randn(12)
     native = NativeLinear(weight, bias)
-    rows = torch.randn(3, 2, 8)
+    monkeypatch.setattr(native, "matvec", None)  # a call of the compiled product would fail
+    rows = torch.randn(3, 3, 8)  # 9 rows, more than MAX_ROWS
     torch.testing.assert_close(native(rows), F.linear(rows, weight, bias), rtol=0, atol=0)
     x = torch.randn(1, 1, 8, requires_grad=True)
     native(x).sum().backward()
