@@ -53,7 +53,8 @@ class LearnedPositionEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
         rows = self.weight.shape[0]
-        if positions.device.type == "cpu" and positions.numel():
+        # A plain tensor: a fake one (as the dry run traces) has no values to read.
+        if type(positions) is torch.Tensor and positions.device.type == "cpu" and positions.numel():
             low, high = (int(bound) for bound in torch.aminmax(positions))
             if low < 0 or high >= rows:
                 raise ValueError(
