@@ -28,10 +28,13 @@ Two ways to run the experts:
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
 import math
 import operator
+from collections.abc import Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import ClassVar, Optional, Protocol, Union, runtime_checkable
 
@@ -249,11 +252,44 @@ class ExpertCompute(Protocol):
     ) -> torch.Tensor: ...
 
 
+_ROUTED_EVENLY: ContextVar[bool] = ContextVar("routed_evenly", default=False)
+
+
+@contextlib.contextmanager
+def routed_evenly() -> Iterator[None]:
+    """Expert computes split their rows evenly over the experts, not by the router's counts.
+
+    The dry run's routing: fake tensors have no counts to read. An even split holds the same rows,
+    memory and FLOPs in total as any other (each expert's product is linear in its rows); what it
+    cannot show is an uneven router's busiest expert, and so an expert-parallel rank's worst peak.
+    """
+    token = _ROUTED_EVENLY.set(True)
+    try:
+        yield
+    finally:
+        _ROUTED_EVENLY.reset(token)
+
+
+def routing_is_even() -> bool:
+    """Whether this is inside ``routed_evenly``."""
+    return _ROUTED_EVENLY.get()
+
+
+def even_counts(rows: int, experts: int) -> list[int]:
+    """``rows`` split over ``experts`` as evenly as whole rows allow, the first ones taking the remainder."""
+    return [rows // experts + (expert < rows % experts) for expert in range(experts)]
+
+
+def expert_counts(counts: torch.Tensor, rows: int) -> list[int]:
+    """Rows for each expert: the router's ``counts``, read on the host, or an even split under ``routed_evenly``."""
+    return even_counts(rows, counts.numel()) if routing_is_even() else counts.tolist()
+
+
 def run_local_experts(experts: GroupedExperts, rows: torch.Tensor, counts: Union[torch.Tensor, int]) -> torch.Tensor:
     """The default ``ExpertCompute``: every expert here, on this process; a capacity's buffer as one batched matmul."""
     if isinstance(counts, int):  # static shapes, no host read: what XLA needs
         return experts(rows.view(-1, counts, rows.shape[-1])).reshape(rows.shape)
-    groups = rows.split(counts.tolist())
+    groups = rows.split(expert_counts(counts, rows.shape[0]))
     return torch.cat([experts.expert(e, group) for e, group in enumerate(groups) if len(group)])
 
 

@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.nn.functional import all_to_all_single
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from axtorch.layers.mixture_of_experts import GroupedExperts, gated_mlp
+from axtorch.layers.mixture_of_experts import GroupedExperts, even_counts, gated_mlp, routing_is_even
 
 
 class _ScaleGradient(torch.autograd.Function):
@@ -61,7 +61,7 @@ class ExpertParallelCompute:
 
     def __call__(self, experts: GroupedExperts, rows: torch.Tensor, counts: torch.Tensor | int) -> torch.Tensor:
         local = experts.config.num_experts // self.size
-        incoming_counts, send = self._splits(counts, local)
+        incoming_counts, send = self._splits(counts, local, rows.shape[0])
         receive = [sum(row) for row in incoming_counts]
         received = _exchange(rows, send, receive, self.group)
         # Received rows come by sender, then by expert; the experts want them by expert, then by sender.
@@ -88,11 +88,17 @@ class ExpertParallelCompute:
         back = torch.empty_like(computed).index_copy(0, order, computed)
         return _exchange(back, receive, send, self.group)
 
-    def _splits(self, counts: torch.Tensor | int, local: int) -> tuple[list[list[int]], list[int]]:
+    def _splits(self, counts: torch.Tensor | int, local: int, rows: int) -> tuple[list[list[int]], list[int]]:
         """How many rows every process sends each of this process's experts ([processes][local
-        experts]), and how many this process sends each process; read once on the host."""
+        experts]), and how many this process sends each process; read once on the host. Under
+        ``routed_evenly`` every process splits its ``rows`` evenly over all the experts."""
         if isinstance(counts, int):  # a capacity's buffer: every process sends every expert that many rows
             return [[counts] * local] * self.size, [counts * local] * self.size
+        if routing_is_even():
+            per_expert = even_counts(rows, local * self.size)
+            rank = dist.get_rank(self.group)
+            mine = per_expert[rank * local : (rank + 1) * local]
+            return [mine] * self.size, [sum(per_expert[p * local : (p + 1) * local]) for p in range(self.size)]
         incoming = torch.empty_like(counts)
         dist.all_to_all_single(incoming, counts, group=self.group)
         return incoming.view(self.size, local).tolist(), counts.view(self.size, local).sum(1).tolist()

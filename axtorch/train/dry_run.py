@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 from axtorch.config.errors import ConfigError
+from axtorch.layers.mixture_of_experts import routed_evenly
 from axtorch.parallel.backend_kind import BackendKind
 from axtorch.parallel.chips import GIB
 from axtorch.parallel.fake_world import fake_world, memory_tracker
@@ -64,7 +65,7 @@ KIND_ORDER = (
     "collective buffers",
 )
 #: Mesh axes the dry run does not trace yet (``dry_run`` refuses them).
-UNTRACED_AXES = ("expert", "pipe")
+UNTRACED_AXES = ("pipe",)
 #: Collective ops by name (c10d's and the functional ones), as the report names them.
 _COLLECTIVES = {
     "all_reduce": "all-reduce",
@@ -146,9 +147,8 @@ def dry_run(config: ExperimentConfig, mesh: dict[str, int], steps: int = 2) -> D
                 f"mesh.{axis}",
                 mesh[axis],
                 "1 with dry_run=true",
-                reason="the dry run traces meshes of the data, fsdp, model (tensor) and seq axes so far: expert "
-                "parallelism sizes its all-to-all by the routing, and the pipeline schedule reads its loss, "
-                "values that fake tensors do not have",
+                reason="the dry run traces meshes of the data, fsdp, model (tensor), seq and expert axes so far: "
+                "the pipeline schedule reads its loss, a value fake tensors do not have",
             )
     devices = math.prod(mesh.values())
     # The native backend resolves the mesh against the fake world; the trace runs on the CPU. A
@@ -187,7 +187,9 @@ def _measure(config: ExperimentConfig, steps: int, fake: bool) -> tuple[dict[str
         batch = {"input_ids": tokens, "labels": tokens.clone()}
         tracker = memory_tracker(model, optimizer, batch)
         collectives = CollectiveLog()
-        with tracker, FlopCounterMode(display=False) as flops, collectives:
+        # Routing is data: fake tensors have none, so experts take their rows evenly (in a real run
+        # measured against the dry run too, so that both route alike).
+        with tracker, FlopCounterMode(display=False) as flops, collectives, routed_evenly():
             for _ in range(steps):
                 work.gradients(batch)
                 work.update(config.optim.lr)

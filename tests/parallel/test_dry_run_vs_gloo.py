@@ -23,8 +23,9 @@ SIZE = ["experiment=debug", "backend=native", "trainer.device=cpu", "trainer.bat
     [
         ["mesh.fsdp=2", "sharding=fsdp"],
         ["mesh.fsdp=2", "mesh.model=2", "sharding=fsdp_tp"],
+        ["model=mixtral_tiny", "mesh.fsdp=2", "mesh.expert=2", "sharding=fsdp_ep"],
     ],
-    ids=["fsdp", "fsdp_x_model"],
+    ids=["fsdp", "fsdp_x_model", "fsdp_x_expert"],
 )
 def test_the_dry_runs_peak_and_collectives_are_a_real_runs(tmp_path, mesh):
     overrides = [*SIZE, *mesh]
