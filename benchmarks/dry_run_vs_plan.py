@@ -19,6 +19,7 @@ import time
 from axtorch.config.errors import ConfigError
 from axtorch.parallel.chips import GIB
 from axtorch.plan import load_plan_inputs
+from axtorch.plan.check import by_kind, planned_by_kind
 from axtorch.plan.placement import plan
 from axtorch.train.dry_run import dry_run
 
@@ -85,18 +86,7 @@ def compare(name: str, steps: int) -> str:
     except ConfigError as error:
         why = f"not traced yet ({error.key}={error.value}: docs/parallelism.md)"
         return f"| {name} | {split} | {planned.total_bytes / GIB:.2f} | {why} | | | |"
-    traced = report.memory_at_peak
-    dry = {
-        "weights": traced["parameters"] + traced["parameters, gathered"],
-        "grads+optimizer": traced["gradients"] + traced["gradients, unsharded"] + traced["optimizer state"],
-        "activations": traced["activations"],
-        "other": traced["temporaries"] + traced["collective buffers"],
-    }
-    planner = {
-        "weights": planned.parameter_bytes,
-        "grads+optimizer": planned.gradient_bytes + planned.optimizer_bytes,
-        "activations": planned.activation_bytes,
-    }
+    dry, planner = by_kind(report), planned_by_kind(planned)
     ratio = planned.total_bytes / report.peak_bytes
     took = time.perf_counter() - started
     return (

@@ -108,6 +108,8 @@ class Planner:
         kernel_efficiency: float = 0.7,
         headroom: float = 0.9,
     ):
+        if seq_len > config.model.max_seq_len:
+            raise ConfigError("seq_len", seq_len, f"at most model.max_seq_len={config.model.max_seq_len}")
         self.config = config
         self.shardings = shardings
         self.cluster = cluster

@@ -107,7 +107,7 @@ def test_an_lnc_the_chip_lacks_is_a_config_error():
 @pytest.fixture(scope="module")
 def h100_search():
     """One search, printed as ``axtorch-plan`` prints it."""
-    options = PlanOptions(hardware="gpu-H100-8x1", seq_len=8192, global_batch=16, top=3)
+    options = PlanOptions(hardware="gpu-H100-8x1", seq_len=8192, global_batch=16, top=3, check=False)
     return search_report(["model=llama3_8b"], options)
 
 
@@ -117,7 +117,7 @@ def test_the_report_ranks_and_states_the_precision_and_peak(h100_search):
         "gpu-H100-8x1: 8 devices (NVIDIA H100 SXM), 80 GiB each; trainer.precision=fp32: 66.9 TFLOP/s peak per device"
     )
     assert out.count("| fsdp") >= 1 and "| 3 |" in out and "| 4 |" not in out
-    report = search_report(["model=llama3_8b"], PlanOptions(devices=16, device_memory=40.0, seq_len=4096))
+    report = search_report(["model=llama3_8b"], PlanOptions(devices=16, device_memory=40.0, seq_len=4096, check=False))
     assert report.startswith("gpu-H100-8x2: 16 devices (NVIDIA H100 SXM), 40 GiB each")
 
 
@@ -139,9 +139,15 @@ def test_the_printed_mesh_rule_composes_from_a_config_dir(h100_search, tmp_path,
     assert remat_name(config.model.decoder.remat) == remat
     assert config.sharding == load_plan_inputs(["model=llama3_8b", f"sharding={sharding}"])[0].sharding
     # The command takes the config dir as axtorch-train does.
-    assert main(["--config-dir", str(tmp_path), *ruled]) == 0
+    assert main(["--config-dir", str(tmp_path), *ruled, "check=false"]) == 0
     mesh_line = " ".join(f"{axis}={size}" for axis, size in expected_mesh.items())
     assert f"mesh: {mesh_line} (8 devices)" in capsys.readouterr().out
+
+
+def test_a_sequence_longer_than_the_models_positions_is_refused_before_the_search(capsys):
+    assert main(["experiment=debug", "hardware=gpu-H100-8x1", "seq_len=1024"]) == 2
+    err = capsys.readouterr().err
+    assert "seq_len=1024" in err and "at most model.max_seq_len=256" in err
 
 
 def test_an_unknown_cluster_is_a_config_error_naming_it(capsys):

@@ -1,0 +1,114 @@
+"""The planner's plan checked by the dry run: the same experiment traced at the plan's mesh and batch.
+
+``axtorch-plan`` prices a formula (``axtorch.plan.memory``); the dry run (``axtorch.train.dry_run``)
+traces the real training step on fake tensors and measures what is live at its peak. The check
+composes the ``axtorch-train dry_run=true`` command the plan stands for, runs it in-process and
+sets both figures side by side, by kind.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Optional
+
+from axtorch.parallel.backend_kind import BackendKind
+from axtorch.parallel.chips import GIB
+from axtorch.plan.inputs import load_plan_inputs
+from axtorch.plan.memory import DeviceMemory
+from axtorch.train.dry_run import UNTRACED_AXES, DryRunReport, dry_run
+from axtorch.train.experiment import ExperimentConfig
+
+#: ``check=null`` (the default) runs the dry run for models of at most this many layers: an 8B
+#: model's 32 trace in about 25 s on 2 CPU cores, a 70B model's 80 in about 95.
+AUTO_CHECK_MAX_LAYERS = 48
+
+
+def check_refusal(config: ExperimentConfig, mesh: Mapping[str, int]) -> Optional[str]:
+    """Why the dry run cannot check this plan, or None."""
+    if config.backend is BackendKind.xla:
+        return "the dry run traces the native backend's program, not XLA's"
+    untraced = [f"mesh.{axis}={mesh[axis]}" for axis in UNTRACED_AXES if mesh.get(axis, 1) > 1]
+    if untraced:
+        return f"the dry run does not trace {' or '.join(untraced)} yet (docs/parallelism.md)"
+    return None
+
+
+def runs_by_default(config: ExperimentConfig) -> bool:
+    """Whether ``check=null`` runs the dry run: a model small enough to trace in under a minute."""
+    return config.model.decoder.num_layers <= AUTO_CHECK_MAX_LAYERS
+
+
+def global_rows(config: ExperimentConfig, mesh: Mapping[str, int], batch: int) -> int:
+    """``trainer.batch_size`` for ``batch`` sequences per device per micro-batch (``axtorch-plan batch=``):
+    one such batch on each data-parallel replica, for each gradient-accumulation step."""
+    replicas = mesh.get("data", 1) * mesh.get("fsdp", 1) * mesh.get("expert", 1)
+    return batch * replicas * config.trainer.grad_accum_steps
+
+
+@dataclass
+class PlanCheck:
+    """The dry run of a plan and the command that reproduces it."""
+
+    command: str
+    report: DryRunReport
+    seconds: float
+
+
+def check_plan(
+    overrides: Sequence[str],
+    rows: int,
+    seq_len: int,
+    devices: Optional[int] = None,
+    config_dirs: Sequence[str] = (),
+) -> PlanCheck:
+    """Trace the training step of ``overrides`` (an experiment and its mesh) on the native backend,
+    ``rows`` sequences of ``seq_len`` a step, as ``axtorch-train dry_run=true`` does."""
+    traced = [*overrides, "backend=native", f"trainer.batch_size={rows}", f"data.seq_len={seq_len}"]
+    started = time.perf_counter()
+    config, mesh = load_plan_inputs(traced, devices, config_dirs)
+    report = dry_run(config, mesh)
+    device_count = [f"devices={devices}"] if devices is not None else []
+    command = " ".join(["axtorch-train", "dry_run=true", *traced, *device_count])
+    return PlanCheck(command, report, time.perf_counter() - started)
+
+
+def by_kind(report: DryRunReport) -> dict[str, int]:
+    """The dry run's peak in the planner's kinds (weights, gradients and optimizer state, activations, other)."""
+    traced = report.memory_at_peak
+    return {
+        "weights": traced["parameters"] + traced["parameters, gathered"],
+        "gradients + optimizer state": traced["gradients"] + traced["gradients, unsharded"] + traced["optimizer state"],
+        "activations": traced["activations"],
+        "other (temporaries, collective buffers)": traced["temporaries"] + traced["collective buffers"],
+    }
+
+
+def planned_by_kind(memory: DeviceMemory) -> dict[str, int]:
+    """The planner's figures in the same kinds as ``by_kind``."""
+    return {
+        "weights": memory.parameter_bytes,
+        "gradients + optimizer state": memory.gradient_bytes + memory.optimizer_bytes,
+        "activations": memory.activation_bytes,
+        "other (temporaries, collective buffers)": 0,
+    }
+
+
+def format_check(check: PlanCheck, planned_total: float, planned: Optional[DeviceMemory] = None) -> str:
+    """The planner's per-device memory (by kind where ``planned`` is given) and the dry run's, side
+    by side, with the command that runs the dry run again."""
+    traced = by_kind(check.report)
+    priced = planned_by_kind(planned) if planned is not None else {}
+    width = max(len(kind) for kind in traced)
+    lines = [
+        f"checked by the dry run ({check.seconds:.0f} s): {check.command}",
+        f"  {'GiB a device':<{width}}  {'planner':>9}  {'dry run':>9}",
+    ]
+    for kind, value in traced.items():
+        price = f"{priced[kind] / GIB:9.3f}" if kind in priced else f"{'-':>9}"
+        lines.append(f"  {kind:<{width}}  {price}  {value / GIB:9.3f}")
+    peak = check.report.peak_bytes
+    lines.append(f"  {'peak':<{width}}  {planned_total / GIB:9.3f}  {peak / GIB:9.3f}")
+    lines.append(f"  the planner's peak is {planned_total / peak:.2f}x the dry run's: the dry run's is the program's")
+    return "\n".join(lines)

@@ -1,0 +1,63 @@
+"""``axtorch-plan`` checks its plan with the dry run by default where that takes under a minute,
+prints both figures side by side with the command that reproduces the dry run, and says why
+where it does not check."""
+
+import re
+import shlex
+
+import pytest
+
+from axtorch.cli.plan import PlanOptions, main, search_report
+from axtorch.parallel.chips import GIB
+from axtorch.plan import load_plan_inputs
+from axtorch.train.dry_run import dry_run
+
+DEBUG_FSDP = ["experiment=debug", "backend=native", "mesh.fsdp=2", "sharding=fsdp"]
+
+
+def _dry_run_peak(out: str) -> float:
+    return float(re.search(r"^  peak\s+[\d.]+\s+([\d.]+)$", out, flags=re.MULTILINE).group(1))
+
+
+def test_the_plan_is_checked_by_default_with_the_command_that_reproduces_it(capsys):
+    assert main([*DEBUG_FSDP, "batch=2", "seq_len=32"]) == 0
+    out = capsys.readouterr().out
+    command = re.search(r"^checked by the dry run \(\d+ s\): (.*)$", out, flags=re.MULTILINE).group(1)
+    arguments = shlex.split(command)
+    assert arguments[:2] == ["axtorch-train", "dry_run=true"]
+    # Two sequences a device on two fsdp replicas: the global batch the trainer takes.
+    assert {"trainer.batch_size=4", "data.seq_len=32", *DEBUG_FSDP} <= set(arguments)
+    config, mesh = load_plan_inputs([a for a in arguments[2:]])
+    assert _dry_run_peak(out) == pytest.approx(dry_run(config, mesh).peak_bytes / GIB, abs=1e-3)
+    assert "the planner's peak is" in out
+
+
+def test_check_false_leaves_it_out(capsys):
+    assert main([*DEBUG_FSDP, "check=false"]) == 0
+    assert "dry run" not in capsys.readouterr().out
+
+
+def test_a_model_too_large_to_trace_in_a_minute_says_how_to_check_it(capsys):
+    assert main(["model=llama3_70b", "mesh.fsdp=32", "mesh.model=8", "sharding=fsdp_tp"]) == 0
+    assert "not checked by the dry run: 80 layers trace in over a minute" in capsys.readouterr().out
+
+
+def test_a_mesh_the_dry_run_does_not_trace_is_said_and_refused_when_asked_for(capsys):
+    pipe = ["model=llama3_70b", "mesh.pipe=4", "mesh.fsdp=8", "mesh.model=8", "sharding=fsdp_tp"]
+    assert main(pipe) == 0
+    assert "not checked by the dry run: the dry run does not trace mesh.pipe=4 yet" in capsys.readouterr().out
+    assert main([*pipe, "check=true"]) == 2
+    err = capsys.readouterr().err
+    assert "check=True" in err and "mesh.pipe=4" in err
+
+
+def test_the_searchs_best_mesh_is_checked():
+    options = PlanOptions(hardware="gpu-H100-8x1", seq_len=256, global_batch=64, top=1)
+    report = search_report(["experiment=debug"], options)
+    best = re.search(r"overrides: \[(.*)\]", report).group(1).split(", ")
+    assert "mesh.pipe" not in report and "mesh.expert" not in report  # a mesh the dry run traces
+    command = re.search(r"^checked by the dry run \(\d+ s\): (.*)$", report, flags=re.MULTILINE).group(1)
+    arguments = shlex.split(command)
+    assert set(best) - {"trainer.precision=fp32"} <= set(arguments)  # the best mesh, as its rule runs it
+    assert {"trainer.batch_size=64", "data.seq_len=256"} <= set(arguments)
+    assert _dry_run_peak(report) > 0
