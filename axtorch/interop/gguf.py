@@ -204,7 +204,47 @@ def _family_and_config(reader: GGUFReader, path: str | os.PathLike[str]) -> tupl
             f"{path}: GGUF general.architecture={architecture!r} is not supported; supported: {gguf_architectures()}"
         )
     family, hf = _hf_config(reader, architecture)
-    return family, family.config_from_hf(getter(hf))
+    config = family.config_from_hf(getter(hf))
+    if disagreements := _disagreements(reader, family, config):
+        more = f"; and {len(disagreements) - 6} more" if len(disagreements) > 6 else ""
+        shown = "; ".join(disagreements[:6]) + more
+        said = ", ".join(f"{key}={_metadata(reader, key, None)}" for key in _shape_keys(architecture))
+        raise ValueError(f"{path}: its metadata and its tensors disagree: {shown} (the metadata: {said})")
+    return family, config
+
+
+#: The metadata that sizes a model's tensors, named when the tensors disagree with it.
+_SHAPE_KEYS = (
+    "block_count",
+    "embedding_length",
+    "feed_forward_length",
+    "attention.head_count",
+    "attention.head_count_kv",
+    "attention.key_length",
+)
+
+
+def _shape_keys(architecture: str) -> list[str]:
+    return [f"{architecture}.{key}" for key in _SHAPE_KEYS]
+
+
+def _disagreements(reader: GGUFReader, family: Family, config: CausalLMConfig) -> list[str]:
+    """Where the file's tensors (names and shapes, from its header: no weight is read) differ from
+    those of the model its metadata describes: a wrong head count, a missing or extra tensor."""
+    attention = config.decoder.layer.attention
+    assert family.gguf is not None  # gguf_families lists only families with a layout
+    found = _hf_tensors(reader, attention.num_heads, attention.resolved_kv_heads(), family.gguf, read=False)
+    held = {name: tuple(tensor.shape) for name, tensor in family.tensors_from_hf(config, found)}
+    with torch.device("meta"):
+        wanted = {name: tuple(tensor.shape) for name, tensor in config.build().state_dict().items()}
+    problems = [f"{name} is missing" for name in wanted if name not in held]
+    problems += [
+        f"{name} is {list(held[name])}, the metadata make it {list(shape)}"
+        for name, shape in wanted.items()
+        if name in held and held[name] != shape
+    ]
+    problems += [f"{name} is not part of the model the metadata describe" for name in held if name not in wanted]
+    return problems
 
 
 def tokenizer_from_gguf(path: str | os.PathLike[str]) -> Tokenizer:
@@ -417,19 +457,24 @@ def interleaved_from_halves(rows: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def _hf_tensors(
-    reader: GGUFReader, num_heads: int, num_kv_heads: int, layout: GGUFLayout
+    reader: GGUFReader, num_heads: int, num_kv_heads: int, layout: GGUFLayout, read: bool = True
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF-named float32 tensors in HF layout (and HF's norm weights), dequantised one at a time."""
+    """HF-named float32 tensors in HF layout (and HF's norm weights), dequantised one at a time;
+    with ``read=False`` on the meta device, their shapes alone, from the file's header."""
     from gguf.quants import dequantize
 
     for tensor in reader.tensors:
         if tensor.name == ROPE_FACTORS:
             continue  # read into the config (``_llama3_rope_scaling``)
         name = _hf_name(tensor.name, layout)
-        values = dequantize(tensor.data, tensor.tensor_type)
-        if not values.flags.writeable:  # unquantised data is a read-only view of the memory map
-            values = values.copy()
-        weight = torch.from_numpy(values).reshape(tuple(int(n) for n in reversed(tensor.shape)))
+        shape = tuple(int(n) for n in reversed(tensor.shape))
+        if not read:
+            weight = torch.empty(shape, device="meta")
+        else:
+            values = dequantize(tensor.data, tensor.tensor_type)
+            if not values.flags.writeable:  # unquantised data is a read-only view of the memory map
+                values = values.copy()
+            weight = torch.from_numpy(values).reshape(shape)
         if tensor.name.endswith(f"{SHARED_EXPERT_GATE}.weight"):
             weight = weight.reshape(1, -1)
         if layout.interleaved_qk and ".q_proj." in name:

@@ -251,6 +251,32 @@ def test_refuses_what_axtorch_cannot_represent(options, message, tmp_path):
         from_gguf(path)
 
 
+def test_metadata_that_disagrees_with_the_tensors_is_refused_naming_both(tmp_path, monkeypatch):
+    model = _hf_model(tie=True)
+    add_head_count = gguf.GGUFWriter.add_head_count
+    monkeypatch.setattr(gguf.GGUFWriter, "add_head_count", lambda writer, count: add_head_count(writer, 8))
+    wrong_heads = _write_gguf(tmp_path / "heads.gguf", model)  # 4 heads of 16 in the tensors
+    monkeypatch.undo()
+    said = (
+        r"heads\.gguf: its metadata and its tensors disagree: decoder\.layers\.0\.attention\.q_proj\.weight is "
+        r"\[64, 64\], the metadata make it \[128, 64\];.*llama\.attention\.head_count=8"
+    )
+    with pytest.raises(ValueError, match=said):
+        from_gguf(wrong_heads)
+    with pytest.raises(ConfigError, match=r"init_from=.*its metadata and its tensors disagree"):
+        load_experiment_config([f"init_from=gguf:{wrong_heads}"])
+
+    class WithoutOneTensor:  # as a file written without layer 1's down projection
+        config = model.config
+
+        def state_dict(self):
+            return {k: v for k, v in model.state_dict().items() if k != "model.layers.1.mlp.down_proj.weight"}
+
+    missing = _write_gguf(tmp_path / "missing.gguf", WithoutOneTensor())
+    with pytest.raises(ValueError, match=r"decoder\.layers\.1\.feed_forward\.down_proj\.weight is missing"):
+        from_gguf(missing)
+
+
 def test_a_truncated_file_is_refused_by_name_before_any_weight_is_used(tmp_path):
     path = _write_gguf(tmp_path / "model.gguf", _hf_model(tie=True))
     whole = path.read_bytes()
