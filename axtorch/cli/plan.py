@@ -10,8 +10,9 @@ prints the per-parameter placement and the per-device memory and FLOPs, in secon
     axtorch-plan model=llama3_70b mesh.pipe=4 mesh.fsdp=8 mesh.model=8 sharding=fsdp_tp pipeline.microbatches=16
 
 Plan-only options: ``batch=`` (sequences per device, per micro-batch under ``mesh.pipe``;
-default 1), ``seq_len=`` (default ``data.seq_len``) and ``devices=`` (the device count, needed
-only when a mesh axis is -1; otherwise the product of the mesh axes). The activation estimate
+default 1), ``seq_len=`` (default ``data.seq_len``), ``devices=`` (the device count, needed
+only when a mesh axis is -1; otherwise the product of the mesh axes) and ``check=`` (the dry run
+of the plan beside it: by default for models of at most 48 layers, ``axtorch.plan.check``). The activation estimate
 follows the model's own remat policy (``model/remat=full|selective``) and ``trainer.precision``
 (4 bytes a value under fp32, 2 under bf16), as training does.
 
@@ -103,7 +104,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         result = plan(config, mesh_sizes, options.batch, options.seq_len)
         print(format_plan(result))
         rows = global_rows(config, mesh_sizes, options.batch)
-        check = checked(overrides, config, mesh_sizes, rows, result.seq_len, options, config_dirs, result.memory)
+        memory = result.memory
+        check = checked(
+            overrides, config, mesh_sizes, rows, result.seq_len, options, config_dirs, memory.total_bytes, memory
+        )
         if check is not None:
             print(check)
     except ConfigError as error:
@@ -120,8 +124,8 @@ def checked(
     seq_len: int,
     options: PlanOptions,
     config_dirs: Sequence[str],
+    planned_total: float,
     planned: Optional[DeviceMemory] = None,
-    planned_total: Optional[float] = None,
 ) -> Optional[str]:
     """The dry run's check of a plan (``PlanOptions.check``), why there is none, or None with ``check=false``."""
     if options.check is False:
@@ -137,8 +141,7 @@ def checked(
             f"95 s on 2 CPU cores); check=true runs it"
         )
     check = check_plan(overrides, rows, seq_len, options.devices, config_dirs)
-    total = planned.total_bytes if planned is not None else planned_total
-    return format_check(check, float(total or 0), planned)
+    return format_check(check, planned_total, planned)
 
 
 def search_report(overrides: Sequence[str], options: PlanOptions, config_dirs: Sequence[str] = ()) -> str:
@@ -168,7 +171,7 @@ def search_report(overrides: Sequence[str], options: PlanOptions, config_dirs: S
     with_best = [*overrides, *best.overrides()]
     best_config, _ = load_plan_inputs(with_best, cluster.devices, config_dirs)
     rows, seq_len = planner.global_batch, planner.seq_len
-    check = checked(with_best, best_config, best.mesh, rows, seq_len, options, config_dirs, None, best.memory_bytes)
+    check = checked(with_best, best_config, best.mesh, rows, seq_len, options, config_dirs, best.memory_bytes)
     return report if check is None else f"{report}\n{check}"
 
 
