@@ -54,6 +54,8 @@ class PlanCheck:
     command: str
     report: DryRunReport
     seconds: float
+    #: Whether the traced model recomputes activations (``model/remat``).
+    remat: bool = False
 
 
 def check_plan(
@@ -71,7 +73,7 @@ def check_plan(
     report = dry_run(config, mesh)
     device_count = [f"devices={devices}"] if devices is not None else []
     command = " ".join(["axtorch-train", "dry_run=true", *traced, *device_count])
-    return PlanCheck(command, report, time.perf_counter() - started)
+    return PlanCheck(command, report, time.perf_counter() - started, config.model.decoder.remat is not None)
 
 
 def by_kind(report: DryRunReport) -> dict[str, int]:
@@ -111,4 +113,10 @@ def format_check(check: PlanCheck, planned_total: float, planned: Optional[Devic
     peak = check.report.peak_bytes
     lines.append(f"  {'peak':<{width}}  {planned_total / GIB:9.3f}  {peak / GIB:9.3f}")
     lines.append(f"  the planner's peak is {planned_total / peak:.2f}x the dry run's: the dry run's is the program's")
+    if check.remat:
+        lines.append(
+            "  except under remat: torch's memory tracker reads a remat run higher than the same run without it, "
+            "also on real tensors, where autograd keeps far less: take its activations as an upper bound "
+            "(docs/parallelism.md)"
+        )
     return "\n".join(lines)
