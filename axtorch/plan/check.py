@@ -67,7 +67,8 @@ def check_plan(
 ) -> PlanCheck:
     """Trace the training step of ``overrides`` (an experiment and its mesh) on the native backend,
     ``rows`` sequences of ``seq_len`` a step, as ``axtorch-train dry_run=true`` does."""
-    traced = [*overrides, "backend=native", f"trainer.batch_size={rows}", f"data.seq_len={seq_len}"]
+    native = [] if any(o.startswith("backend=") for o in overrides) else ["backend=native"]  # xla: refused before
+    traced = [*overrides, *native, f"trainer.batch_size={rows}", f"data.seq_len={seq_len}"]
     started = time.perf_counter()
     config, mesh = load_plan_inputs(traced, devices, config_dirs)
     report = dry_run(config, mesh)
