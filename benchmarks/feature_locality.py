@@ -39,6 +39,7 @@ and ``tests/test_feature_locality.py`` asserts on them.
 from __future__ import annotations
 
 import ast
+import importlib
 import inspect
 import typing
 from collections.abc import Iterator
@@ -157,7 +158,13 @@ def built_module_class(config_class: type) -> Optional[type]:
 
 
 def _relative(path: Path) -> str:
-    return path.resolve().relative_to(REPO_ROOT).as_posix()
+    """A source file's path as the repository holds it, also where the package was imported from
+    an installed wheel (the suite run against it, as on a GPU machine)."""
+    resolved = path.resolve()
+    package = Path(importlib.import_module(PACKAGE).__file__ or "").resolve().parent
+    if resolved.is_relative_to(package):
+        return (Path(PACKAGE) / resolved.relative_to(package)).as_posix()
+    return resolved.relative_to(REPO_ROOT).as_posix()
 
 
 # ----------------------------------------------------------------------------------------------
