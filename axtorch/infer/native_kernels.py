@@ -142,6 +142,8 @@ def load_matvec() -> Optional[MatVec]:
         out = x.new_empty(*x.shape[:-1], rows)
         bias_address = None if bias is None else bias.data_ptr()
         count = x.numel() // cols
+        if x.shape[-1] != cols or not 1 <= count <= MAX_ROWS:  # the kernel would read past x
+            raise ValueError(f"the compiled product takes 1 to {MAX_ROWS} rows of {cols} features, got {list(x.shape)}")
         function(
             weight.data_ptr(), x.data_ptr(), bias_address, out.data_ptr(), rows, cols, count, torch.get_num_threads()
         )
@@ -187,7 +189,8 @@ class NativeLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (
-            x.numel() > MAX_ROWS * self.in_features
+            not 0 < x.numel() <= MAX_ROWS * self.in_features
+            or x.shape[-1] != self.in_features
             or x.dtype != torch.float32
             or (torch.is_grad_enabled() and x.requires_grad)
         ):

@@ -47,9 +47,21 @@ def test_more_rows_and_gradients_go_to_torch_linear(monkeypatch):
     monkeypatch.setattr(native, "matvec", None)  # a call of the compiled product would fail
     rows = torch.randn(3, 3, 8)  # 9 rows, more than MAX_ROWS
     torch.testing.assert_close(native(rows), F.linear(rows, weight, bias), rtol=0, atol=0)
+    empty = torch.randn(0, 1, 8)
+    assert native(empty).shape == (0, 1, 12)
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):  # torch's own error, not a bad read
+        native(torch.randn(2, 1, 4))
     x = torch.randn(1, 1, 8, requires_grad=True)
     native(x).sum().backward()
     torch.testing.assert_close(x.grad, weight.sum(0).view(1, 1, 8))
+
+
+def test_the_compiled_product_refuses_rows_it_would_read_past():
+    matvec = load_matvec()
+    weight = torch.randn(12, 8)
+    for x in (torch.randn(9, 8), torch.randn(0, 8), torch.randn(2, 4)):
+        with pytest.raises(ValueError, match="takes 1 to 8 rows of 8 features"):
+            matvec(weight, x, None)
 
 
 def test_it_is_built_once_per_machine(tmp_path):
