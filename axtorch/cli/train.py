@@ -76,7 +76,7 @@ def _train(cfg: DictConfig, preemption: PreemptionWatch) -> None:
     if trainer.backend.is_main_process:
         _report(result, code)
     if code or ran_collectives:
-        exit_process(process_exit_code(code), ran_collectives)
+        exit_process(process_exit_code(code), ran_collectives or code is ExitCode.PREEMPTED)
 
 
 def _report(result: TrainResult, code: ExitCode) -> None:
@@ -110,8 +110,8 @@ def split_arguments(argv: list[str]) -> tuple[list[str], list[str]]:
 
 def main() -> None:
     # Entered first, so that a preemption signal during start-up stops the run before its first
-    # step instead of killing it (axtorch/train/preemption.py).
-    with PreemptionWatch() as preemption:
+    # step instead of killing it, and held until the process exits (axtorch/train/preemption.py).
+    with PreemptionWatch(until_exit=True) as preemption:
         register_configs()
         overrides, config_dirs = split_arguments(sys.argv[1:])
         if any(arg.split("=", 1)[0] == "dry_run" for arg in overrides):

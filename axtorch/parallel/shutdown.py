@@ -9,6 +9,10 @@ exception", SIGABRT): a finished run, all its files written, reported to torchru
 modules, pipeline stages) still hold the group (pytorch/pytorch#179291 tried to fix this in torch
 and was abandoned). So a multi-process run, once everything it writes is closed, leaves with
 ``os._exit``: its status is the run's, and finalization never starts.
+
+A preempted run leaves the same way: finalization gives the signal handlers back to their
+defaults, so a launcher's repeated SIGTERM arriving then would turn the exit 203 ("resume me")
+into a death by signal; without finalization the handlers that ignore repeats last to the end.
 """
 
 from __future__ import annotations
@@ -18,9 +22,10 @@ import sys
 from typing import NoReturn
 
 
-def exit_process(status: int, ran_collectives: bool) -> NoReturn:
-    """Exit with ``status``; skip the interpreter's finalization if ``ran_collectives``."""
-    if not ran_collectives:
+def exit_process(status: int, skip_finalization: bool) -> NoReturn:
+    """Exit with ``status``; without the interpreter's finalization if ``skip_finalization``
+    (a process that ran collectives, or a preempted run)."""
+    if not skip_finalization:
         raise SystemExit(status)
     sys.stdout.flush()
     sys.stderr.flush()

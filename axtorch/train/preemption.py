@@ -8,7 +8,9 @@ during start-up stops the run before its first step, with nothing new to save.
 Repeats are ignored, with a line on stderr: a launcher may pass on a signal that the scheduler
 has already sent to every process (torch 2.9's torchrun forwards SIGTERM to workers that Slurm
 signalled itself), and a second signal that acted at once would end a rank in the middle of the
-save the first one asked for. SIGKILL or SIGQUIT end a run at once.
+save the first one asked for. The command line's watch goes on ignoring them after a stop was
+asked, while the process exits: a repeat sent a moment later than the first would otherwise turn
+the exit 203 into a death by SIGTERM. SIGKILL or SIGQUIT end a run at once.
 """
 
 from __future__ import annotations
@@ -30,11 +32,15 @@ class _Gather(Protocol):
 
 class PreemptionWatch:
     """While entered, turns the first SIGTERM or SIGINT into a request to stop at the next step
-    boundary, and ignores the ones after it. Re-entrant: the command line enters it before
-    start-up, and the trainer's loop enters the same watch again."""
+    boundary, and ignores the ones after it; each is acknowledged on stderr. Re-entrant: the
+    command line enters it before start-up, and the trainer's loop enters the same watch again.
 
-    def __init__(self) -> None:
+    ``until_exit``: the process ends with the run (the command line), so once a stop was asked the
+    handlers stay after the watch ends, and repeats during the exit are ignored too."""
+
+    def __init__(self, until_exit: bool = False) -> None:
         self.signal_name: Optional[str] = None
+        self.until_exit = until_exit
         self._previous: dict[int, Any] = {}
         self._depth = 0
 
@@ -49,7 +55,7 @@ class PreemptionWatch:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
     ) -> None:
         self._depth -= 1
-        if self._depth:
+        if self._depth or (self.until_exit and self.signal_name):
             return
         for number, handler in self._previous.items():
             signal.signal(number, handler)
@@ -57,15 +63,14 @@ class PreemptionWatch:
 
     def _request(self, number: int, frame: Optional[FrameType]) -> None:
         name = signal.Signals(number).name
+        stops = "the run stops at the next step boundary after saving"
         if self.signal_name is None:
             self.signal_name = name
-            return
+            said = f"axtorch: {name}: {stops}"
+        else:
+            said = f"axtorch: {name} again, ignored: {stops} (asked by {self.signal_name})"
         # os.write, not print: the handler may interrupt a print to the same stream.
-        os.write(
-            2,
-            f"axtorch: {name} again, ignored: the run stops at the next step boundary after saving "
-            f"(asked by {self.signal_name}); SIGKILL or SIGQUIT end it at once\n".encode(),
-        )
+        os.write(2, f"{said}; SIGKILL or SIGQUIT end it at once\n".encode())
 
     def agreed(self, collective: _Gather) -> Optional[str]:
         """The signal that stops the run, if any process received one; the same answer on every process."""

@@ -52,7 +52,7 @@ def main() -> None:
     with open(f"{out_prefix}.rank{trainer.backend.rank}.json", "w") as handle:
         json.dump(report, handle)
     trainer.backend.close()
-    exit_process(0, ran_collectives=True)
+    exit_process(0, skip_finalization=True)
 
 
 if __name__ == "__main__":

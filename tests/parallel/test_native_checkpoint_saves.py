@@ -80,7 +80,7 @@ def _worker(rank: int, root: str, scenario: str, results: str) -> None:
     except Exception:
         outcome = traceback.format_exc()
     (Path(results) / f"rank{rank}.txt").write_text(outcome)
-    exit_process(0, ran_collectives=True)  # the outcome is recorded; gloo's threads would race teardown
+    exit_process(0, skip_finalization=True)  # the outcome is recorded; gloo's threads would race teardown
 
 
 def _run(tmp_path: Path, scenario: str) -> list[str]:

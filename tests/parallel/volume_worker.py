@@ -108,7 +108,7 @@ def main() -> None:
         with open(out, "w") as handle:
             json.dump(every_rank, handle)
     trainer.backend.close()
-    exit_process(0, ran_collectives=True)
+    exit_process(0, skip_finalization=True)
 
 
 if __name__ == "__main__":

@@ -103,7 +103,7 @@ def main() -> None:
     with open(out, "w") as handle:
         json.dump(report, handle)
     backend.close()
-    exit_process(0, ran_collectives=backend.world_size > 1)
+    exit_process(0, skip_finalization=backend.world_size > 1)
 
 
 if __name__ == "__main__":

@@ -54,6 +54,23 @@ def test_the_first_signal_is_kept_and_repeats_are_ignored_with_a_line_until_the_
     assert "SIGKILL or SIGQUIT end it at once" in said
 
 
+def test_the_command_lines_watch_ignores_a_repeat_that_arrives_while_the_process_exits(capfd):
+    """A repeat sent just after the run saved and stopped must not turn exit 203 into a signal death."""
+    before = signal.getsignal(signal.SIGTERM)
+    watch = PreemptionWatch(until_exit=True)
+    try:
+        with watch:
+            _signal_self(signal.SIGTERM)
+        _signal_self(signal.SIGTERM)  # the run has ended; this process is exiting
+        assert signal.getsignal(signal.SIGTERM) == watch._request
+        assert capfd.readouterr().err.count("SIGTERM again, ignored") == 1
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    with PreemptionWatch(until_exit=True):
+        pass  # no stop was asked: the handlers are given back as with any watch
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
 def _trainer(run_dir: Path, cache: Path, *extra: str) -> Trainer:
     overrides = [
         "experiment=debug",
@@ -152,6 +169,14 @@ def test_the_command_line_exits_with_the_code_of_how_the_run_ended(monkeypatch, 
     monkeypatch.setattr(train_cli, "to_experiment_config", lambda cfg: cfg)
     monkeypatch.setattr(train_cli, "Trainer", lambda config: _FakeTrainer(outcome))
     monkeypatch.delenv(STATUS_FILE_ENV, raising=False)
+    skipped_finalization = []
+
+    def exit_process(status: int, skip_finalization: bool):
+        skipped_finalization.append(skip_finalization)
+        raise SystemExit(status)
+
+    # A preempted run leaves with os._exit, which would end this test process: its choice is recorded.
+    monkeypatch.setattr(train_cli, "exit_process", exit_process)
     if code is ExitCode.FINISHED:
         train_cli._train(None, PreemptionWatch())  # returns: the interpreter exits 0
         return
@@ -166,6 +191,7 @@ def test_the_command_line_exits_with_the_code_of_how_the_run_ended(monkeypatch, 
     preempted = code is ExitCode.PREEMPTED
     assert exited.value.code == (0 if preempted else code)
     assert status_file.read_text() == "203\n" if preempted else not status_file.exists()
+    assert skipped_finalization == [preempted, preempted]
 
 
 def test_the_preempted_code_is_retryable_and_no_signal_death(monkeypatch):
@@ -194,15 +220,26 @@ def _command(run_dir: Path, cache: Path, launcher: list[str], *extra: str) -> li
 
 
 def _interrupt(command: list[str], run_dir: Path, *signals: int) -> subprocess.CompletedProcess:
+    """Signal the run after its fifth step, each signal once the run has acknowledged the one
+    before on stderr: a repeat sent sooner may merge with it (one pending signal of a kind)."""
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stderr: list[str] = []
+    reader = threading.Thread(target=lambda: [stderr.append(line) for line in process.stderr], daemon=True)
+    reader.start()
     deadline = time.monotonic() + 300
     while logged_steps(run_dir) < 5 and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
     for number in signals:
+        acknowledged = sum("axtorch: SIG" in line for line in stderr)
         process.send_signal(number)
-        time.sleep(0.02)
-    stdout, stderr = process.communicate(timeout=300)
-    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+        while sum("axtorch: SIG" in line for line in stderr) == acknowledged and time.monotonic() < deadline:
+            if process.poll() is not None:
+                break
+            time.sleep(0.005)
+    stdout = process.stdout.read()
+    process.wait(timeout=300)
+    reader.join(timeout=60)
+    return subprocess.CompletedProcess(command, process.returncode, stdout, "".join(stderr))
 
 
 def _preempted_checkpoint(result: subprocess.CompletedProcess, run_dir: Path, name: str = "SIGTERM") -> int:
