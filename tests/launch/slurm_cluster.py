@@ -8,18 +8,25 @@ on a fresh machine, so the set-up installs the packages itself (apt-get, about 3
 they are installed) and starts the daemons with a configuration of their own in a temporary
 directory, on free ports: the machine's /etc/slurm is not touched. Jobs are tracked by
 proctrack/linuxproc (process parentage): a container has no cgroup for Slurm to manage.
+
+Two clusters may be alive at once (``make test`` runs the suites of two torch versions side by
+side): each has its own daemons, ports, subnet and state, and they share the one munged of the
+machine, which a lock file (``MUNGE_LOCK``) keeps running until the last of them stops.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import IO, Optional
 
 from network_hosts import NetworkHosts
 
@@ -27,6 +34,10 @@ PACKAGES = ("munge", "slurmctld", "slurmd", "slurm-client")
 PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch")
 #: The daemons live in /usr/sbin, which a CI user's PATH may lack.
 PATH = f"{os.environ.get('PATH', '')}:/usr/sbin"
+#: Held shared by every cluster alive on this machine; exclusively to install Slurm, to start
+#: munged, and by the last cluster to stop the munged that one of them started (its pid beside).
+MUNGE_LOCK = Path(tempfile.gettempdir()) / "axtorch-slurm-munge.lock"
+STARTED_MUNGED = MUNGE_LOCK.with_suffix(".pid")
 #: Job states after which a job record changes no more (unless something requeues it).
 FINISHED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL")
 
@@ -36,9 +47,16 @@ def missing_programs() -> list[str]:
 
 
 def install() -> None:
-    """Install Slurm and munge with apt-get unless they are there (needs root)."""
+    """Install Slurm and munge with apt-get unless they are there (needs root), one session at a time."""
     if not missing_programs():
-        return
+        return  # without the lock: a cluster alive holds it shared
+    with MUNGE_LOCK.open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if missing_programs():
+            _apt_install()
+
+
+def _apt_install() -> None:
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     subprocess.run(["apt-get", "update", "-qq"], check=True, env=env, capture_output=True, timeout=600)
     subprocess.run(
@@ -72,7 +90,7 @@ class SlurmCluster:
         self.conf = root / "slurm.conf"
         self.env = {**os.environ, "PATH": PATH, "SLURM_CONF": str(self.conf)}
         self.hosts = NetworkHosts(nodes, root / "hosts")
-        self._munged_pid: int | None = None
+        self._munge_lock: Optional[IO[str]] = None
 
     @property
     def node_names(self) -> list[str]:
@@ -146,15 +164,37 @@ class SlurmCluster:
         _wait(self._nodes_idle, 60, "idle nodes")
 
     def _start_munge(self) -> None:
-        """Use a running munged, else start one as the munge user (it refuses other keys' owners)."""
-        if self._munge_works():
+        """Use a running munged, else start one as the munge user (it refuses other keys' owners);
+        then hold ``MUNGE_LOCK`` shared while this cluster lives."""
+        self._munge_lock = MUNGE_LOCK.open("a")
+        fcntl.flock(self._munge_lock, fcntl.LOCK_EX)
+        try:
+            if not self._munge_works():
+                run_dir = Path("/run/munge")
+                run_dir.mkdir(exist_ok=True)
+                shutil.chown(run_dir, "munge", "munge")
+                subprocess.run(["runuser", "-u", "munge", "--", "munged"], check=True, env=self.env, timeout=60)
+                _wait(self._munge_works, 30, "munged")
+                STARTED_MUNGED.write_text((run_dir / "munged.pid").read_text())
+        finally:
+            fcntl.flock(self._munge_lock, fcntl.LOCK_SH)
+
+    def _release_munge(self) -> None:
+        """The last cluster alive stops the munged a cluster started; a munged found running stays."""
+        if self._munge_lock is None:
             return
-        run_dir = Path("/run/munge")
-        run_dir.mkdir(exist_ok=True)
-        shutil.chown(run_dir, "munge", "munge")
-        subprocess.run(["runuser", "-u", "munge", "--", "munged"], check=True, env=self.env, timeout=60)
-        _wait(self._munge_works, 30, "munged")
-        self._munged_pid = int((run_dir / "munged.pid").read_text())
+        with self._munge_lock:  # closing the file gives up this cluster's share
+            try:
+                fcntl.flock(self._munge_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return  # another cluster still uses it
+            if STARTED_MUNGED.exists():
+                pid = int(STARTED_MUNGED.read_text())
+                with contextlib.suppress(OSError):  # only a munged: the file may be older than this boot
+                    if Path(f"/proc/{pid}/comm").read_text().strip() == "munged":
+                        _terminate(pid)
+                STARTED_MUNGED.unlink()
+        self._munge_lock = None
 
     def _munge_works(self) -> bool:
         if not Path("/run/munge/munge.socket.2").exists():
@@ -169,8 +209,7 @@ class SlurmCluster:
         for pid_file in (*pid_files, self.root / "slurmctld.pid"):
             if pid_file.exists():
                 _terminate(int(pid_file.read_text()))
-        if self._munged_pid is not None:
-            _terminate(self._munged_pid)
+        self._release_munge()
         self.hosts.__exit__(None, None, None)
 
     def _nodes_idle(self) -> bool:
