@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,4 +37,7 @@ def load_plan_inputs(
         if inferred:
             raise ConfigError("devices", None, "the device count", reason=f"mesh.{inferred[0]}=-1 is inferred from it")
         devices = math.prod(getattr(mesh, axis) for axis in MESH_AXES)
-    return config, mesh.resolve(devices, "mesh")
+    sizes = mesh.resolve(devices, "mesh")
+    config.mesh = dataclasses.replace(mesh, **sizes)
+    config.validate_mesh_fit()  # what the train-time checks skipped with the mesh set aside
+    return config, sizes

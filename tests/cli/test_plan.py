@@ -95,6 +95,14 @@ def test_mesh_that_does_not_divide_a_dimension_is_a_config_error():
     assert "dim 0 has size 4096, not divisible by fsdp=3" in str(info.value)
 
 
+def test_a_mesh_that_splits_a_key_value_head_is_a_config_error_before_any_pricing():
+    """The train-time check, run against the planned mesh (the machine's own is one device)."""
+    with pytest.raises(ConfigError) as info:
+        load_plan_inputs(["model=llama3_8b", "mesh.fsdp=4", "mesh.model=16", "sharding=fsdp_tp"])
+    assert (info.value.key, info.value.value) == ("mesh.model", 16)
+    assert "a divisor of the 8 key/value heads" in str(info.value)
+
+
 def test_inferred_axis_needs_the_device_count():
     with pytest.raises(ConfigError) as info:
         load_plan_inputs(["mesh.fsdp=-1"])
