@@ -6,7 +6,7 @@
 (``axtorch-train dry_run=true``, ``axtorch.train.dry_run``) traces the real training step on fake
 tensors and a fake process group, and measures what is live at its peak. Each row runs both on
 one experiment and prints the two peaks side by side, by kind, with their ratio; a row whose mesh
-the dry run does not trace yet (expert or pipeline parallelism) says so instead of a figure.
+the dry run does not trace yet (pipeline parallelism) says so instead of a figure.
 The machine's speed does not enter: both are counts of bytes, and the seconds each took are
 printed only to say what the row costs.
 """

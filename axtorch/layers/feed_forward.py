@@ -74,12 +74,19 @@ class FeedForwardConfig:
         """
         return {"feed_forward_hidden": self.hidden_dim / tensor_parallel, "feed_forward_output": dim}
 
+    def saved_width(self, dim: int, tensor_parallel: int = 1) -> float:
+        """Values per token on one device that the backward keeps, without remat (``axtorch.plan.memory``)."""
+        raise NotImplementedError(f"{type(self).__name__} is a slot type: choose a concrete feed-forward config")
+
     def build(self, dim: int) -> nn.Module:
         raise NotImplementedError(f"{type(self).__name__} is a slot type: choose a concrete feed-forward config")
 
 
 @dataclass
 class GatedFeedForwardConfig(FeedForwardConfig):
+    def saved_width(self, dim: int, tensor_parallel: int = 1) -> float:
+        return 4 * self.hidden_dim / tensor_parallel  # the gate, the up projection, the activated gate, their product
+
     def build(self, dim: int) -> GatedFeedForward:
         return GatedFeedForward(self, dim)
 
@@ -87,6 +94,9 @@ class GatedFeedForwardConfig(FeedForwardConfig):
 @dataclass
 class MLPFeedForwardConfig(FeedForwardConfig):
     activation: Activation = Activation.gelu
+
+    def saved_width(self, dim: int, tensor_parallel: int = 1) -> float:
+        return 2 * self.hidden_dim / tensor_parallel  # the hidden projection and its activation
 
     def build(self, dim: int) -> MLPFeedForward:
         return MLPFeedForward(self, dim)

@@ -182,6 +182,15 @@ class MixtureOfExpertsConfig(FeedForwardConfig):
                 reason="there are no shared experts to gate",
             )
 
+    def saved_width(self, dim: int, tensor_parallel: int = 1) -> float:
+        """Per computed assignment a gated expert's four hidden widths and three of the model's (the
+        dispatched row, the expert's output, its weighted copy); the router's scores and
+        probabilities; the shared experts' own."""
+        rows = self.router.top_k * (self.capacity_factor or 1.0)
+        routed = rows * (4 * self.hidden_dim / tensor_parallel + 3 * dim) + 2 * self.num_experts
+        shared = 0.0 if self.shared_experts is None else self.shared_experts.saved_width(dim, tensor_parallel)
+        return routed + shared
+
     def activation_widths(self, dim: int, tensor_parallel: int = 1) -> ActivationWidths:
         """The routed experts' activations (``gated_mlp``) plus the shared experts' own, per token on one device.
 

@@ -18,11 +18,19 @@ class NormConfig:
     def build(self, dim: int) -> nn.Module:
         raise NotImplementedError(f"{type(self).__name__} is a slot type: choose a concrete norm config")
 
+    def saved_width(self, width: float) -> float:
+        """Values per token that its backward keeps, input and output included, for ``width`` features
+        (``axtorch.plan.memory``: measured by the dry run)."""
+        raise NotImplementedError(f"{type(self).__name__} is a slot type: choose a concrete norm config")
+
 
 @dataclass
 class RMSNormConfig(NormConfig):
     def build(self, dim: int) -> RMSNorm:
         return RMSNorm(self, dim)
+
+    def saved_width(self, width: float) -> float:
+        return 3 * width  # the input, the normalised input (for the gain's gradient), the output
 
 
 @dataclass
@@ -32,6 +40,9 @@ class LayerNormConfig(NormConfig):
 
     def build(self, dim: int) -> LayerNorm:
         return LayerNorm(self, dim)
+
+    def saved_width(self, width: float) -> float:
+        return 2 * width  # the input and the output (torch's fused kernel keeps per-token statistics)
 
 
 class RMSNorm(nn.Module):

@@ -43,6 +43,10 @@ class PositionConfig:
         """
         return False
 
+    def saved_width(self, head_dim: int) -> float:
+        """Values per token its backward keeps (``axtorch.plan.memory``): none unless it says."""
+        return 0.0
+
 
 class PositionEncoding(nn.Module):
     """What attention asks of a position encoding; the defaults leave attention position-blind.
@@ -79,6 +83,9 @@ class RotaryEmbeddingConfig(PositionConfig):
 
     def build(self, head_dim: int) -> RotaryEmbedding:
         return RotaryEmbedding(self, head_dim)
+
+    def saved_width(self, head_dim: int) -> float:
+        return 2 * head_dim  # each token's cosines and sines, which the rotation's backward multiplies by
 
     def inverse_frequencies(self, head_dim: int, device: torch.device) -> torch.Tensor:
         """float32 [head_dim / 2] radians per position of each rotated pair."""

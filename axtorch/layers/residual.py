@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Optional, Protocol, TypeVar
+from typing import ClassVar, Optional, Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -48,6 +48,9 @@ class ResidualConfig:
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"{key}.dropout", self.dropout, "a probability in [0, 1)")
 
+    #: Norms each sublayer runs: one before or after it, or one on each side (sandwich).
+    norms_per_sublayer: ClassVar[int] = 1
+
     def build(self, norm: NormConfig, dim: int) -> nn.Module:
         raise NotImplementedError(f"{type(self).__name__} is a slot type: choose a concrete norm placement")
 
@@ -66,6 +69,8 @@ class PostNormResidualConfig(ResidualConfig):
 
 @dataclass
 class SandwichNormResidualConfig(ResidualConfig):
+    norms_per_sublayer: ClassVar[int] = 2
+
     def build(self, norm: NormConfig, dim: int) -> SandwichNormResidual:
         return SandwichNormResidual(self, norm, dim)
 

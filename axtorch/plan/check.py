@@ -89,12 +89,19 @@ def by_kind(report: DryRunReport) -> dict[str, int]:
 
 
 def planned_by_kind(memory: DeviceMemory) -> dict[str, int]:
-    """The planner's figures in the same kinds as ``by_kind``."""
+    """The planner's figures in the same kinds as ``by_kind``, at the moment of its peak."""
+    if memory.at_backward_start_bytes < memory.at_backward_end_bytes:
+        return {
+            "weights": memory.parameter_bytes,
+            "gradients + optimizer state": memory.gradient_bytes + memory.optimizer_bytes,
+            "activations": 0,
+            "other (temporaries, collective buffers)": 0,
+        }
     return {
-        "weights": memory.parameter_bytes,
-        "gradients + optimizer state": memory.gradient_bytes + memory.optimizer_bytes,
+        "weights": memory.parameter_bytes + memory.gathered_bytes,
+        "gradients + optimizer state": memory.optimizer_bytes,
         "activations": memory.activation_bytes,
-        "other (temporaries, collective buffers)": 0,
+        "other (temporaries, collective buffers)": memory.head_bytes,
     }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from collections.abc import Sequence
@@ -11,6 +12,7 @@ from typing import Optional
 from axtorch.compose.experiment_loader import compose_experiment_config, to_experiment_config
 from axtorch.config.errors import ConfigError
 from axtorch.config.serialize import to_object
+from axtorch.parallel.backend_kind import BackendKind
 from axtorch.parallel.hardware import device_count
 from axtorch.parallel.mesh import MESH_AXES, MeshConfig
 from axtorch.train.experiment import ExperimentConfig
@@ -38,6 +40,12 @@ def load_plan_inputs(
             raise ConfigError("devices", None, "the device count", reason=f"mesh.{inferred[0]}=-1 is inferred from it")
         devices = math.prod(getattr(mesh, axis) for axis in MESH_AXES)
     sizes = mesh.resolve(devices, "mesh")
-    config.mesh = dataclasses.replace(mesh, **sizes)
-    config.validate_mesh_fit()  # what the train-time checks skipped with the mesh set aside
+    # What the train-time checks skipped with the mesh set aside (the batch's are the plan's own);
+    # a plan of several devices is the native backend's unless it names another.
+    resolved = copy.copy(mesh)
+    for axis, size in sizes.items():
+        setattr(resolved, axis, size)
+    several = devices > 1 and config.backend is BackendKind.single
+    planned = dataclasses.replace(config, mesh=resolved, backend=BackendKind.native if several else config.backend)
+    planned.validate_layers_against_mesh()
     return config, sizes

@@ -5,6 +5,11 @@ fp32 and AdamW keeps two fp32 moments, each split as its parameter is (``trainer
 autocasts matmuls only). Activations are held in the compute precision: 4 bytes a value under
 fp32, 2 under bf16 autocast (its matmul outputs; norms and residual sums stay fp32, which the
 estimate leaves out).
+
+The peak is the larger of two moments the dry run (``axtorch.train.dry_run``) finds: the start of
+the backward pass, with every layer's activations, the weights FSDP holds gathered and the fused
+head's gradient (no parameter gradient yet: they are set to None after each step), and its end,
+with every gradient and no activations.
 """
 
 from __future__ import annotations
@@ -30,10 +35,26 @@ class DeviceMemory:
     gradient_bytes: int
     optimizer_bytes: int
     activation_bytes: int
+    #: The root's embedding and output head, gathered whole over the data-parallel axes by FSDP.
+    gathered_bytes: int = 0
+    #: The fused output head's whole ``[vocab, dim]`` weight gradient, computed in the forward
+    #: (``axtorch.train.head_cross_entropy``), and under sharding a whole copy beside it.
+    head_bytes: int = 0
+
+    @property
+    def at_backward_start_bytes(self) -> int:
+        return (
+            self.parameter_bytes + self.optimizer_bytes + self.activation_bytes + self.gathered_bytes + self.head_bytes
+        )
+
+    @property
+    def at_backward_end_bytes(self) -> int:
+        return self.parameter_bytes + self.gradient_bytes + self.optimizer_bytes
 
     @property
     def total_bytes(self) -> int:
-        return self.parameter_bytes + self.gradient_bytes + self.optimizer_bytes + self.activation_bytes
+        """The peak: the larger of the two moments."""
+        return max(self.at_backward_start_bytes, self.at_backward_end_bytes)
 
 
 def shard_elements(
@@ -112,40 +133,47 @@ def device_memory(
         stages = stage_layers(layer_costs, pipe, pipeline)
         first_layers = sum(len(stages[stage]) for stage in stages_of_process(0, pipe, pipeline.stages_per_process))
         activations *= first_layers / layers * pipeline.microbatches_in_flight(pipe, microbatches)
+    tensor_parallel = mesh_sizes.get("model", 1)
+    vocab_by_dim = model.vocab_size * model.dim
+    head_weights = vocab_by_dim * (1 if model.tie_embeddings else 2)  # the embedding and the head
+    data_parallel = math.prod(mesh_sizes.get(axis, 1) for axis in ("data", "fsdp", "expert"))
+    gathered = head_weights / tensor_parallel if data_parallel > 1 and pipe == 1 else 0
+    sharded = data_parallel * tensor_parallel > 1
+    head = 0 if model.adapter is not None else vocab_by_dim * (2 if sharded else 1)  # an adapter freezes it
     return DeviceMemory(
         parameter_bytes=FP32_BYTES * elements,
         gradient_bytes=FP32_BYTES * elements,
         optimizer_bytes=2 * FP32_BYTES * elements,
         activation_bytes=round(activations),
+        gathered_bytes=round(FP32_BYTES * gathered),
+        head_bytes=FP32_BYTES * head,
     )
 
 
 def activation_bytes(model: CausalLMConfig, batch: int, seq: int, tensor_parallel: int, precision: Precision) -> int:
-    """Activations the decoder keeps for the backward pass on one device, in ``precision``'s bytes.
+    """Activations the model keeps for the backward pass on one device, in ``precision``'s bytes.
 
-    Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models"),
-    tensor parallelism ``t`` without sequence parallelism (the presets keep the layer boundary
-    replicated over ``model``): per layer ``s*b*h*(5 + 12/t)`` values (the paper's
-    ``s*b*h*(10 + 24/t)`` bytes, counted at 2 bytes a value) for sequence ``s``, per-device batch
-    ``b`` and width ``h``. The paper's ``5*a*s/(h*t)`` term (the stored ``s x s`` attention scores,
-    softmax and dropout mask per head) is left out: attention here is
-    ``scaled_dot_product_attention``, whose fused kernels (flash / memory-efficient, chosen for
-    the causal mask on accelerators) keep O(s) state, not O(s^2). Under ``model/remat=full`` only
+    Each layer keeps what its config declares (``TransformerLayerConfig.saved_width``: its norms,
+    attention and feed-forward, each measured against the dry run of a layer of its kind), per
+    token of sequence ``seq`` and per-device batch ``batch``; the model adds its final norm's and
+    the fused head's gradient with respect to the hidden states. Attention's kernels keep O(s)
+    state (SDPA's fused kernels; on CUDA, grouped heads are repeated where SDPA would fall back to
+    its O(s^2) math kernel: ``axtorch.layers.attention_kernel``). Under ``model/remat=full`` only
     each layer's input (``s*b*h`` values) is kept, plus one layer's full set while it is
     recomputed; ``selective`` adds the named activations it keeps, as wide as the layers declare
     (``TransformerLayerConfig.activation_widths``: a mixture of experts keeps ``top_k`` experts' hidden).
-
-    An estimate: the constants are for a GPT layer (4h MLP, dropout); embedding, logits and loss
-    buffers, and the keys and values that context parallelism gathers, are not counted.
+    Not counted: the keys and values that context parallelism gathers.
     """
     value_bytes = precision.dtype.itemsize
-    s, b, h, t = seq, batch, model.dim, tensor_parallel
-    per_layer = value_bytes * s * b * h * (5 + 12 / t)
+    tokens, h, t = seq * batch, model.dim, tensor_parallel
     layers = model.decoder.layer_configs()
+    head_width = h + (model.decoder.final_norm or model.decoder.layer.norm).saved_width(h)
     remat = model.decoder.remat
     if remat is None:
-        return round(len(layers) * per_layer)
+        kept_width = sum(layer.saved_width(h, t) for layer in layers)
+        return round(value_bytes * tokens * (kept_width + head_width))
     saved: Iterable[str] = list(getattr(remat, "save", ()))
     # Each layer's own declaration (a name a layer does not give keeps nothing of it).
     kept_width = sum(h + sum(layer.activation_widths(h, t).get(name, 0.0) for name in saved) for layer in layers)
-    return round(value_bytes * s * b * kept_width + per_layer)
+    recomputed = max(layer.saved_width(h, t) for layer in layers)
+    return round(value_bytes * tokens * (kept_width + recomputed + head_width))

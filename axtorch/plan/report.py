@@ -26,12 +26,15 @@ def format_plan(result: Plan) -> str:
         f"activations ({result.compute_precision.value}, batch {result.batch_size} x seq {result.seq_len}, "
         f"remat={result.remat})"
     )
+    at_start = memory.at_backward_start_bytes >= memory.at_backward_end_bytes
     lines = [
         ("parameters (fp32)", memory.parameter_bytes),
-        ("gradients (fp32)", memory.gradient_bytes),
         ("AdamW state (2x fp32)", memory.optimizer_bytes),
         (activations, memory.activation_bytes),
-        ("total", memory.total_bytes),
+        ("embedding and head gathered by FSDP", memory.gathered_bytes),
+        ("output head's gradient, whole (fused loss)", memory.head_bytes),
+        ("gradients (fp32): at the backward's end, for the three above", memory.gradient_bytes),
+        (f"peak (at the backward's {'start' if at_start else 'end'})", memory.total_bytes),
     ]
     label_width = max(len(label) for label, _ in lines)
     return "\n".join(

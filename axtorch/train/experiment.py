@@ -82,7 +82,21 @@ class ExperimentConfig:
         self._validate_parallelism()
 
     def _validate_parallelism(self) -> None:
-        self.validate_mesh_fit()
+        self.validate_layers_against_mesh()
+        # Native context parallelism gives each process two of 2 x mesh.seq chunks, balancing
+        # causal attention's work; XLA splits the sequence dimension evenly.
+        chunks = self.mesh.seq * (2 if self.backend is BackendKind.native else 1)
+        if self.mesh.seq > 1 and self.data.seq_len % chunks:
+            raise ConfigError(
+                "data.seq_len",
+                self.data.seq_len,
+                f"a multiple of {chunks} with mesh.seq={self.mesh.seq} and backend={self.backend.value}",
+                reason=f"context parallelism cuts each sequence into {chunks} equal chunks",
+            )
+        if self.mesh.pipe > 1:
+            self._validate_pipeline()
+        if self.model.float8 is not None:
+            self._validate_float8(self.model.float8.recipe)
         frozen_base = self.model.frozen_base
         if frozen_base is not None and self.backend is not BackendKind.single:
             raise ConfigError(
@@ -105,27 +119,13 @@ class ExperimentConfig:
             # Where the environment already names the hosts; the backend checks again with the runtime's.
             XlaHosts(0, hosts).check_feedable({axis: getattr(self.mesh, axis) for axis in MESH_AXES})
 
-    def validate_mesh_fit(self) -> None:
-        """The mesh against the model and data: heads, sequence chunks, pipeline stages, float8.
+    def validate_layers_against_mesh(self) -> None:
+        """Each of the decoder's layer configs against the mesh (whole heads per model rank, ...).
 
         Also run by the planner and the dry run, which set the mesh of the cluster they plan for
         (``axtorch.plan.inputs``), not the one device of the machine they run on."""
         for layer in self.model.decoder.keyed_layer_configs("model.decoder").values():
             self._validate_layer_parallelism(layer)
-        # Native context parallelism gives each process two of 2 x mesh.seq chunks, balancing
-        # causal attention's work; XLA splits the sequence dimension evenly.
-        chunks = self.mesh.seq * (2 if self.backend is BackendKind.native else 1)
-        if self.mesh.seq > 1 and self.data.seq_len % chunks:
-            raise ConfigError(
-                "data.seq_len",
-                self.data.seq_len,
-                f"a multiple of {chunks} with mesh.seq={self.mesh.seq} and backend={self.backend.value}",
-                reason=f"context parallelism cuts each sequence into {chunks} equal chunks",
-            )
-        if self.mesh.pipe > 1:
-            self._validate_pipeline()
-        if self.model.float8 is not None:
-            self._validate_float8(self.model.float8.recipe)
 
     def _validate_layer_parallelism(self, layer: TransformerLayerConfig) -> None:
         """The mesh against one of the decoder's layer configs (each variant of a stack has its own)."""

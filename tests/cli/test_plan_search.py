@@ -49,12 +49,16 @@ def test_memory_and_step_time_follow_the_precision(precision, value_bytes, peak)
     planner, _ = _planner(["model=llama3_8b", f"trainer.precision={precision}"], "gpu-H100-8x1")
     candidate = planner.score({"pipe": 1, "data": 1, "fsdp": 8, "seq": 1, "expert": 1, "model": 1}, "fsdp", "none")
     assert candidate is not None
-    # 16 bytes of fp32 state per parameter, split 8 ways (the 65 norms of 4096 whole); activations
-    # 32 layers x s*h*(5 + 12) values (Korthikanti et al., t=1) in the compute precision.
-    parameters, norms = 8_030_261_248, 65 * 4096
-    state = 16 * ((parameters - norms) / 8 + norms)
-    activations = 32 * value_bytes * 8192 * 4096 * 17
-    assert candidate.memory_bytes == pytest.approx(state + activations, rel=1e-6)
+    # At the backward's start, 12 bytes of fp32 weights and AdamW moments per parameter, split 8
+    # ways (the 65 norms of 4096 whole; no gradient yet); activations in the compute precision,
+    # per token a layer's 6h + 2q + 2kv + 4H + heads + 2 x head_dim (92,448 values) and the
+    # model's 4h; the embedding and head FSDP gathers, and the fused loss's two whole head buffers.
+    parameters, norms, vocab_by_dim = 8_030_261_248, 65 * 4096, 128_256 * 4096
+    state = 12 * ((parameters - norms) / 8 + norms)
+    per_layer = 6 * 4096 + 2 * 4096 + 2 * 1024 + 4 * 14336 + 32 + 2 * 128
+    activations = value_bytes * 8192 * (32 * per_layer + 4 * 4096)
+    head = 4 * 2 * vocab_by_dim + 4 * 2 * vocab_by_dim
+    assert candidate.memory_bytes == pytest.approx(state + activations + head, rel=1e-6)
     # Compute runs at 70% of the precision's peak: 8 sequences of 8192 tokens over 8 devices.
     flops = planner.step_time.flops_per_token * 8 * 8192
     assert planner.step_time.peak_flops == pytest.approx(peak)

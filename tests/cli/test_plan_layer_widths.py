@@ -1,0 +1,59 @@
+"""The planner's activation model held to the dry run, one layer kind at a time.
+
+Each layer config declares what its backward keeps per token (``TransformerLayerConfig.saved_width``);
+the dry run of the same model with twice the layers measures it: the activations at its peak grow
+by one layer's worth per layer added. Small widths, so that each trace takes a few seconds, and
+tokens enough that the activations, not the weights and their gradients, make the peak.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from axtorch.plan import load_plan_inputs
+from axtorch.train.dry_run import dry_run
+
+BATCH, SEQ = 2, 256
+#: A Llama-style layer of distinct widths (model 128, 4 query heads of 32, 2 key/value heads, hidden 320).
+LLAMA = [
+    "model=llama_debug",
+    "model.dim=128",
+    "model.decoder.layer.attention.num_heads=4",
+    "model.decoder.layer.attention.num_kv_heads=2",
+    "model.decoder.layer.feed_forward.hidden_dim=320",
+]
+CASES = {
+    "rmsnorm-swiglu-rope-gqa": (LLAMA, 2),
+    "tensor-parallel": ([*LLAMA, "mesh.model=2", "sharding=fsdp_tp"], 2),
+    "gelu-mlp": ([*LLAMA, "model/ffn=gelu"], 2),
+    "layernorm": ([*LLAMA, "model/norm=layernorm"], 2),
+    "qk-norm": ([*LLAMA, "model/qk_norm=rmsnorm"], 2),
+    "mixture-of-experts": (["model=mixtral_tiny"], 2),
+    # Sandwich norms, query and key norms, a GELU-gated feed-forward, sliding windows: whole patterns.
+    "gemma3": (["model=gemma3_tiny"], 6),
+}
+
+
+def _activations(overrides: list[str], layers: int) -> tuple[int, float]:
+    """The dry run's activations at its peak, and the planner's width of one layer (values a token)."""
+    config, mesh = load_plan_inputs(
+        [
+            *overrides,
+            "backend=native",
+            f"model.decoder.num_layers={layers}",
+            f"trainer.batch_size={BATCH}",
+            f"data.seq_len={SEQ}",
+        ]
+    )
+    model = config.model
+    widths = {layer.saved_width(model.dim, mesh["model"]) for layer in model.decoder.layer_configs()}
+    return dry_run(config, mesh, steps=2).memory_at_peak["activations"], sum(widths) / len(widths)
+
+
+@pytest.mark.parametrize("case", CASES, ids=list(CASES))
+def test_a_layers_declared_activations_are_what_the_dry_run_finds_it_keeps(case):
+    overrides, layers = CASES[case]
+    fewer, width = _activations(overrides, layers)
+    more, _ = _activations(overrides, 2 * layers)
+    per_layer = (more - fewer) / layers / (BATCH * SEQ * 4)  # fp32 values a token
+    assert width == pytest.approx(per_layer, rel=0.03), (width, per_layer)
