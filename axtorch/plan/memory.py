@@ -139,7 +139,8 @@ def device_memory(
     data_parallel = math.prod(mesh_sizes.get(axis, 1) for axis in ("data", "fsdp", "expert"))
     gathered = head_weights / tensor_parallel if data_parallel > 1 and pipe == 1 else 0
     sharded = data_parallel * tensor_parallel > 1
-    head = 0 if model.adapter is not None else vocab_by_dim * (2 if sharded else 1)  # an adapter freezes it
+    # An adapter freezes the head; under stages it is the last process's, not the first (the busiest).
+    head = 0 if model.adapter is not None or pipe > 1 else vocab_by_dim * (2 if sharded else 1)
     return DeviceMemory(
         parameter_bytes=FP32_BYTES * elements,
         gradient_bytes=FP32_BYTES * elements,
