@@ -75,13 +75,18 @@ class SandwichNormResidualConfig(ResidualConfig):
         return SandwichNormResidual(self, norm, dim)
 
 
-def build_residual(config: Optional[ResidualConfig], norm: NormConfig, dim: int) -> nn.Module:
-    """``config``'s module for one sublayer; pre-norm without dropout when ``config`` is None.
+def resolved_residual(config: Optional[ResidualConfig]) -> ResidualConfig:
+    """``config``, or pre-norm without dropout when it is None.
 
     None is the layer config's default so that configs written in code (HF imports, tests) need
     not name a placement, while a Hydra choice can fill the slot with any of them.
     """
-    return (config if config is not None else PreNormResidualConfig()).build(norm, dim)
+    return config if config is not None else PreNormResidualConfig()
+
+
+def build_residual(config: Optional[ResidualConfig], norm: NormConfig, dim: int) -> nn.Module:
+    """``config``'s module for one sublayer (``resolved_residual``)."""
+    return resolved_residual(config).build(norm, dim)
 
 
 class PreNormResidual(nn.Module):

@@ -19,7 +19,7 @@ from axtorch.layers.feed_forward import FeedForwardConfig, FeedForwardInput
 from axtorch.layers.kv_cache import KVCache
 from axtorch.layers.norm import NormConfig
 from axtorch.layers.remat import ActivationWidths, RematConfig, combine_widths
-from axtorch.layers.residual import PreNormResidualConfig, ResidualConfig, build_residual
+from axtorch.layers.residual import ResidualConfig, build_residual, resolved_residual
 from axtorch.layers.seams import Seams
 from axtorch.layers.shared_values import SharedValues
 
@@ -42,7 +42,7 @@ class TransformerLayerConfig:
     def saved_width(self, dim: int, tensor_parallel: int = 1) -> float:
         """Values per token on one device that the layer's backward keeps without remat: its norms'
         (replicated under tensor parallelism), its attention's and its feed-forward's."""
-        norms = 2 * (self.residual or PreNormResidualConfig()).norms_per_sublayer
+        norms = 2 * resolved_residual(self.residual).norms_per_sublayer
         return (
             norms * self.norm.saved_width(dim)
             + self.attention.saved_width(dim, tensor_parallel)
