@@ -78,6 +78,11 @@ class FeedForwardConfig:
         """Values per token on one device that the backward keeps, without remat (``axtorch.plan.memory``)."""
         raise NotImplementedError(f"{type(self).__name__} is a slot type: choose a concrete feed-forward config")
 
+    def expert_parallel_held(self, dim: int, expert: int) -> tuple[float, int]:
+        """Under expert parallelism over ``expert`` processes, what the backward keeps beyond
+        ``saved_width``: values per token, and weight elements gathered whole. None for a dense block."""
+        return 0.0, 0
+
     def build(self, dim: int) -> nn.Module:
         raise NotImplementedError(f"{type(self).__name__} is a slot type: choose a concrete feed-forward config")
 

@@ -191,6 +191,12 @@ class MixtureOfExpertsConfig(FeedForwardConfig):
         shared = 0.0 if self.shared_experts is None else self.shared_experts.saved_width(dim, tensor_parallel)
         return routed + shared
 
+    def expert_parallel_held(self, dim: int, expert: int) -> tuple[float, int]:
+        """The rows sent back after the experts ran, and this process's experts' three weights, which
+        ``axtorch.parallel.experts`` gathers whole over the data-parallel axes and the products keep."""
+        rows = self.router.top_k * (self.capacity_factor or 1.0)
+        return rows * dim, self.num_experts // expert * 3 * dim * self.hidden_dim
+
     def activation_widths(self, dim: int, tensor_parallel: int = 1) -> ActivationWidths:
         """The routed experts' activations (``gated_mlp``) plus the shared experts' own, per token on one device.
 

@@ -29,13 +29,16 @@ CASES = {
     "layernorm": ([*LLAMA, "model/norm=layernorm"], 2),
     "qk-norm": ([*LLAMA, "model/qk_norm=rmsnorm"], 2),
     "mixture-of-experts": (["model=mixtral_tiny"], 2),
+    # Each process keeps its experts gathered whole, and the rows it sent back, for the backward.
+    "expert-parallel": (["model=mixtral_tiny", "mesh.expert=2", "sharding=fsdp_ep"], 2),
     # Sandwich norms, query and key norms, a GELU-gated feed-forward, sliding windows: whole patterns.
     "gemma3": (["model=gemma3_tiny"], 6),
 }
 
 
-def _activations(overrides: list[str], layers: int) -> tuple[int, float]:
-    """The dry run's activations at its peak, and the planner's width of one layer (values a token)."""
+def _activations(overrides: list[str], layers: int) -> tuple[int, float, int]:
+    """The dry run's activations at its peak, the planner's width of one layer (values a token) and
+    the tokens of this process's rows (under expert parallelism each takes its share of the batch)."""
     config, mesh = load_plan_inputs(
         [
             *overrides,
@@ -45,15 +48,19 @@ def _activations(overrides: list[str], layers: int) -> tuple[int, float]:
             f"data.seq_len={SEQ}",
         ]
     )
-    model = config.model
-    widths = {layer.saved_width(model.dim, mesh["model"]) for layer in model.decoder.layer_configs()}
-    return dry_run(config, mesh, steps=2).memory_at_peak["activations"], sum(widths) / len(widths)
+    model, tokens = config.model, BATCH * SEQ // mesh["expert"]
+    widths = []
+    for layer in model.decoder.layer_configs():
+        held_width, held_elements = layer.feed_forward.expert_parallel_held(model.dim, mesh["expert"])
+        held = held_width + held_elements / tokens if mesh["expert"] > 1 else 0.0
+        widths.append(layer.saved_width(model.dim, mesh["model"]) + held)
+    return dry_run(config, mesh, steps=2).memory_at_peak["activations"], sum(widths) / len(widths), tokens
 
 
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))
 def test_a_layers_declared_activations_are_what_the_dry_run_finds_it_keeps(case):
     overrides, layers = CASES[case]
-    fewer, width = _activations(overrides, layers)
-    more, _ = _activations(overrides, 2 * layers)
-    per_layer = (more - fewer) / layers / (BATCH * SEQ * 4)  # fp32 values a token
+    fewer, width, tokens = _activations(overrides, layers)
+    more, _, _ = _activations(overrides, 2 * layers)
+    per_layer = (more - fewer) / layers / (tokens * 4)  # fp32 values a token
     assert width == pytest.approx(per_layer, rel=0.03), (width, per_layer)
