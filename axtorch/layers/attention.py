@@ -88,6 +88,11 @@ class AttentionConfig:
         if self.kernel is not None:
             self.kernel.validate(f"{key}.kernel")
 
+    def _local_widths(self, dim: int, tensor_parallel: int) -> tuple[float, float]:
+        """Query and key (or value) features per token on one rank of ``tensor_parallel``."""
+        head_dim = self.resolved_head_dim(dim)
+        return self.num_heads * head_dim / tensor_parallel, self.resolved_kv_heads() * head_dim / tensor_parallel
+
     def saved_width(self, dim: int, tensor_parallel: int = 1) -> float:
         """Values per token on one device that the backward keeps, without remat (``axtorch.plan.memory``).
 
@@ -96,8 +101,7 @@ class AttentionConfig:
         O(s) state), the position encoding's tables and the query and key norms' own.
         """
         head_dim = self.resolved_head_dim(dim)
-        query = self.num_heads * head_dim / tensor_parallel
-        key_value = self.resolved_kv_heads() * head_dim / tensor_parallel
+        query, key_value = self._local_widths(dim, tensor_parallel)
         width = 2 * query + 2 * key_value + self.num_heads / tensor_parallel + self.position.saved_width(head_dim)
         # A query or key norm's output is kept by the next op that needs it, counted above.
         for norm, normed in ((self.query_norm, query), (self.key_norm, key_value)):
@@ -107,8 +111,7 @@ class AttentionConfig:
 
     def activation_widths(self, dim: int, tensor_parallel: int = 1) -> ActivationWidths:
         """The activations ``GroupedQueryAttention`` names for remat, in features per token on one device."""
-        query = self.num_heads * self.resolved_head_dim(dim) / tensor_parallel
-        key_value = self.resolved_kv_heads() * self.resolved_head_dim(dim) / tensor_parallel
+        query, key_value = self._local_widths(dim, tensor_parallel)
         return {
             "attention_query": query,
             "attention_key": key_value,

@@ -182,11 +182,15 @@ class MixtureOfExpertsConfig(FeedForwardConfig):
                 reason="there are no shared experts to gate",
             )
 
+    def rows_per_token(self) -> float:
+        """Expert rows computed per token: its ``top_k`` assignments, in buffers ``capacity_factor`` as large."""
+        return self.router.top_k * (self.capacity_factor or 1.0)
+
     def saved_width(self, dim: int, tensor_parallel: int = 1) -> float:
         """Per computed assignment a gated expert's four hidden widths and three of the model's (the
         dispatched row, the expert's output, its weighted copy); the router's scores and
         probabilities; the shared experts' own."""
-        rows = self.router.top_k * (self.capacity_factor or 1.0)
+        rows = self.rows_per_token()
         routed = rows * (4 * self.hidden_dim / tensor_parallel + 3 * dim) + 2 * self.num_experts
         shared = 0.0 if self.shared_experts is None else self.shared_experts.saved_width(dim, tensor_parallel)
         return routed + shared
@@ -194,7 +198,7 @@ class MixtureOfExpertsConfig(FeedForwardConfig):
     def expert_parallel_held(self, dim: int, expert: int) -> tuple[float, int]:
         """The rows sent back after the experts ran, and this process's experts' three weights, which
         ``axtorch.parallel.experts`` gathers whole over the data-parallel axes and the products keep."""
-        rows = self.router.top_k * (self.capacity_factor or 1.0)
+        rows = self.rows_per_token()
         return rows * dim, self.num_experts // expert * 3 * dim * self.hidden_dim
 
     def activation_widths(self, dim: int, tensor_parallel: int = 1) -> ActivationWidths:
@@ -203,7 +207,7 @@ class MixtureOfExpertsConfig(FeedForwardConfig):
         A token's ``top_k`` assignments are computed, each with ``hidden_dim`` hidden features;
         with a capacity, the experts' buffers hold ``capacity_factor`` times as many rows.
         """
-        rows = self.router.top_k * (self.capacity_factor or 1.0)
+        rows = self.rows_per_token()
         routed = {"feed_forward_hidden": rows * self.hidden_dim / tensor_parallel, "feed_forward_output": rows * dim}
         shared = {} if self.shared_experts is None else self.shared_experts.activation_widths(dim, tensor_parallel)
         return combine_widths(routed, shared)

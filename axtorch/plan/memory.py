@@ -136,16 +136,15 @@ def device_memory(
         activations *= first_layers / layers * pipeline.microbatches_in_flight(pipe, microbatches)
     # Expert parallelism (never with stages): each layer's returned rows, and its experts gathered whole.
     expert = mesh_sizes.get("expert", 1)
-    held = [layer.feed_forward.expert_parallel_held(model.dim, expert) for layer in model.decoder.layer_configs()]
-    if expert > 1:
-        activations += precision.dtype.itemsize * batch * seq * sum(width for width, _ in held)
+    layer_configs = model.decoder.layer_configs() if expert > 1 else []
+    held = [layer.feed_forward.expert_parallel_held(model.dim, expert) for layer in layer_configs]
+    activations += precision.dtype.itemsize * batch * seq * sum(width for width, _ in held)
     tensor_parallel = mesh_sizes.get("model", 1)
     vocab_by_dim = model.vocab_size * model.dim
     head_weights = vocab_by_dim * (1 if model.tie_embeddings else 2)  # the embedding and the head
     data_parallel = math.prod(mesh_sizes.get(axis, 1) for axis in ("data", "fsdp", "expert"))
     gathered = head_weights / tensor_parallel if data_parallel > 1 and pipe == 1 else 0
-    if expert > 1:
-        gathered += sum(elements for _, elements in held)
+    gathered += sum(elements for _, elements in held)
     sharded = data_parallel * tensor_parallel > 1
     # An adapter freezes the head; under stages it is the last process's, not the first (the busiest).
     head = 0 if model.adapter is not None or pipe > 1 else vocab_by_dim * (2 if sharded else 1)
