@@ -28,10 +28,20 @@ _FIXTURE_SECONDS = "axtorch_fixture_seconds"
 _CPU_SECONDS = "axtorch_cpu_seconds"
 
 
+_UNWAITED_CPU_SECONDS = [0.0]
+
+
+def count_unwaited_cpu_seconds(seconds: float) -> None:
+    """Add the CPU time of processes this one started but did not wait for (``forked_ranks.py``'s
+    ranks, which their fork server waits for)."""
+    _UNWAITED_CPU_SECONDS[0] += seconds
+
+
 def cpu_seconds() -> float:
-    """User and system time of this process and of the subprocesses it has waited for."""
+    """User and system time of this process, of the subprocesses it has waited for and of those counted
+    by ``count_unwaited_cpu_seconds``."""
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime + _UNWAITED_CPU_SECONDS[0]
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

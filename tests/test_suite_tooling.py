@@ -14,7 +14,7 @@ import pytest
 from tiers import check_marker_expression
 
 REPO = Path(__file__).resolve().parents[1]
-HELPERS = ("conftest.py", "xdist_scheduling.py", "suite_timing.py", "tiers.py")
+HELPERS = ("conftest.py", "xdist_scheduling.py", "suite_timing.py", "tiers.py", "forked_ranks.py")
 #: A module of three tests: one starts a Python process unmarked, one marked, one starts none.
 MODULE = """
 import subprocess
@@ -42,6 +42,21 @@ def test_starts_python_marked(slow_setup):
 def test_starts_nothing(slow_setup):
     pass
 """
+#: Ranks forked from a fork server (forked_ranks.py): the same mark, and their CPU counted.
+RANKS_MODULE = """
+import pytest
+from forked_ranks import run_ranks
+
+
+def test_forks_ranks_unmarked():
+    run_ranks(1, "spin.py")
+
+
+@pytest.mark.journey
+def test_forks_ranks_marked():
+    run_ranks(2, "spin.py")  # half a CPU-second in each rank
+"""
+SPIN = "import time; s = time.process_time(); any(time.process_time() - s >= 0.5 for _ in iter(int, 1))"
 
 
 def _suite(directory: Path) -> None:
@@ -49,6 +64,8 @@ def _suite(directory: Path) -> None:
         (directory / helper).write_text((REPO / "tests" / helper).read_text())
     (directory / "pytest.ini").write_text("[pytest]\nmarkers =\n    slow: slow\n    journey: journey\n")
     (directory / "test_processes.py").write_text(MODULE)
+    (directory / "test_ranks.py").write_text(RANKS_MODULE)
+    (directory / "spin.py").write_text(SPIN)
 
 
 def _pytest(directory: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -61,17 +78,19 @@ def test_an_unmarked_test_that_starts_a_process_fails_and_the_quick_tier_leaves_
     _suite(tmp_path)
     result = _pytest(tmp_path, "--durations=5", "--timings-json", "timings.json")
     assert result.returncode == 1, result.stdout + result.stderr
-    assert "1 failed, 2 passed" in result.stdout, result.stdout
+    assert "2 failed, 3 passed" in result.stdout, result.stdout
     assert "test_starts_python_unmarked starts a process" in result.stdout and "not marked journey" in result.stdout
+    assert "test_forks_ranks_unmarked starts a process" in result.stdout
     timings = json.loads((tmp_path / "timings.json").read_text())
-    assert set(timings["files"]) == {"test_processes.py"}
+    assert set(timings["files"]) == {"test_processes.py", "test_ranks.py"}
+    assert timings["cpu"]["test_ranks.py"] >= 1.0, timings  # the ranks, which the fork server waited for
     assert timings["fixtures"]["test_processes.slow_setup (module)"] >= 0.3
     # CPU seconds count the subprocess's spin, not the fixture's sleep
     assert 0.5 <= timings["cpu"]["test_processes.py"] <= timings["files"]["test_processes.py"] - 0.25, timings
     assert "where the time went" in result.stdout
 
     quick = _pytest(tmp_path, "-m", "not journey", "-k", "not unmarked")
-    assert "1 passed, 2 deselected" in quick.stdout, quick.stdout + quick.stderr
+    assert "1 passed, 4 deselected" in quick.stdout, quick.stdout + quick.stderr
 
 
 def test_a_marker_expression_naming_an_unknown_marker_is_refused_with_the_known_ones():

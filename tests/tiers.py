@@ -53,16 +53,20 @@ class JourneyGuard:
         guard = self
 
         def execute_child(popen, args, *rest, **options):
-            item = guard.current
-            if item is not None and item.get_closest_marker("journey") is None and _is_journey(_program(args)):
-                raise pytest.fail.Exception(
-                    f"{item.nodeid} starts a process ({_program(args)!r}: {args!r:.200}) but is not marked "
-                    "journey: add @pytest.mark.journey (or the module's pytestmark), which keeps it out of "
-                    "make test-quick (tests/tiers.py)"
-                )
+            guard.check(args)
             return guard.original(popen, args, *rest, **options)
 
         subprocess.Popen._execute_child = execute_child  # type: ignore[attr-defined]
+
+    def check(self, args) -> None:
+        """Fail the running test if the process ``args`` names is a journey and the test is not marked one."""
+        item = self.current
+        if item is not None and item.get_closest_marker("journey") is None and _is_journey(_program(args)):
+            raise pytest.fail.Exception(
+                f"{item.nodeid} starts a process ({_program(args)!r}: {args!r:.200}) but is not marked "
+                "journey: add @pytest.mark.journey (or the module's pytestmark), which keeps it out of "
+                "make test-quick (tests/tiers.py)"
+            )
 
     def _watching(self, item: pytest.Item):
         """Run a phase (set-up or call: a module fixture may start the processes) as ``item``'s."""
@@ -89,6 +93,16 @@ def check_marker_expression(config: pytest.Config) -> None:
         )
 
 
+_GUARDS: list[JourneyGuard] = []
+
+
+def check_journey(args) -> None:
+    """For processes started other than by ``subprocess`` (``forked_ranks.py``'s, from a fork server)."""
+    for guard in _GUARDS:
+        guard.check(args)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     check_marker_expression(config)
-    config.pluginmanager.register(JourneyGuard(), "axtorch-journey-guard")
+    _GUARDS.append(JourneyGuard())
+    config.pluginmanager.register(_GUARDS[-1], "axtorch-journey-guard")

@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 
 from debug_runs import STEPS, debug_overrides, train_losses, train_on_one_device
-from test_native_backend import _torchrun
+from test_native_backend import train_on_ranks
 from test_xla_backend import _xla
 
 
@@ -50,7 +50,7 @@ def main() -> None:
         _xla(devices, root / f"xla{index}.json", STEPS, debug_overrides(run_dirs[label], cache, *overrides))
     for index, (label, (processes, overrides)) in enumerate(native_runs.items()):
         run_dirs[label] = root / f"native{index}"
-        _torchrun(
+        train_on_ranks(
             processes,
             root / f"native{index}",
             STEPS,

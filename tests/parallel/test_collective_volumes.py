@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 from debug_runs import debug_overrides
+from forked_ranks import run_ranks
 from test_native_moe import MOE
-from torchrun_runs import run_torchrun
 
 from axtorch.parallel.pipeline_config import layer_ranges
 from axtorch.plan import Planner, cluster_for, load_plan_inputs
@@ -30,7 +30,7 @@ def _measured_and_predicted(
     overrides = (*overrides, f"sharding={sharding}")
     run_overrides = debug_overrides(tmp_path / "run", cache, "backend=native", *overrides)
     out = tmp_path / "volumes.json"
-    run_torchrun(PROCESSES, str(WORKER), str(out), *run_overrides, tail=12000)
+    run_ranks(PROCESSES, str(WORKER), str(out), *run_overrides, tail=12000)
     config, mesh = load_plan_inputs(["experiment=debug", *overrides])
     seq_len, batch = config.data.seq_len, config.trainer.batch_size
     planner = Planner(config, {sharding: config.sharding}, cluster_for(f"gpu-H100-{PROCESSES}x1"), seq_len, batch)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from debug_runs import STEPS, debug_overrides, train_losses, train_on_one_device
-from torchrun_runs import run_torchrun
+from forked_ranks import run_ranks
 from xla_runs import needs_xla, run_worker
 
 NATIVE_WORKER = Path(__file__).with_name("native_worker.py")
@@ -45,14 +45,14 @@ def assert_same_losses(run_dir: Path, expected: list[float]) -> None:
 def test_native_fsdp2_matches_one_device(single):
     root, cache, data, expected = single
     overrides = debug_overrides(root / "native", cache, "backend=native", "mesh.fsdp=2", *data)
-    run_torchrun(2, str(NATIVE_WORKER), str(root / "native"), str(STEPS), *overrides)
+    run_ranks(2, str(NATIVE_WORKER), str(root / "native"), str(STEPS), *overrides)
     assert_same_losses(root / "native", expected)
 
 
 def test_native_context_parallel_matches_one_device(single):
     root, cache, data, expected = single
     overrides = debug_overrides(root / "native_seq2", cache, "backend=native", "mesh.fsdp=2", "mesh.seq=2", *data)
-    run_torchrun(4, str(NATIVE_WORKER), str(root / "native_seq2"), str(STEPS), *overrides)
+    run_ranks(4, str(NATIVE_WORKER), str(root / "native_seq2"), str(STEPS), *overrides)
     assert_same_losses(root / "native_seq2", expected)
 
 
@@ -61,7 +61,7 @@ def test_native_pipeline_matches_one_device(single):
     positions with its activations."""
     root, cache, data, expected = single
     overrides = debug_overrides(root / "pp2", cache, "backend=native", "mesh.pipe=2", *data)
-    run_torchrun(2, str(NATIVE_WORKER), str(root / "pp2"), str(STEPS), *overrides)
+    run_ranks(2, str(NATIVE_WORKER), str(root / "pp2"), str(STEPS), *overrides)
     assert_same_losses(root / "pp2", expected)
 
 

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from torchrun_runs import run_torchrun
+from forked_ranks import run_ranks
 
 from axtorch.plan import load_plan_inputs
 from axtorch.train.dry_run import dry_run
@@ -32,7 +32,7 @@ def test_the_dry_runs_peak_and_collectives_are_a_real_runs(tmp_path, mesh):
     config, axes = load_plan_inputs(overrides)
     traced = dry_run(config, axes)
     out = tmp_path / "measured.json"
-    run_torchrun(traced.devices, str(WORKER), str(out), *overrides)
+    run_ranks(traced.devices, str(WORKER), str(out), *overrides)
     measured = json.loads(out.read_text())
 
     real_peak = sum(measured["memory_at_peak"].values())

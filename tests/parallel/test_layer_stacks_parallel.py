@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from debug_runs import STEPS, debug_overrides, train_losses, train_on_one_device
-from test_native_backend import _torchrun
+from test_native_backend import train_on_ranks
 from xla_runs import ROOT, XLA_PYTHON, needs_xla, xla_env
 
 from axtorch.compose.experiment_loader import load_experiment_config
@@ -38,7 +38,7 @@ def test_native_fsdp_losses_of_a_stack_match_a_single_device(tmp_path, data_cach
     cache = data_cache
     train_on_one_device(tmp_path / "single", cache, *STACK)
     overrides = debug_overrides(tmp_path / "fsdp2", cache, "backend=native", "mesh.fsdp=2", "sharding=fsdp", *STACK)
-    assert [report["step"] for report in _torchrun(2, tmp_path / "fsdp2", STEPS, overrides)] == [STEPS, STEPS]
+    assert [report["step"] for report in train_on_ranks(2, tmp_path / "fsdp2", STEPS, overrides)] == [STEPS, STEPS]
     single, sharded = train_losses(tmp_path / "single"), train_losses(tmp_path / "fsdp2")
     assert len(single) == len(sharded) == STEPS
     torch.testing.assert_close(torch.tensor(sharded), torch.tensor(single), rtol=1e-5, atol=1e-5)
@@ -54,7 +54,7 @@ def test_native_pipeline_splits_a_stack_by_its_layers_cost(tmp_path, data_cache)
     cache = data_cache
     train_on_one_device(tmp_path / "single", cache, *stack)
     overrides = debug_overrides(tmp_path / "pp2", cache, "backend=native", "mesh.pipe=2", *stack)
-    reports = _torchrun(2, tmp_path / "pp2", STEPS, overrides)
+    reports = train_on_ranks(2, tmp_path / "pp2", STEPS, overrides)
     config = load_experiment_config(overrides)
     ranges = layer_ranges(layer_flops_per_token(config.model, config.data.seq_len), 2, None)
     assert ranges == [range(0, 1), range(1, 4)]

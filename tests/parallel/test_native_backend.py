@@ -1,4 +1,4 @@
-"""The native backend under torchrun (gloo on CPU): loss parity with one device, real sharding,
+"""The native backend on several gloo ranks: loss parity with one device, real sharding,
 and checkpoints that move between meshes."""
 
 import json
@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 from debug_runs import STEPS, assert_weights_match_one_device, debug_overrides, train_losses, train_on_one_device
-from torchrun_runs import TORCHRUN_EXECUTABLE, run_torchrun
+from forked_ranks import run_ranks
+from torchrun_runs import TORCHRUN_EXECUTABLE
 
 from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.layers.transformer import TransformerLayerInput, TransformerLayerOutput
@@ -24,8 +25,8 @@ pytestmark = pytest.mark.journey
 WORKER = Path(__file__).with_name("native_worker.py")
 
 
-def _torchrun(processes: int, out: Path, until: int, overrides: list[str]) -> list[dict]:
-    run_torchrun(processes, str(WORKER), str(out), str(until), *overrides)
+def train_on_ranks(processes: int, out: Path, until: int, overrides: list[str]) -> list[dict]:
+    run_ranks(processes, str(WORKER), str(out), str(until), *overrides)
     return [json.loads(out.with_name(f"{out.name}.rank{r}.json").read_text()) for r in range(processes)]
 
 
@@ -37,7 +38,7 @@ def runs(tmp_path_factory, data_cache):
     train_on_one_device(root / "single", cache)
     # Plain fsdp=2 runs in the kill, preemption and launcher tests; here FSDP is in every row.
     reports = {
-        "fsdp2_tp2": _torchrun(
+        "fsdp2_tp2": train_on_ranks(
             4,
             root / "fsdp2_tp2",
             STEPS,
@@ -46,28 +47,28 @@ def runs(tmp_path_factory, data_cache):
             ),
         ),
         # Tensor parallelism alone: DTensor weights beside plain-tensor norms in one optimizer.
-        "tp2": _torchrun(
+        "tp2": train_on_ranks(
             2,
             root / "tp2",
             STEPS,
             debug_overrides(root / "tp2", cache, "backend=native", "mesh.model=2", "sharding=fsdp_tp"),
         ),
         # Context parallelism: each sequence split over 2 processes, FSDP over fsdp x seq.
-        "fsdp2_seq2": _torchrun(
+        "fsdp2_seq2": train_on_ranks(
             4,
             root / "fsdp2_seq2",
             STEPS,
             debug_overrides(root / "fsdp2_seq2", cache, "backend=native", "mesh.fsdp=2", "mesh.seq=2"),
         ),
         # Pipeline: 2 stages of one layer, each sharded over fsdp=2 (1F1B, 4 micro-batches).
-        "pp2_fsdp2": _torchrun(
+        "pp2_fsdp2": train_on_ranks(
             4,
             root / "pp2_fsdp2",
             STEPS,
             debug_overrides(root / "pp2_fsdp2", cache, "backend=native", "mesh.pipe=2", "mesh.fsdp=2", "sharding=fsdp"),
         ),
         # HSDP: sharded within each of 2 groups, replicated across them.
-        "hsdp": _torchrun(
+        "hsdp": train_on_ranks(
             4,
             root / "hsdp",
             STEPS,
@@ -123,7 +124,7 @@ def test_checkpoint_moves_between_meshes_and_training_continues_alike(runs, tmp_
     to_single = tmp_path / "to_single"
     shutil.copytree(root / "fsdp2_tp2" / "checkpoints", to_native / "checkpoints")
     shutil.copytree(root / "pp2_fsdp2" / "checkpoints", to_single / "checkpoints")
-    _torchrun(
+    train_on_ranks(
         4,
         tmp_path / "resumed",
         STEPS + 3,
@@ -181,7 +182,7 @@ def test_a_low_precision_policy_shards_with_fsdp_and_trains_as_one_device_does(
     # not compared here and were most of the time (while CPU float8 matmuls ran torch's ~0.2 s kernel).
     policy = (*override.split(), "trainer.eval_batches=1")
     train_on_one_device(tmp_path / "single", cache, *policy)
-    reports = _torchrun(
+    reports = train_on_ranks(
         2,
         tmp_path / "fsdp2",
         STEPS,

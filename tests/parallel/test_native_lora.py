@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from debug_runs import STEPS, debug_overrides, train_losses, train_on_one_device
-from torchrun_runs import run_torchrun
+from forked_ranks import run_ranks
 from xla_runs import needs_xla, run_worker
 
 from axtorch.compose.experiment_loader import load_experiment_config
@@ -32,7 +32,7 @@ def test_lora_under_fsdp_trains_as_one_device_does(tmp_path, data_cache):
     train_on_one_device(tmp_path / "single", cache, *LORA)
     out = tmp_path / "fsdp2"
     overrides = debug_overrides(out, cache, "backend=native", "mesh.fsdp=2", "sharding=fsdp", *LORA)
-    run_torchrun(2, str(WORKER), str(out), str(STEPS), *overrides)
+    run_ranks(2, str(WORKER), str(out), str(STEPS), *overrides)
     reports = [json.loads(out.with_name(f"fsdp2.rank{r}.json").read_text()) for r in range(2)]
     assert [report["step"] for report in reports] == [STEPS, STEPS]
     for report in reports:  # each rank holds half of the base and of the adapters, and their moments only
@@ -49,7 +49,7 @@ def test_lora_under_fsdp_and_tensor_parallelism_trains_as_one_device_does(tmp_pa
     train_on_one_device(tmp_path / "single", cache, *LORA)
     out = tmp_path / "fsdp2_tp2"
     mesh = ("backend=native", "mesh.fsdp=2", "mesh.model=2", "sharding=fsdp_tp")
-    run_torchrun(4, str(WORKER), str(out), str(STEPS), *debug_overrides(out, cache, *mesh, *LORA))
+    run_ranks(4, str(WORKER), str(out), str(STEPS), *debug_overrides(out, cache, *mesh, *LORA))
     reports = [json.loads(out.with_name(f"fsdp2_tp2.rank{r}.json").read_text()) for r in range(4)]
     assert [report["step"] for report in reports] == [STEPS] * 4
     # A quarter of every tensor but those whole over `model`, of which half: the norms, and the

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from debug_runs import STEPS, debug_overrides, train_losses, train_on_one_device
-from torchrun_runs import run_torchrun
+from forked_ranks import run_ranks
 
 from axtorch.train.checkpoint import read_model_tensors
 
@@ -55,9 +55,7 @@ def test_mixture_of_experts_losses_match_a_single_device(processes, mesh, one_de
     cache = data_cache
     train_on_one_device(tmp_path / "single", cache, *MOE, *one_device)
     out = tmp_path / "distributed"
-    run_torchrun(
-        processes, str(WORKER), str(out), str(STEPS), *debug_overrides(out, cache, "backend=native", *mesh, *MOE)
-    )
+    run_ranks(processes, str(WORKER), str(out), str(STEPS), *debug_overrides(out, cache, "backend=native", *mesh, *MOE))
     single, distributed = train_losses(tmp_path / "single"), train_losses(out)
     assert len(single) == len(distributed) == STEPS
     torch.testing.assert_close(torch.tensor(distributed), torch.tensor(single), rtol=1e-5, atol=1e-5)

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 from debug_runs import STEPS, debug_overrides, train_losses, train_on_one_device
-from test_native_backend import _torchrun
+from test_native_backend import train_on_ranks
 
 from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.config.errors import ConfigError
@@ -38,7 +38,7 @@ def test_each_schedule_matches_a_single_device(schedule, tmp_path, data_cache):
     cache = data_cache
     train_on_one_device(tmp_path / "single", cache, FOUR_LAYERS)
     overrides = debug_overrides(tmp_path / "pp2", cache, "backend=native", "mesh.pipe=2", FOUR_LAYERS, *schedule)
-    reports = _torchrun(2, tmp_path / "pp2", STEPS, overrides)
+    reports = train_on_ranks(2, tmp_path / "pp2", STEPS, overrides)
     assert [report["step"] for report in reports] == [STEPS, STEPS]
     single, piped = train_losses(tmp_path / "single"), train_losses(tmp_path / "pp2")
     assert len(single) == len(piped) == STEPS

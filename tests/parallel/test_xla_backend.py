@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from debug_runs import STEPS, assert_weights_match_one_device, debug_overrides, train_losses, train_on_one_device
-from torchrun_runs import run_torchrun
+from forked_ranks import run_ranks
 from xla_runs import ROOT, XLA_PYTHON, needs_xla, preempted_checkpoint, run_worker, wait_for_steps, xla_env
 
 from axtorch.compose.experiment_loader import load_experiment_config
@@ -145,7 +145,7 @@ def test_xla_checkpoint_resumes_under_native_and_on_one_device(runs, tmp_path, d
     to_native, to_single = tmp_path / "to_native", tmp_path / "to_single"
     for target in (to_native, to_single):
         shutil.copytree(root / "xla_fsdp4" / "checkpoints", target / "checkpoints")
-    run_torchrun(
+    run_ranks(
         2,
         str(NATIVE_WORKER),
         str(tmp_path / "native"),

@@ -6,7 +6,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-from torchrun_runs import run_torchrun
+from forked_ranks import run_ranks
 
 from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.train.metrics import read_metrics
@@ -62,8 +62,8 @@ def test_a_resumed_streaming_run_matches_an_uninterrupted_one(corpus, tmp_path):
     assert resumed.final_eval_loss == whole.final_eval_loss
 
 
-def _torchrun(corpus: Path, run_dir: Path, *extra: str) -> None:
-    run_torchrun(
+def _train_two_ranks(corpus: Path, run_dir: Path, *extra: str) -> None:
+    run_ranks(
         2, "-m", "axtorch.train", *overrides(corpus, run_dir, "backend=native", "mesh.fsdp=2", "sharding=fsdp", *extra)
     )
 
@@ -71,7 +71,7 @@ def _torchrun(corpus: Path, run_dir: Path, *extra: str) -> None:
 @pytest.mark.slow
 def test_two_processes_train_a_streamed_corpus_as_one_does(corpus, tmp_path):
     Trainer(load_experiment_config(overrides(corpus, tmp_path / "one"))).fit()
-    _torchrun(corpus, tmp_path / "two")
+    _train_two_ranks(corpus, tmp_path / "two")
     assert metric(tmp_path / "two", "train/loss") == pytest.approx(metric(tmp_path / "one", "train/loss"), rel=1e-4)
     assert metric(tmp_path / "two", "eval/loss") == pytest.approx(metric(tmp_path / "one", "eval/loss"), rel=1e-4)
     # The two processes' checkpoint resumes on one process: the data position of every virtual stream is in it.
