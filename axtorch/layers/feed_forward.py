@@ -79,8 +79,9 @@ class FeedForwardConfig:
         raise NotImplementedError(f"{type(self).__name__} is a slot type: choose a concrete feed-forward config")
 
     def expert_parallel_held(self, dim: int, expert: int) -> tuple[float, int]:
-        """Under expert parallelism over ``expert`` processes, what the backward keeps beyond
-        ``saved_width``: values per token, and weight elements gathered whole. None for a dense block."""
+        """Under expert parallelism over ``expert`` processes, what it holds beyond ``saved_width``:
+        values per token kept for the backward, and weight elements gathered whole while this
+        layer runs. None for a dense block."""
         return 0.0, 0
 
     def build(self, dim: int) -> nn.Module:

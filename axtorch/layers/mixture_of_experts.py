@@ -196,8 +196,9 @@ class MixtureOfExpertsConfig(FeedForwardConfig):
         return routed + shared
 
     def expert_parallel_held(self, dim: int, expert: int) -> tuple[float, int]:
-        """The rows sent back after the experts ran, and this process's experts' three weights, which
-        ``axtorch.parallel.experts`` gathers whole over the data-parallel axes and the products keep."""
+        """The rows sent back after the experts ran (kept for the backward), and this process's
+        experts' three weights, which ``axtorch.parallel.experts`` gathers whole over the
+        data-parallel axes for this layer's forward and again for its backward."""
         rows = self.rows_per_token()
         return rows * dim, self.num_experts // expert * 3 * dim * self.hidden_dim
 

@@ -5,7 +5,9 @@ the batch and route their own tokens. A mixture-of-experts layer then hands its 
 expert, to ``ExpertParallelCompute``, which sends each row to the process that holds its expert
 (an all-to-all with uneven splits), runs the local experts there, and sends the outputs back
 (a second all-to-all). Both exchanges carry gradients, so backward runs the same route reversed.
-Dropless routing is per token, so the losses equal one device's. With a capacity, each process
+Dropless routing is per token, so the losses equal one device's. A layer's local experts are
+gathered whole for its forward and again for its backward, so that at most one layer's are held
+(``_RegatheredInBackward``). With a capacity, each process
 fills its experts' buffers from its own rows, as every data-parallel replica does: the capacity
 counts a process's tokens, like one device's micro-batch of those rows (the xla backend, one
 program over the global batch, counts the whole batch instead).
@@ -13,6 +15,9 @@ program over the global batch, counts the whole batch instead).
 
 from __future__ import annotations
 
+import weakref
+from collections import Counter
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -35,6 +40,48 @@ class _ScaleGradient(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad * ctx.scale, None
+
+
+class _RegatheredInBackward:
+    """Saved-tensor hooks under which autograd keeps no view of this process's gathered experts.
+
+    The expert products save their weights for the backward; kept, every layer's gathered experts
+    would stay from its forward to its backward (21 GiB a device for mixtral_8x7b at fsdp=8 x
+    expert=8). Packed instead as where the view sits in its weight, they are gathered again when
+    the backward first needs one of them, once for all their views, and dropped after the last:
+    a second all-gather of each layer's experts, as FSDP's backward does for every other weight.
+    """
+
+    def __init__(self, gathered: list[torch.Tensor], gather: Callable[[int], torch.Tensor]):
+        # A view is found again in a contiguous copy of its base, so only a contiguous base is let go;
+        # and only weakly referenced here, since the backward's graph holds these hooks.
+        roots = [tensor if tensor._base is None else tensor._base for tensor in gathered]
+        self.roots = [weakref.ref(root) if root.is_contiguous() else None for root in roots]
+        self.gather = gather
+        self.pending: Counter[int] = Counter()
+        self.regathered: dict[int, torch.Tensor] = {}
+
+    def pack(self, tensor: torch.Tensor) -> Any:
+        for index, root_ref in enumerate(self.roots):
+            root = None if root_ref is None else root_ref()
+            if root is not None and (tensor is root or tensor._base is root):
+                self.pending[index] += 1
+                offset = tensor.storage_offset() - root.storage_offset()
+                return index, tuple(tensor.shape), tensor.stride(), offset
+        return tensor
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed
+        index, shape, stride, offset = packed
+        if index not in self.regathered:
+            with torch.no_grad():
+                self.regathered[index] = self.gather(index)
+        whole = self.regathered[index]
+        self.pending[index] -= 1
+        if not self.pending[index]:
+            del self.regathered[index]
+        return whole.as_strided(shape, stride, whole.storage_offset() + offset)
 
 
 def _exchange(rows: torch.Tensor, send: list[int], receive: list[int], group: dist.ProcessGroup) -> torch.Tensor:
@@ -77,13 +124,16 @@ class ExpertParallelCompute:
                 for sender in range(self.size)
             ]
         ).to(rows.device)
-        weights = [self._local(cast(DTensor, w)) for w in (experts.gate_proj, experts.up_proj, experts.down_proj)]
+        stacked = [cast(DTensor, w) for w in (experts.gate_proj, experts.up_proj, experts.down_proj)]
+        weights = [self._local(weight) for weight in stacked]
         per_expert = [sum(incoming_counts[sender][e] for sender in range(self.size)) for e in range(local)]
         by_expert = received[order].split(per_expert)
-        outputs = [
-            gated_mlp(group, weights[0][e], weights[1][e], weights[2][e], experts.config.activation)
-            for e, group in enumerate(by_expert)
-        ]
+        hooks = _RegatheredInBackward(weights, lambda index: self._gather(stacked[index]).to_local().contiguous())
+        with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
+            outputs = [
+                gated_mlp(group, weights[0][e], weights[1][e], weights[2][e], experts.config.activation)
+                for e, group in enumerate(by_expert)
+            ]
         computed = torch.cat(outputs) if outputs else received[:0]
         back = torch.empty_like(computed).index_copy(0, order, computed)
         return _exchange(back, receive, send, self.group)
@@ -103,8 +153,11 @@ class ExpertParallelCompute:
         dist.all_to_all_single(incoming, counts, group=self.group)
         return incoming.view(self.size, local).tolist(), counts.view(self.size, local).sum(1).tolist()
 
+    def _gather(self, weight: DTensor) -> DTensor:
+        """This process's experts of a stacked weight, whole: replicated over ``data`` and ``fsdp``."""
+        return weight.redistribute(self.mesh, [Replicate(), Replicate(), Shard(0)])
+
     def _local(self, weight: DTensor) -> torch.Tensor:
         """This process's experts, whole, of a stacked weight; their gradient summed and scaled."""
-        whole = weight.redistribute(self.mesh, [Replicate(), Replicate(), Shard(0)])
-        local = whole.to_local(grad_placements=[Partial(), Partial(), Shard(0)])
+        local = self._gather(weight).to_local(grad_placements=[Partial(), Partial(), Shard(0)])
         return _ScaleGradient.apply(local, self.gradient_scale)

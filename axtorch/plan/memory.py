@@ -36,10 +36,12 @@ class DeviceMemory:
     optimizer_bytes: int
     activation_bytes: int
     #: The root's embedding and output head, gathered whole over the data-parallel axes by FSDP,
-    #: and under expert parallelism each layer's local experts (kept for the backward).
+    #: and under expert parallelism one layer's local experts (gathered for its forward, and again
+    #: for its backward).
     gathered_bytes: int = 0
-    #: The fused output head's whole ``[vocab, dim]`` weight gradient, computed in the forward
-    #: (``axtorch.train.head_cross_entropy``), and under sharding a whole copy beside it.
+    #: The fused output head's ``[vocab, dim]`` weight gradient (each process's rows under tensor
+    #: parallelism), computed in the forward (``axtorch.train.head_cross_entropy``), and under FSDP
+    #: a copy beside it.
     head_bytes: int = 0
 
     @property
@@ -144,17 +146,20 @@ def device_memory(
     head_weights = vocab_by_dim * (1 if model.tie_embeddings else 2)  # the embedding and the head
     data_parallel = math.prod(mesh_sizes.get(axis, 1) for axis in ("data", "fsdp", "expert"))
     gathered = head_weights / tensor_parallel if data_parallel > 1 and pipe == 1 else 0
-    gathered += sum(elements for _, elements in held)
-    sharded = data_parallel * tensor_parallel > 1
-    # An adapter freezes the head; under stages it is the last process's, not the first (the busiest).
-    head = 0 if model.adapter is not None or pipe > 1 else vocab_by_dim * (2 if sharded else 1)
+    if mesh_sizes.get("fsdp", 1) > 1:  # split over fsdp, one layer's experts are gathered at a time
+        gathered += max((elements for _, elements in held), default=0)
+    # The fused loss's head gradient: each process's vocabulary rows under tensor parallelism
+    # (axtorch/parallel/vocab_shards.py), and beside it under FSDP the copy it reduce-scatters. An
+    # adapter freezes the head; under stages it is the last process's, not the first (the busiest).
+    frozen_or_elsewhere = model.adapter is not None or pipe > 1
+    head = 0 if frozen_or_elsewhere else vocab_by_dim / tensor_parallel * (2 if data_parallel > 1 else 1)
     return DeviceMemory(
         parameter_bytes=FP32_BYTES * elements,
         gradient_bytes=FP32_BYTES * elements,
         optimizer_bytes=2 * FP32_BYTES * elements,
         activation_bytes=round(activations),
         gathered_bytes=round(FP32_BYTES * gathered),
-        head_bytes=FP32_BYTES * head,
+        head_bytes=round(FP32_BYTES * head),
     )
 
 

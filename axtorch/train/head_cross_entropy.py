@@ -5,6 +5,11 @@ training step's largest tensors. Here each chunk of tokens is projected, its los
 gradients with respect to the hidden states and the head are computed at once, and the chunk's
 logits are dropped: memory holds one chunk's logits, never all of them, and no matmul is
 recomputed in the backward pass (which only scales the stored gradients).
+
+A head split over its vocabulary by tensor parallelism stays split: each process projects onto
+its own rows, the softmax's maximum and sum are reduced over the processes (with the target's
+logit, which one of them holds), and each keeps the gradient of its own rows only
+(``axtorch/parallel/vocab_shards.py``).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from typing import Any, Optional
 import torch
 
 from axtorch.parallel.tensor_shards import is_distributed
+from axtorch.parallel.vocab_shards import VocabShard, vocab_shard
 
 
 class _HeadCrossEntropy(torch.autograd.Function):
@@ -29,6 +35,7 @@ class _HeadCrossEntropy(torch.autograd.Function):
         normalizer: torch.Tensor,  # scalar: the losses are sums divided by it
         chunk_size: int,
         wanted: tuple[bool, bool, bool],  # which of hidden, weight, bias need a gradient
+        shard: Optional[VocabShard],  # weight and bias are these rows of the vocabulary
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         ce_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
         z_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -46,12 +53,19 @@ class _HeadCrossEntropy(torch.autograd.Function):
             targets = labels[start : start + chunk_size]
             logits = torch.nn.functional.linear(rows, weight, bias).float()
             valid = targets != ignore_index
-            safe_targets = torch.where(valid, targets, 0)
-            target_logits = logits.gather(1, safe_targets.unsqueeze(1)).squeeze(1)
+            local_targets = targets if shard is None else targets - shard.offset
+            here = valid & (local_targets >= 0) & (local_targets < weight.shape[0])  # the target is a row of ours
+            safe_targets = torch.where(here, local_targets, 0)
+            target_logits = torch.where(here, logits.gather(1, safe_targets.unsqueeze(1)).squeeze(1), 0.0)
             # Softmax in place: one [chunk, vocab] buffer, no temporaries of its size.
             row_max = logits.amax(1, keepdim=True)
+            if shard is not None:
+                shard.reduce_max_(row_max)
             probs = logits.sub_(row_max).exp_()
             sums = probs.sum(1, keepdim=True)
+            if shard is not None:  # one reduction for both: each row's sum, and its target's logit
+                reduced = shard.reduce_sum_(torch.cat([sums, target_logits.unsqueeze(1)], dim=1))
+                sums, target_logits = reduced[:, :1], reduced[:, 1]
             log_z = (row_max + sums.log()).squeeze(1)
             ce_sum += torch.where(valid, log_z - target_logits, 0.0).sum()
             if z_loss_weight > 0:
@@ -62,7 +76,7 @@ class _HeadCrossEntropy(torch.autograd.Function):
             probs.div_(sums)
             if z_loss_weight > 0:
                 probs.mul_((1.0 + 2.0 * z_loss_weight * log_z).unsqueeze(1))
-            probs.scatter_add_(1, safe_targets.unsqueeze(1), torch.full_like(log_z, -1.0).unsqueeze(1))
+            probs.scatter_add_(1, safe_targets.unsqueeze(1), -here.to(probs.dtype).unsqueeze(1))
             grad_logits = probs.mul_((valid * scale).unsqueeze(1)).to(rows.dtype)
             if grad_hidden is not None:
                 grad_hidden[start : start + chunk_size] = grad_logits @ weight.to(rows.dtype)
@@ -72,6 +86,8 @@ class _HeadCrossEntropy(torch.autograd.Function):
                 grad_weight += (grad_logits.t() @ rows).float()
             if grad_bias is not None:
                 grad_bias += grad_logits.sum(0)
+        if grad_hidden is not None and shard is not None:  # each process's rows gave a part of it
+            shard.reduce_sum_(grad_hidden)
         # Held on ctx, not saved: backward hands them on as the gradients themselves, and with no
         # other reference left autograd adopts them instead of copying (the head's gradient is large).
         ctx.grads = (grad_hidden, grad_weight, grad_bias)
@@ -90,7 +106,7 @@ class _HeadCrossEntropy(torch.autograd.Function):
             None if grad_weight is None else grad_weight.mul_(grad_loss).to(weight_dtype),
             None if grad_bias is None else grad_bias.mul_(grad_loss).to(bias_dtype),
         )
-        return (*grads, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None)
 
 
 def head_cross_entropy(
@@ -109,10 +125,13 @@ def head_cross_entropy(
     Each is a sum over the valid tokens divided by ``normalizer``.
 
     ``hidden`` is ``[N, D]`` and ``labels`` ``[N]``. Only ``loss`` is differentiable, and only
-    the inputs that require a gradient get one (a frozen head's is never computed). A head
-    sharded by tensor parallelism (a DTensor) is gathered whole here: its gradient returns
-    through the gather, sharded again.
+    the inputs that require a gradient get one (a frozen head's is never computed). A head split
+    over its vocabulary rows (tensor parallelism) stays split; one sharded any other way (a
+    DTensor) is gathered whole here, and its gradient returns through the gather, sharded again.
     """
+    shard = vocab_shard(weight, bias)
+    if shard is not None:
+        weight, bias = shard.weight, shard.bias
     if is_distributed(weight):
         weight = weight.full_tensor()
     if bias is not None and is_distributed(bias):
@@ -124,5 +143,5 @@ def head_cross_entropy(
         grad_enabled and bias is not None and bias.requires_grad,
     )
     return _HeadCrossEntropy.apply(
-        hidden, weight, bias, labels, ignore_index, z_loss_weight, normalizer, chunk_size, wanted
+        hidden, weight, bias, labels, ignore_index, z_loss_weight, normalizer, chunk_size, wanted, shard
     )

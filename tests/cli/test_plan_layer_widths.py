@@ -8,6 +8,8 @@ tokens enough that the activations, not the weights and their gradients, make th
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from axtorch.plan import load_plan_inputs
@@ -29,11 +31,17 @@ CASES = {
     "layernorm": ([*LLAMA, "model/norm=layernorm"], 2),
     "qk-norm": ([*LLAMA, "model/qk_norm=rmsnorm"], 2),
     "mixture-of-experts": (["model=mixtral_tiny"], 2),
-    # Each process keeps its experts gathered whole, and the rows it sent back, for the backward.
-    "expert-parallel": (["model=mixtral_tiny", "mesh.expert=2", "sharding=fsdp_ep"], 2),
+    # Each process keeps the rows it sent back for the backward; its experts, gathered whole over
+    # fsdp, it gathers again there rather than keeping them (the activations do not grow by them).
+    "expert-parallel": (["model=mixtral_tiny", "mesh.fsdp=2", "mesh.expert=2", "sharding=fsdp_ep"], 2),
     # Sandwich norms, query and key norms, a GELU-gated feed-forward, sliding windows: whole patterns.
     "gemma3": (["model=gemma3_tiny"], 6),
 }
+
+
+def _replicas(overrides: list[str]) -> int:
+    """Data-parallel replicas other than ``expert`` (whose processes split the batch without raising it)."""
+    return math.prod(int(o.split("=")[1]) for o in overrides if o.startswith(("mesh.data=", "mesh.fsdp=")))
 
 
 def _activations(overrides: list[str], layers: int) -> tuple[int, float, int]:
@@ -44,15 +52,15 @@ def _activations(overrides: list[str], layers: int) -> tuple[int, float, int]:
             *overrides,
             "backend=native",
             f"model.decoder.num_layers={layers}",
-            f"trainer.batch_size={BATCH}",
+            f"trainer.batch_size={BATCH * _replicas(overrides)}",
             f"data.seq_len={SEQ}",
         ]
     )
-    model, tokens = config.model, BATCH * SEQ // mesh["expert"]
+    model, tokens = config.model, BATCH * SEQ * _replicas(overrides) // (mesh["data"] * mesh["fsdp"] * mesh["expert"])
     widths = []
     for layer in model.decoder.layer_configs():
-        held_width, held_elements = layer.feed_forward.expert_parallel_held(model.dim, mesh["expert"])
-        held = held_width + held_elements / tokens if mesh["expert"] > 1 else 0.0
+        held_width, _ = layer.feed_forward.expert_parallel_held(model.dim, mesh["expert"])  # experts: one layer's
+        held = held_width if mesh["expert"] > 1 else 0.0
         widths.append(layer.saved_width(model.dim, mesh["model"]) + held)
     return dry_run(config, mesh, steps=2).memory_at_peak["activations"], sum(widths) / len(widths), tokens
 
