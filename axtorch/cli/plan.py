@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
@@ -38,6 +38,7 @@ from axtorch.cli.train import split_arguments
 from axtorch.config.errors import ConfigError
 from axtorch.plan import DeviceMemory, Planner, cluster_for, format_candidates, format_plan, load_plan_inputs, plan
 from axtorch.plan.check import check_plan, check_refusal, format_check, global_rows, runs_by_default
+from axtorch.train.dry_run import DryRunReport
 from axtorch.train.experiment import ExperimentConfig
 
 
@@ -126,8 +127,11 @@ def checked(
     config_dirs: Sequence[str],
     planned_total: float,
     planned: Optional[DeviceMemory] = None,
+    step_time: Optional[tuple[dict[str, float], Callable[[DryRunReport], dict[str, float]]]] = None,
 ) -> Optional[str]:
-    """The dry run's check of a plan (``PlanOptions.check``), why there is none, or None with ``check=false``."""
+    """The dry run's check of a plan (``PlanOptions.check``), why there is none, or None with ``check=false``.
+
+    ``step_time``: the plan's step time by cause, and how to price a dry run's step the same way."""
     if options.check is False:
         return None
     if refusal := check_refusal(config, mesh):
@@ -141,7 +145,8 @@ def checked(
             f"95 s on 2 CPU cores); check=true runs it"
         )
     check = check_plan(overrides, rows, seq_len, options.devices, config_dirs)
-    return format_check(check, planned_total, planned)
+    step_seconds = None if step_time is None else (step_time[0], step_time[1](check.report))
+    return format_check(check, planned_total, planned, step_seconds)
 
 
 def search_report(overrides: Sequence[str], options: PlanOptions, config_dirs: Sequence[str] = ()) -> str:
@@ -171,7 +176,10 @@ def search_report(overrides: Sequence[str], options: PlanOptions, config_dirs: S
     with_best = [*overrides, *best.overrides()]
     best_config, _ = load_plan_inputs(with_best, cluster.devices, config_dirs)
     rows, seq_len = planner.global_batch, planner.seq_len
-    check = checked(with_best, best_config, best.mesh, rows, seq_len, options, config_dirs, best.memory_bytes)
+    step_time = best.parts, lambda traced: planner.step_time.traced_parts(best.mesh, traced.flops, traced.collectives)
+    check = checked(
+        with_best, best_config, best.mesh, rows, seq_len, options, config_dirs, best.memory_bytes, step_time=step_time
+    )
     return report if check is None else f"{report}\n{check}"
 
 

@@ -105,9 +105,15 @@ def planned_by_kind(memory: DeviceMemory) -> dict[str, int]:
     }
 
 
-def format_check(check: PlanCheck, planned_total: float, planned: Optional[DeviceMemory] = None) -> str:
+def format_check(
+    check: PlanCheck,
+    planned_total: float,
+    planned: Optional[DeviceMemory] = None,
+    step_seconds: Optional[tuple[dict[str, float], dict[str, float]]] = None,
+) -> str:
     """The planner's per-device memory (by kind where ``planned`` is given) and the dry run's, side
-    by side, with the command that runs the dry run again."""
+    by side, with the command that runs the dry run again; and ``step_seconds``, the step time by
+    cause from the planner's formulas and from the dry run's FLOPs and collectives."""
     traced = by_kind(check.report)
     priced = planned_by_kind(planned) if planned is not None else {}
     width = max(len(kind) for kind in traced)
@@ -121,6 +127,8 @@ def format_check(check: PlanCheck, planned_total: float, planned: Optional[Devic
     peak = check.report.peak_bytes
     lines.append(f"  {'peak':<{width}}  {planned_total / GIB:9.3f}  {peak / GIB:9.3f}")
     lines.append(f"  the planner's peak is {planned_total / peak:.2f}x the dry run's: the dry run's is the program's")
+    if step_seconds is not None:
+        lines.extend(_step_lines(*step_seconds))
     if check.remat:
         lines.append(
             "  except under remat: torch's memory tracker reads a remat run higher than the same run without it, "
@@ -128,3 +136,21 @@ def format_check(check: PlanCheck, planned_total: float, planned: Optional[Devic
             "(docs/parallelism.md)"
         )
     return "\n".join(lines)
+
+
+def _step_lines(planned: dict[str, float], traced: dict[str, float]) -> list[str]:
+    # Compute always; another cause where it takes a thousandth of the step (a gradient norm's
+    # all-reduced scalars do not).
+    every = [*planned, *(cause for cause in traced if cause not in planned)]
+    least = 1e-3 * max(sum(planned.values()), sum(traced.values()))
+    causes = [c for c in every if c == "compute" or max(planned.get(c, 0.0), traced.get(c, 0.0)) >= least]
+    width = max(len(cause) for cause in [*causes, "step time, seconds"])
+    lines = [f"  {'step time, seconds':<{width}}  {'planner':>9}  {'dry run':>9}"]
+    for cause in causes:
+        lines.append(f"  {cause:<{width}}  {planned.get(cause, 0.0):9.4g}  {traced.get(cause, 0.0):9.4g}")
+    lines.append(f"  {'step':<{width}}  {sum(planned.values()):9.4g}  {sum(traced.values()):9.4g}")
+    lines.append(
+        "  the dry run's column prices the traced program's FLOPs and collectives (the bytes of each, over the "
+        "slowest link its group spans) with the planner's rates"
+    )
+    return lines

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Optional
 
 from axtorch.layers.transformer import TransformerLayerConfig
 from axtorch.parallel.pipeline_config import PipelineConfig
@@ -27,6 +28,9 @@ from axtorch.plan.cluster import Cluster
 from axtorch.plan.memory import process_parameter_names, shard_elements, stage_layers
 from axtorch.train.config import Precision
 from axtorch.train.experiment import ExperimentConfig
+
+if TYPE_CHECKING:
+    from axtorch.train.dry_run import CollectiveCount
 
 #: Forward-and-backward work per remat policy, relative to none.
 RECOMPUTE = {"none": 1.0, "selective": 1.1, "full": 4 / 3}
@@ -98,6 +102,30 @@ class StepTimeModel:
             parts[name] = volume / self.cluster.bandwidth(mesh, _LINKS[name])
         return parts
 
+    def traced_parts(
+        self, mesh: dict[str, int], flops: float, collectives: Sequence[CollectiveCount]
+    ) -> dict[str, float]:
+        """Seconds of the step by cause as ``parts`` gives them, from a dry run of the step
+        (``axtorch.train.dry_run``) instead of the formulas: the FLOPs it traced on one device
+        (recomputation included) at ``kernel_efficiency`` of the peak, and each collective's bytes
+        sent (``CollectiveCount.sent_bytes``) over the slowest link its group spans. FSDP's gathers
+        and reduce-scatters and HSDP's all-reduce overlap with compute, as in ``parts``."""
+        compute = flops / (self.peak_flops * self.kernel_efficiency)
+        parts = {"compute": compute}
+        overlapped = 0.0
+        for collective in collectives:
+            axes = collective.axes.split("+") if collective.axes else []
+            if not axes:
+                continue  # a single device's
+            seconds = collective.sent_bytes / min(self.cluster.bandwidth(mesh, axis) for axis in axes)
+            cause = _traced_cause(collective.kind, axes)
+            if cause is None:
+                overlapped += seconds
+            else:
+                parts[cause] = parts.get(cause, 0.0) + seconds
+        parts["fsdp/data exposed"] = max(0.0, overlapped - compute)
+        return parts
+
     def device_parameter_elements(self, mesh: dict[str, int], specs: Mapping[str, PartitionSpec]) -> dict[str, int]:
         """Elements of each parameter the first pipeline process holds (all of them without stages)."""
         pipe, pipeline = mesh["pipe"], PipelineConfig()
@@ -130,8 +158,8 @@ class StepTimeModel:
         experts = sum(n for name, n in self.device_parameter_elements(mesh, specs).items() if is_expert(name))
         if shard_group > 1:  # gather twice (forward, backward) and reduce-scatter once
             fsdp = (2 * self.gather_bytes + self.reduce_bytes) * managed * (shard_group - 1) / shard_group
-            # An expert weight is gathered over fsdp once (backward keeps the forward's), its gradient reduce-scattered.
-            volumes["fsdp"] = fsdp + 2 * 4 * experts * (mesh["fsdp"] - 1)
+            # An expert weight is gathered over fsdp twice (forward, backward), its gradient reduce-scattered.
+            volumes["fsdp"] = fsdp + 3 * 4 * experts * (mesh["fsdp"] - 1)
         if mesh["data"] > 1:  # HSDP: all-reduce the shard's gradients across the replicas
             shard = managed / shard_group + experts
             volumes["data"] = 2 * shard * self.reduce_bytes * (mesh["data"] - 1) / mesh["data"]
@@ -167,15 +195,16 @@ class StepTimeModel:
 
         A row-parallel projection all-reduces its output forward; a column-parallel one its input's
         gradient backward, each on its own (q, k and v: three); the vocab-parallel embedding its
-        output. The head's weight is gathered whole for the fused loss (without ``loss.chunk_size``,
-        its logits are gathered and its input's gradient all-reduced instead).
+        output. The fused loss keeps the head split over its vocabulary and all-reduces each
+        token's maximum, sum and target logit (fp32) and the hidden states' gradient (without
+        ``loss.chunk_size``, the logits are gathered and their input's gradient all-reduced).
         """
 
         def split(name: str) -> bool:
             return any(axes and "model" in axes for axes in specs.get(name, ()))
 
         dim, vocab = self.config.model.dim, self.config.model.vocab_size
-        # The embedding's output and the gathered head weight are in the weights' dtype: what FSDP gathers, else fp32.
+        # The embedding's output is in the weights' dtype: what FSDP gathers, else fp32.
         fsdp = mesh["data"] * mesh["fsdp"] * mesh["seq"] * mesh["expert"] > 1
         weight_bytes = self.gather_bytes if fsdp else 4
         layer = [name for name in self.shapes if name.startswith("decoder.layers.0.") and name.endswith(".weight")]
@@ -183,11 +212,11 @@ class StepTimeModel:
         all_reduced += split("embedding.weight") * local * dim * weight_bytes
         gathered = 0.0
         if mesh["pipe"] == 1 and split("lm_head.weight"):  # with stages, the head is the last's, not the busiest's
+            all_reduced += local * dim * self.activation_bytes
             if self.config.loss.chunk_size is None:
-                all_reduced += local * dim * self.activation_bytes
                 gathered = local * vocab * self.activation_bytes
             else:
-                gathered = vocab * dim * weight_bytes
+                all_reduced += local * 3 * 4
         t = mesh["model"]
         return (2 * all_reduced + gathered) * (t - 1) / t
 
@@ -197,3 +226,21 @@ def _mean_over_layers(
 ) -> float:
     """A per-layer quantity averaged over a stack's layers (its variants may differ in it)."""
     return sum(value(layer) for layer in layers) / len(layers)
+
+
+def _traced_cause(kind: str, axes: list[str]) -> Optional[str]:
+    """The cause a traced collective counts under in ``StepTimeModel.parts``' terms; None for what
+    overlaps with compute (FSDP's gathers and reduce-scatters, HSDP's all-reduce over ``data``)."""
+    if axes == ["model"]:
+        return "tensor parallel"
+    if kind == "all-to-all":
+        return "expert all-to-all"
+    if kind in ("send", "recv"):
+        return "pipeline sends"
+    if axes == ["seq"]:  # the keys and values gathered, their gradients reduced
+        return "context parallel"
+    if kind in ("all-gather", "reduce-scatter") and set(axes) <= {"fsdp", "seq", "expert"}:
+        return None
+    if kind == "all-reduce" and axes == ["data"]:
+        return None
+    return f"{kind} over {'+'.join(axes)}"

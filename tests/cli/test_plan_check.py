@@ -61,3 +61,8 @@ def test_the_searchs_best_mesh_is_checked():
     assert set(best) - {"trainer.precision=fp32"} <= set(arguments)  # the best mesh, as its rule runs it
     assert {"trainer.batch_size=64", "data.seq_len=256"} <= set(arguments)
     assert _dry_run_peak(report) > 0
+    # The step time from the formulas beside the one priced from the traced FLOPs and collectives.
+    compute = re.search(r"^  compute +(\S+) +(\S+)$", report, flags=re.MULTILINE)
+    assert compute is not None and "step time, seconds" in report, report
+    planned, traced = map(float, compute.groups())
+    assert planned > 0 and traced == pytest.approx(planned, rel=0.25), report  # FLOPs counted and computed

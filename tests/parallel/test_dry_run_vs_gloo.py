@@ -39,10 +39,10 @@ def test_the_dry_runs_peak_and_collectives_are_a_real_runs(tmp_path, mesh):
     assert traced.peak_bytes == pytest.approx(real_peak, rel=0.10), (traced.memory_at_peak, measured["memory_at_peak"])
     for kind in ("parameters", "optimizer state"):
         assert traced.memory_at_peak[kind] == pytest.approx(measured["memory_at_peak"][kind], rel=0.10), kind
-    real_collectives = {c["kind"]: c for c in measured["collectives"]}
-    assert {c.kind for c in traced.collectives} == set(real_collectives)
+    real_collectives = {(c["kind"], c["axes"]): c for c in measured["collectives"]}
+    assert {(c.kind, c.axes) for c in traced.collectives} == set(real_collectives)
     for sent in traced.collectives:
-        real = real_collectives[sent.kind]
+        real = real_collectives[sent.kind, sent.axes]
         assert sent.count == real["count"], (sent, real)
         assert sent.bytes == pytest.approx(real["bytes"], rel=0.10), (sent, real)
     assert traced.flops == pytest.approx(measured["flops"], rel=0.10)

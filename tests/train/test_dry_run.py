@@ -15,6 +15,7 @@ from axtorch.config.errors import ConfigError
 from axtorch.plan import load_plan_inputs
 from axtorch.train.dry_run import dry_run, format_report
 from axtorch.train.exit_codes import ExitCode
+from axtorch.train.flops import model_flops_per_token
 from axtorch.train.trainer import build_model
 
 DEBUG = ["experiment=debug", "backend=native"]
@@ -64,6 +65,11 @@ def test_a_rank_of_four_computes_a_quarter_of_the_one_device_steps_flops(fsdp4):
     config, mesh = load_plan_inputs(DEBUG)
     one_device = dry_run(config, mesh)
     assert report.flops == pytest.approx(one_device.flops / 4, rel=1e-6)
+    # Every matmul counted, the fused loss's in-place head gradient and the CPU attention kernels
+    # among them: the step's FLOPs are the model's (6 per weight and token, and the attention's).
+    tokens = config.trainer.batch_size * config.data.seq_len
+    formula = model_flops_per_token(config.model, config.data.seq_len) * tokens
+    assert one_device.flops == pytest.approx(formula, rel=0.03)
     said = format_report(report)
     assert "dry run: 4 devices (mesh fsdp=4)" in said and "no data read, no checkpoint written" in said
 
@@ -80,6 +86,8 @@ def test_a_rank_of_a_two_axis_mesh_of_four_holds_a_quarter_of_the_weights(axes, 
     whole = _parameter_bytes(DEBUG)
     assert whole / 4 <= report.memory_at_peak["parameters"] <= whole / 4 * 1.1, (report.memory_at_peak, whole)
     assert collective in {c.kind for c in report.collectives}, report.collectives
+    axis = axes[0].split(".")[1].split("=")[0]
+    assert f"{collective} over {axis} x" in format_report(report)  # named by the mesh axis its group spans
     assert f"dry run: 4 devices (mesh fsdp=2 {axes[0].split('.')[1]})" in format_report(report)
 
 

@@ -1,0 +1,38 @@
+"""The planner's step time priced from a dry run's FLOPs and collectives (``StepTimeModel.traced_parts``):
+each collective's bytes sent over the slowest link its group's mesh axes cross, FSDP's gathers
+overlapping with compute as in the formula's own estimate."""
+
+import pytest
+
+from axtorch.plan import cluster_for, load_plan_inputs
+from axtorch.plan.step_time import StepTimeModel
+from axtorch.train.dry_run import CollectiveCount
+
+MESH = {"pipe": 1, "data": 1, "fsdp": 4, "seq": 1, "expert": 1, "model": 8}
+
+
+def test_a_dry_runs_collectives_are_priced_on_the_links_their_mesh_axes_cross():
+    config, _ = load_plan_inputs(["model=llama3_8b"])
+    cluster = cluster_for("gpu-H100-8x4")  # 8 devices a host: model=8 on the fast links, fsdp across hosts
+    model = StepTimeModel(config, {}, cluster, 4096, 32, flops_per_token=1.0, layer_costs=[1])
+    fast, network = cluster.device.fast_bandwidth, cluster.device.network_bandwidth
+    one_second = model.peak_flops * model.kernel_efficiency
+    collectives = [
+        CollectiveCount("all-reduce", 10, bytes=8 * 10**9, axes="model", group_size=8),
+        CollectiveCount("all-gather", 4, bytes=12 * 10**9, axes="fsdp", group_size=4),
+        CollectiveCount("reduce-scatter", 2, bytes=6 * 10**9, axes="fsdp", group_size=4),
+        CollectiveCount("all-reduce", 2, bytes=8, axes="fsdp+model", group_size=32),  # scalars, over the world
+    ]
+    parts = model.traced_parts(MESH, one_second, collectives)
+    assert parts["compute"] == pytest.approx(1.0)
+    assert parts["tensor parallel"] == pytest.approx(2 * 8e9 * 7 / 8 / fast)  # a ring all-reduce sends 2 (n-1)/n
+    fsdp = (12e9 + 6e9) * 3 / 4 / network  # what FSDP sends, hidden behind the compute up to its length
+    assert parts["fsdp/data exposed"] == pytest.approx(max(0.0, fsdp - 1.0))
+    assert parts["all-reduce over fsdp+model"] == pytest.approx(2 * 8 * 31 / 32 / network)
+    assert set(parts) == {"compute", "tensor parallel", "fsdp/data exposed", "all-reduce over fsdp+model"}
+
+
+def test_sends_count_whole_and_one_device_collectives_not_at_all():
+    assert CollectiveCount("send", 3, bytes=100, axes="pipe", group_size=2).sent_bytes == 100
+    assert CollectiveCount("all-gather", 3, bytes=100, axes="", group_size=1).sent_bytes == 0
+    assert CollectiveCount("all-to-all", 1, bytes=100, axes="expert", group_size=4).sent_bytes == 75
