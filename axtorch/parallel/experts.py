@@ -15,6 +15,7 @@ program over the global batch, counts the whole batch instead).
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections import Counter
 from collections.abc import Callable
@@ -60,6 +61,14 @@ class _RegatheredInBackward:
         self.gather = gather
         self.pending: Counter[int] = Counter()
         self.regathered: dict[int, torch.Tensor] = {}
+
+    def installed(self) -> contextlib.AbstractContextManager[Any]:
+        """These hooks, or none inside a remat region: checkpoint's own saved-tensor hooks keep
+        nothing for the backward, which runs the forward again, gathers included, and hooks of
+        ours would keep what they drop."""
+        if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+            return contextlib.nullcontext()
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
     def pack(self, tensor: torch.Tensor) -> Any:
         for index, root_ref in enumerate(self.roots):
@@ -129,7 +138,7 @@ class ExpertParallelCompute:
         per_expert = [sum(incoming_counts[sender][e] for sender in range(self.size)) for e in range(local)]
         by_expert = received[order].split(per_expert)
         hooks = _RegatheredInBackward(weights, lambda index: self._gather(stacked[index]).to_local().contiguous())
-        with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
+        with hooks.installed():
             outputs = [
                 gated_mlp(group, weights[0][e], weights[1][e], weights[2][e], experts.config.activation)
                 for e, group in enumerate(by_expert)

@@ -22,8 +22,7 @@ def _expert_outputs(params, rows, hooked: bool, gathers: list[int]):
         return params[index].detach().clone()
 
     hooks = _RegatheredInBackward(whole, gather)
-    hooked_context = torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack)
-    with hooked_context if hooked else contextlib.nullcontext():
+    with hooks.installed() if hooked else contextlib.nullcontext():
         out = torch.cat(
             [gated_mlp(group, whole[0][e], whole[1][e], whole[2][e], Activation.silu) for e, group in enumerate(rows)]
         )
@@ -54,3 +53,22 @@ def test_gathered_experts_are_gathered_again_in_the_backward_with_the_same_gradi
     assert sorted(gathers) == [0, 1, 2]  # once a weight, for all its experts' views
     for tensor, grad in zip((*params, *rows), expected):  # the weights' gradients and the rows'
         torch.testing.assert_close(tensor.grad, grad)
+
+
+def test_under_remat_the_experts_are_left_to_the_recomputation():
+    """Inside a checkpointed region nothing is kept for the backward (which runs the forward again,
+    gathers included): the hooks stand aside, and checkpoint's own keep nothing of the experts."""
+    generator = torch.Generator().manual_seed(0)
+    params = [
+        torch.randn(shape, generator=generator, requires_grad=True) for shape in [(2, 6, 4), (2, 6, 4), (2, 4, 6)]
+    ]
+    rows = [torch.randn(n, 4, generator=generator, requires_grad=True) for n in (3, 5)]
+    gathers: list[int] = []
+
+    def forward():
+        return _expert_outputs(params, rows, hooked=True, gathers=gathers)[0]
+
+    out = torch.utils.checkpoint.checkpoint(forward, use_reentrant=False)
+    out.square().sum().backward()
+    assert gathers == []  # the recomputed forward had its weights: nothing gathered again
+    assert all(param.grad is not None for param in params)
