@@ -207,7 +207,8 @@ def test_a_node_that_never_comes_back_leaves_the_job_waiting_says_what_to_do_and
         assert "axtorch-failures" not in record.get("Comment", ""), record
         said = f"axtorch: node node1 stopped responding; Slurm requeues job {job}, which waits for 2 nodes"
         assert said in output and f"scancel {job}, then sbatch --nodes=<fewer>" in output, output[-3000:]
-        assert "preempted" not in output, output[-3000:]
+        # Not reported as a preemption (a survivor's traceback may quote the trainer's source, which names it).
+        assert "preempted by" not in output and "was preempted" not in output, output[-3000:]
         checkpoints = sorted((run_dir / "checkpoints").glob("step_*"))
         assert checkpoints and all(not checkpoint_problems(c) for c in checkpoints), checkpoints
         slurm.scancel(str(job))

@@ -80,7 +80,8 @@ def _losses_by_step(run_dir: Path) -> dict[int, float]:
 
 def _lose_a_node_then_rerun(run_dir: Path, cache: Path, start: Callable[..., list[Node]]) -> LostNode:
     """2 nodes under FSDP: node 1 killed whole once step 3 is logged (a checkpoint of step 2 behind
-    it), node 0's end timed; then both nodes started again, with the launcher's default timeout."""
+    it, or of step 4 when that step completes as the kill lands), node 0's end timed; then both nodes
+    started again, with the launcher's default timeout."""
     extra = (*FSDP4, "trainer.checkpoint_every=2")
     # store_first (the default): node 0 hosts the rendezvous store, so losing node 1 is a join timeout.
     nodes = start(2, 2, run_dir, cache, *extra, env={"RDZV_JOIN_TIMEOUT": str(JOIN_TIMEOUT_S)})
@@ -88,11 +89,12 @@ def _lose_a_node_then_rerun(run_dir: Path, cache: Path, start: Callable[..., lis
     while max(_losses_by_step(run_dir), default=0) < 3:
         assert nodes[1].process.poll() is None and time.monotonic() < deadline, nodes[0].tail() + nodes[1].tail()
         time.sleep(0.01)
-    killed_after_step = max(_losses_by_step(run_dir))
     kill_node(nodes[1])
     killed_at = time.monotonic()
     status = nodes[0].wait(RUN_TIMEOUT_S)
     survivor = (status, time.monotonic() - killed_at, nodes[0].tail(20000))
+    # Read once node 0 has ended too: a step (and its checkpoint) may complete while the kill lands.
+    killed_after_step = max(_losses_by_step(run_dir))
     whole = [path for path in (run_dir / "checkpoints").glob("step_*") if not checkpoint_problems(path)]
     newest_checkpoint = max((int(path.name.removeprefix("step_")) for path in whole), default=0)
     rerun = start(2, 2, run_dir, cache, *extra, store_first=False)
