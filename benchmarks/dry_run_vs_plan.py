@@ -1,6 +1,6 @@
 """The planner's per-device memory against the dry run's, for the same model, mesh and batch.
 
-    .venv/bin/python benchmarks/dry_run_vs_plan.py [--rows 8b 70b gemma3] [--steps 2]
+    .venv/bin/python benchmarks/dry_run_vs_plan.py [--rows 8b 70b gemma3] [--steps 1]
 
 ``axtorch-plan`` prices a formula of the model (``axtorch.plan.memory``); the dry run
 (``axtorch-train dry_run=true``, ``axtorch.train.dry_run``) traces the real training step on fake
@@ -102,7 +102,7 @@ def _gib(total: int, parts: dict[str, int]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS))
-    parser.add_argument("--steps", type=int, default=2, help="training steps the dry run traces (default 2)")
+    parser.add_argument("--steps", type=int, default=1, help="steps traced, the optimizer state made first")
     args = parser.parse_args()
     print(
         "| row | mesh | planner GiB/device | dry run GiB/device (rank 0, its peak) | planner / dry run | dry run took |"

@@ -35,8 +35,8 @@ class DryRunOptions:
     devices: Optional[int] = None
     #: The hardware id whose device memory the peak must fit (``gpu-H100-8x8``); default: ``mesh_rules.hardware``.
     hardware: Optional[str] = None
-    #: Training steps traced; from the second on, the optimizer state exists as in the steady state.
-    steps: int = 2
+    #: Training steps traced, each with the optimizer state made first, as in the steady state.
+    steps: int = 1
 
 
 def split_dry_run_options(argv: Sequence[str]) -> tuple[list[str], DryRunOptions]:

@@ -141,8 +141,8 @@ def checked(
     if options.check is None and not runs_by_default(config):
         layers = config.model.decoder.num_layers
         return (
-            f"not checked by the dry run: {layers} layers trace in over a minute (a 70B model's 80 take about "
-            f"95 s on 2 CPU cores); check=true runs it"
+            f"not checked by the dry run: {layers} layers trace in about a minute (a 70B model's 80 take about "
+            f"60 s on 2 CPU cores); check=true runs it"
         )
     check = check_plan(overrides, rows, seq_len, options.devices, config_dirs)
     step_seconds = None if step_time is None else (step_time[0], step_time[1](check.report))

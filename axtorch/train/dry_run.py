@@ -36,7 +36,7 @@ from axtorch.parallel.backend_kind import BackendKind
 from axtorch.parallel.chips import GIB
 from axtorch.parallel.fake_world import fake_world, memory_tracker
 from axtorch.train.experiment import ExperimentConfig
-from axtorch.train.optimizer import build_optimizer
+from axtorch.train.optimizer import build_optimizer, create_state
 from axtorch.train.step import TrainStep
 from axtorch.train.trainer import build_parallel_model, build_run_backend, rows_per_replica
 
@@ -213,7 +213,7 @@ def _collective_kind(op_name: str) -> Optional[str]:
     return next((kind for prefix, kind in _COLLECTIVES.items() if name.lstrip("_").startswith(prefix)), None)
 
 
-def dry_run(config: ExperimentConfig, mesh: dict[str, int], steps: int = 2) -> DryRunReport:
+def dry_run(config: ExperimentConfig, mesh: dict[str, int], steps: int = 1) -> DryRunReport:
     """Trace ``steps`` training steps of ``config`` as rank 0 of ``mesh``'s devices."""
     if config.backend is BackendKind.xla:
         raise ConfigError(
@@ -245,7 +245,7 @@ def dry_run(config: ExperimentConfig, mesh: dict[str, int], steps: int = 2) -> D
     return DryRunReport(devices, mesh, steps, memory, collectives, flops)
 
 
-def measured_run(config: ExperimentConfig, mesh: dict[str, int], steps: int = 2) -> DryRunReport:
+def measured_run(config: ExperimentConfig, mesh: dict[str, int], steps: int = 1) -> DryRunReport:
     """``steps`` real training steps of ``config`` on this process's rank of the process group its
     launcher started (torchrun), measured with the dry run's own tools on real tensors and real
     collectives: what the dry run is held to (tests/parallel/test_dry_run_vs_gloo.py)."""
@@ -263,6 +263,9 @@ def _measure(config: ExperimentConfig, steps: int, fake: bool) -> tuple[dict[str
         model = build_parallel_model(config, backend, fill=not fake)
         optimizer = build_optimizer(model, config.optim)
         backend.prepare_optimizer(optimizer)
+        # The optimizer state exists before the trace, as from the second step on: one traced
+        # step is the steady state (tracing the step that creates it took as long again).
+        create_state(optimizer)
         work = TrainStep(
             config, backend, model, config.loss.build(), optimizer, rows // config.trainer.grad_accum_steps
         )
@@ -304,8 +307,9 @@ def format_report(report: DryRunReport, capacity_bytes: Optional[float] = None, 
     """The report as the command prints it: memory by kind per traced rank, collectives, FLOPs, the fit."""
     split = " ".join(f"{axis}={size}" for axis, size in report.mesh.items() if size != 1) or "one device"
     lines = [
-        f"dry run: {report.devices} devices (mesh {split}), {report.steps} steps traced on fake tensors, "
-        "the real program on torch's fake process group; no data read, no checkpoint written",
+        f"dry run: {report.devices} devices (mesh {split}), {report.steps} step{'s' * (report.steps != 1)} traced "
+        "on fake tensors (the optimizer state made first), the real program on torch's fake process group; "
+        "no data read, no checkpoint written",
     ]
     unit, scale = ("GiB", GIB) if report.peak_bytes >= GIB else ("MiB", 2**20)
     lines.append(f"rank 0 (every rank holds the same shapes), {unit} at the step's peak:")

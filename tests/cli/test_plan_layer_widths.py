@@ -62,7 +62,7 @@ def _activations(overrides: list[str], layers: int) -> tuple[int, float, int]:
         held_width, _ = layer.feed_forward.expert_parallel_held(model.dim, mesh["expert"])  # experts: one layer's
         held = held_width if mesh["expert"] > 1 else 0.0
         widths.append(layer.saved_width(model.dim, mesh["model"]) + held)
-    return dry_run(config, mesh, steps=2).memory_at_peak["activations"], sum(widths) / len(widths), tokens
+    return dry_run(config, mesh).memory_at_peak["activations"], sum(widths) / len(widths), tokens
 
 
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))
