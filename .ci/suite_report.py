@@ -1,6 +1,8 @@
 """The end of ``make test``: the phase table, where the suites' time went, and coverage per package.
 
-- Phases: each phase's wall time and status (.ci/phase.sh writes them), and the whole run's.
+- Phases: each phase's wall time, how busy the machine's cores were meanwhile (every process's
+  share, so a phase beside another counts both) and status (.ci/phase.sh writes them), and the
+  whole run's. Cores far from 100% busy mean waiting: work could have filled them.
 - Where the time went: each test file's total wall and CPU seconds and each fixture's wall
   seconds in either suite (tests/suite_timing.py writes them), the costliest first. A file whose
   CPU seconds are far below its wall seconds waits (on Slurm, on a subprocess's timeout).
@@ -38,11 +40,12 @@ def minutes(seconds: float) -> str:
 
 
 def print_phases(report: Path) -> None:
-    print(f"{'phase':<36}{'wall':>8}  status")
+    print(f"{'phase':<36}{'wall':>8}{'cores busy':>12}  status")
     path = report / "phases.tsv"
     for line in path.read_text().splitlines() if path.exists() else []:
-        name, seconds, status = line.split("\t")
-        print(f"{name:<36}{minutes(float(seconds)):>8}  {'ok' if status == '0' else 'FAILED (' + status + ')'}")
+        name, seconds, status, busy = line.split("\t")
+        outcome = "ok" if status == "0" else f"FAILED ({status})"
+        print(f"{name:<36}{minutes(float(seconds)):>8}{busy:>12}  {outcome}")
     started = report / "started"
     if started.exists():
         print(f"{'make test, in all':<36}{minutes(time.time() - float(started.read_text())):>8}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -141,3 +142,19 @@ def test_the_floors_name_every_package_of_axtorch():
     floors = json.loads((REPO / ".ci" / "coverage_floors.json").read_text())
     packages = {".".join(path.relative_to(REPO).parts[:-1]) for path in (REPO / "axtorch").rglob("*.py")}
     assert packages - {"axtorch.conf"} <= set(floors), sorted(packages - set(floors))
+
+
+@pytest.mark.journey
+def test_a_phase_records_its_wall_time_status_and_how_busy_the_cores_were(tmp_path, capsys):
+    env = {"REPORT": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    spin = [sys.executable, "-c", "import time; end = time.process_time() + 1\nwhile time.process_time() < end: pass"]
+    assert subprocess.run([REPO / ".ci" / "phase.sh", "spins", *spin], env=env).returncode == 0
+    assert subprocess.run([REPO / ".ci" / "phase.sh", "fails", "false"], env=env).returncode == 1
+    spins, fails = (line.split("\t") for line in (tmp_path / "phases.tsv").read_text().splitlines())
+    assert spins[:3] == ["spins", spins[1], "0"] and int(spins[1]) >= 1 and fails[:3] == ["fails", "0", "1"]
+    if Path("/proc/stat").exists():  # one core spun for the phase, whatever else the machine did
+        assert 100 / (os.cpu_count() or 1) * 0.5 <= int(spins[3].rstrip("%")) <= 100, spins
+    _suite_report().print_phases(tmp_path)
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].split() == ["phase", "wall", "cores", "busy", "status"]
+    assert table[2].split() == ["fails", "0:00", fails[3], "FAILED", "(1)"]
