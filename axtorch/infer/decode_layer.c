@@ -1,13 +1,14 @@
-/* One transformer layer's decode step for one token (batch 1, float32), in one call: what
- * axtorch/infer/native_layers.py runs for each layer whose composition it recognises. The layer's
- * modules would spend several times the time of its weight products on small ops and module
- * calls (docs/benchmarks.md); here the only reads that matter are the weights' and the cache's.
+/* One transformer layer's decode step for one token of each of 1 to MAX_ROWS sequences (float32),
+ * in one call: what axtorch/infer/native_layers.py runs for each layer whose composition it
+ * recognises. The layer's modules would spend several times the time of its weight products on
+ * small ops and module calls (docs/benchmarks.md); here the only reads that matter are the
+ * weights' (once a step, whatever the rows) and the cache's.
  *
  * The math is the modules' (axtorch/layers): RMS norms, a stacked q/k/v product, optional per-head
  * query and key norms, the "rotate half" rotation by the caller's cos and signed sin tables, the
- * cache write at one slot, attention over the slots the caller's mask allows (scaled, optionally
- * soft-capped, softmax), the output product, optional post-norms (sandwich placement), the
- * stacked gate/up product, a gated activation and the down product, each sublayer added to x. */
+ * cache write at each row's slot, attention over the slots the caller's mask allows (scaled,
+ * optionally soft-capped, softmax), the output product, optional post-norms (sandwich placement),
+ * the stacked gate/up product, a gated activation and the down product, each sublayer added to x. */
 #include <math.h>
 
 #include "kernels.h"
@@ -26,9 +27,9 @@ typedef struct {
   const float *gate_up, *gate_up_bias, *down, *down_bias;
 } layer_t;
 
-/* The scratch floats a step needs: the caller allocates them (axtorch_decode_layer_scratch). */
-AXTORCH_EXPORT long axtorch_decode_layer_scratch(const layer_t *l, long slots) {
-  return 2 * l->dim + (2 * l->heads + 2 * l->kv_heads) * l->head_dim + l->hidden + l->heads * slots;
+/* The scratch floats a step of `rows` sequences needs: the caller allocates them. */
+AXTORCH_EXPORT long axtorch_decode_layer_scratch(const layer_t *l, long slots, long rows) {
+  return rows * (2 * l->dim + (2 * l->heads + 2 * l->kv_heads) * l->head_dim + l->hidden + l->heads * slots);
 }
 
 static void rms_norm(const float *x, const float *weight, long n, float eps, float *out) {
@@ -71,43 +72,53 @@ static void place_keys(const layer_t *l, float *q, float *k, const float *v, con
   }
 }
 
-/* Each query head attends to its group's cached keys and values at the allowed slots (heads split
- * over the threads of the enclosing region). */
-static void attend(const layer_t *l, const float *q, const float *keys, const float *values,
+/* Each row's query heads attend to their group's cached keys and values at the row's allowed slots
+ * (rows x heads split over the threads of the enclosing region). Row r's queries are q [r], its
+ * cache keys and values [r], its mask allowed [r]; `stride` floats separate two rows' q. */
+static void attend(const layer_t *l, long rows, const float *q, long stride, const float *keys, const float *values,
                    const unsigned char *allowed, long slots, float *scores, float *context) {
-  const long d = l->head_dim, group = l->heads / l->kv_heads;
+  const long d = l->head_dim, heads = l->heads, group = heads / l->kv_heads, cache = l->kv_heads * slots * d;
 #pragma omp for schedule(static)
-  for (long h = 0; h < l->heads; ++h) {
-    const float *query = q + h * d, *k = keys + h / group * slots * d, *v = values + h / group * slots * d;
-    float *s = scores + h * slots, *out = context + h * d, top = -INFINITY, total = 0.f;
+  for (long rh = 0; rh < rows * heads; ++rh) {
+    const long r = rh / heads, h = rh % heads;
+    const float *query = q + r * stride + h * d;
+    const float *k = keys + r * cache + h / group * slots * d, *v = values + r * cache + h / group * slots * d;
+    const unsigned char *mask = allowed + r * slots;
+    float *s = scores + rh * slots, *out = context + rh * d, top = -INFINITY, total = 0.f;
     for (long j = 0; j < slots; ++j) {
-      if (!allowed[j]) continue;
+      if (!mask[j]) continue;
       float score = dot(query, k + j * d, d) * l->scale;
       if (l->softcap > 0.f) score = l->softcap * tanhf(score / l->softcap);
       s[j] = score;
       top = score > top ? score : top;
     }
     for (long j = 0; j < slots; ++j)
-      if (allowed[j]) total += s[j] = expf(s[j] - top);
+      if (mask[j]) total += s[j] = expf(s[j] - top);
     for (long i = 0; i < d; ++i) out[i] = 0.f;
     for (long j = 0; j < slots; ++j) {
-      if (!allowed[j]) continue;
+      if (!mask[j]) continue;
       const float weight = s[j] / total, *value = v + j * d;
       for (long i = 0; i < d; ++i) out[i] += weight * value[i];
     }
   }
 }
 
-/* act(gate x) * (up x) for the stacked [gate; up] weight: each thread reads the gate's and the up
- * projection's rows of its share of the hidden units, so the activation needs no pass of its own. */
-static void gated(const layer_t *l, const float *x, float *out) {
+/* act(gate x) * (up x) for the stacked [gate; up] weight and `rows` rows of x: each thread reads the
+ * gate's and the up projection's rows of its share of the hidden units once against every row of
+ * x, so the activation needs no pass of its own. */
+static void gated(const layer_t *l, long rows, const float *x, float *out) {
   const long hidden = l->hidden, dim = l->dim;
   const float *gate = l->gate_up, *up = l->gate_up + hidden * dim, *bias = l->gate_up_bias;
+  const dot_rows_t dot_rows = DOT_ROWS_OF[rows];
 #pragma omp for schedule(static)
   for (long i = 0; i < hidden; ++i) {
-    float g = dot(gate + i * dim, x, dim), u = dot(up + i * dim, x, dim);
-    if (bias) g += bias[i], u += bias[hidden + i];
-    out[i] = activate(g, l->activation) * u;
+    float g[MAX_ROWS], u[MAX_ROWS];
+    dot_rows(gate + i * dim, x, dim, g);
+    dot_rows(up + i * dim, x, dim, u);
+    for (long r = 0; r < rows; ++r) {
+      if (bias) g[r] += bias[i], u[r] += bias[hidden + i];
+      out[r * hidden + i] = activate(g[r], l->activation) * u[r];
+    }
   }
 }
 
@@ -116,34 +127,40 @@ static void add_sublayer(const layer_t *l, const float *post_norm, float *sub, f
   for (long i = 0; i < l->dim; ++i) x[i] += sub[i];
 }
 
-/* x [dim] <- the layer's output for x at the position whose tables (cos, sin [head_dim], NULL for
- * no rotation) and allowed slots ([slots], 0 or 1) the caller computed; the token's keys and values
- * go to `slot` of keys and values [kv_heads, slots, head_dim]. One parallel region of `threads`:
- * the products and the heads are split, the small steps between them run on one thread. */
-AXTORCH_EXPORT void axtorch_decode_layer(const layer_t *l, float *x, const float *cos, const float *sin,
-                                         const unsigned char *allowed, float *keys, float *values, long slots, long slot, float *scratch, int threads) {
-  const long dim = l->dim, d = l->head_dim, heads = l->heads, kv = l->kv_heads;
-  float *normed = scratch, *qkv = normed + dim, *context = qkv + (heads + 2 * kv) * d, *sub = context + heads * d;
-  float *hidden = sub + dim, *scores = hidden + l->hidden;
-  float *q = qkv, *k = q + heads * d, *v = k + kv * d;
+/* Each row of x [rows, dim] <- the layer's output for it at the position whose tables (cos, sin
+ * [rows, head_dim], NULL for no rotation) and allowed slots (allowed [rows, slots], 0 or 1) the
+ * caller computed; row r's keys and values go to slot[r] of its cache, keys and values [rows,
+ * kv_heads, slots, head_dim]. One parallel region of `threads`: the products and the heads are
+ * split, the small steps between them run on one thread. */
+AXTORCH_EXPORT void axtorch_decode_layer(const layer_t *l, long rows, float *x, const float *cos, const float *sin,
+                                         const unsigned char *allowed, float *keys, float *values, long slots,
+                                         const long *slot, float *scratch, int threads) {
+  const long dim = l->dim, d = l->head_dim, heads = l->heads, kv = l->kv_heads, width = (heads + 2 * kv) * d;
+  float *normed = scratch, *qkv = normed + rows * dim, *context = qkv + rows * width, *sub = context + rows * heads * d;
+  float *hidden = sub + rows * dim, *scores = hidden + rows * l->hidden;
   (void)threads; /* without OpenMP */
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
 #pragma omp single
-    rms_norm(x, l->attention_norm, dim, l->norm_eps, normed);
-    product(l->qkv, normed, l->qkv_bias, qkv, (heads + 2 * kv) * d, dim);
+    for (long r = 0; r < rows; ++r) rms_norm(x + r * dim, l->attention_norm, dim, l->norm_eps, normed + r * dim);
+    products(l->qkv, normed, l->qkv_bias, qkv, width, dim, rows);
 #pragma omp single
-    place_keys(l, q, k, v, cos, sin, keys, values, slots, slot);
-    attend(l, q, keys, values, allowed, slots, scores, context);
-    product(l->output, context, l->output_bias, sub, dim, heads * d);
-#pragma omp single
-    {
-      add_sublayer(l, l->attention_post_norm, sub, x);
-      rms_norm(x, l->feed_forward_norm, dim, l->norm_eps, normed);
+    for (long r = 0; r < rows; ++r) {
+      float *q = qkv + r * width, *k = q + heads * d;
+      const float *c = cos ? cos + r * d : NULL, *s = sin ? sin + r * d : NULL;
+      const long cache = r * kv * slots * d;
+      place_keys(l, q, k, k + kv * d, c, s, keys + cache, values + cache, slots, slot[r]);
     }
-    gated(l, normed, hidden);
-    product(l->down, hidden, l->down_bias, sub, dim, l->hidden);
+    attend(l, rows, qkv, width, keys, values, allowed, slots, scores, context);
+    products(l->output, context, l->output_bias, sub, dim, heads * d, rows);
 #pragma omp single
-    add_sublayer(l, l->feed_forward_post_norm, sub, x);
+    for (long r = 0; r < rows; ++r) {
+      add_sublayer(l, l->attention_post_norm, sub + r * dim, x + r * dim);
+      rms_norm(x + r * dim, l->feed_forward_norm, dim, l->norm_eps, normed + r * dim);
+    }
+    gated(l, rows, normed, hidden);
+    products(l->down, hidden, l->down_bias, sub, dim, l->hidden, rows);
+#pragma omp single
+    for (long r = 0; r < rows; ++r) add_sublayer(l, l->feed_forward_post_norm, sub + r * dim, x + r * dim);
   }
 }

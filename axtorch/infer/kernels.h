@@ -1,5 +1,5 @@
 /* What axtorch's compiled decode kernels share (matvec.c, decode_layer.c): the dot product that
- * streams a weight row, and the batch-1 product built on it. */
+ * streams a weight row, and the products of a few rows of activations built on it. */
 #ifndef AXTORCH_KERNELS_H
 #define AXTORCH_KERNELS_H
 
@@ -50,14 +50,52 @@ static inline float dot(const float *a, const float *b, long n) {
   return sum;
 }
 
-/* y = W x (+ b) for a row-major float32 W [rows, cols]. Inside an OpenMP parallel region the
- * threads split the rows (an orphaned `omp for`, which ends in a barrier); outside one, or built
- * without OpenMP, the calling thread computes them all. */
-static inline void product(const float *w, const float *x, const float *b, float *y, long rows, long cols) {
+/* dot_rows_N(w, x, cols, y): y[i] = w . x[i] for N rows of x (row stride `cols`), reading w once.
+ * N is a constant, so that the N accumulators stay in registers. */
+#define DOT_ROWS(N)                                                                          \
+  static inline void dot_rows_##N(const float *w, const float *x, long cols, float *y) {     \
+    vector acc[N] = {{0}};                                                                   \
+    long c = 0;                                                                              \
+    for (; c + WIDTH <= cols; c += WIDTH) {                                                  \
+      if (c % CACHE_LINE_FLOATS == 0) __builtin_prefetch(w + c + PREFETCH_AHEAD, 0, 0);      \
+      const vector weights = load(w + c);                                                    \
+      for (int i = 0; i < N; ++i) acc[i] += weights * load(x + i * cols + c);                \
+    }                                                                                        \
+    for (int i = 0; i < N; ++i) {                                                            \
+      float sum = 0.f;                                                                       \
+      for (int lane = 0; lane < WIDTH; ++lane) sum += acc[i][lane];                          \
+      for (long k = c; k < cols; ++k) sum += w[k] * x[i * cols + k];                         \
+      y[i] = sum;                                                                            \
+    }                                                                                        \
+  }
+DOT_ROWS(2)
+DOT_ROWS(3)
+DOT_ROWS(4)
+DOT_ROWS(5)
+DOT_ROWS(6)
+DOT_ROWS(7)
+DOT_ROWS(8)
+
+static inline void dot_rows_1(const float *w, const float *x, long cols, float *y) { y[0] = dot(w, x, cols); }
+
+typedef void (*dot_rows_t)(const float *, const float *, long, float *);
+/* The product of one weight row with 1 to MAX_ROWS rows of x, by the row count. */
+static const dot_rows_t DOT_ROWS_OF[MAX_ROWS + 1] = {
+    0, dot_rows_1, dot_rows_2, dot_rows_3, dot_rows_4, dot_rows_5, dot_rows_6, dot_rows_7, dot_rows_8,
+};
+
+/* Y = X W^T (+ b) for `count` (1 to MAX_ROWS) rows of X [count, cols], Y [count, rows]: each weight
+ * row read once against all rows of X. Inside an OpenMP parallel region the threads split the
+ * weight rows (an orphaned `omp for`, which ends in a barrier); outside one, or built without
+ * OpenMP, the calling thread computes them all. */
+static inline void products(const float *w, const float *x, const float *b, float *y, long rows, long cols,
+                            long count) {
+  const dot_rows_t dot_rows = DOT_ROWS_OF[count];
 #pragma omp for schedule(static)
   for (long r = 0; r < rows; ++r) {
-    const float sum = dot(w + r * cols, x, cols);
-    y[r] = b ? sum + b[r] : sum;
+    float sums[MAX_ROWS];
+    dot_rows(w + r * cols, x, cols, sums);
+    for (long i = 0; i < count; ++i) y[i * rows + r] = b ? sums[i] + b[r] : sums[i];
   }
 }
 

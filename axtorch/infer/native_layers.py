@@ -23,7 +23,7 @@ from typing import Optional, cast
 import torch
 from torch import nn
 
-from axtorch.infer.native_kernels import NO_KERNELS, NativeLinear, load_library, tracing
+from axtorch.infer.native_kernels import MAX_ROWS, NO_KERNELS, NativeLinear, load_library, tracing
 from axtorch.layers.attention import GroupedQueryAttention
 from axtorch.layers.attention_kernel import SdpaKernel, SoftcappedKernel
 from axtorch.layers.feed_forward import Activation, GatedFeedForward
@@ -87,11 +87,8 @@ def layer_struct(
 def layer_step(library: ctypes.CDLL) -> Callable[..., None]:
     """``decode_layer.c``'s step in ``library``."""
     step = library.axtorch_decode_layer
-    step.argtypes = (
-        [ctypes.POINTER(LayerStruct)]
-        + [ctypes.c_void_p] * 6
-        + [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_int]
-    )
+    pointer, long = ctypes.c_void_p, ctypes.c_long
+    step.argtypes = [ctypes.POINTER(LayerStruct), long, *[pointer] * 6, long, pointer, pointer, ctypes.c_int]
     step.restype = None
     return cast(Callable[..., None], step)
 
@@ -106,13 +103,13 @@ def _run_step(
     allowed: torch.Tensor,
     cos: Optional[torch.Tensor],
     sin: Optional[torch.Tensor],
-    slot: int,
+    slots: torch.Tensor,
     threads: int,
 ) -> None:
     tables = (None, None) if cos is None or sin is None else (cos.data_ptr(), sin.data_ptr())
     # keys.shape[2]: the cache's slots (``KVCache.max_len``), fewer than the positions for a ring.
     pointers = (x.data_ptr(), *tables, allowed.data_ptr(), keys.data_ptr(), values.data_ptr())
-    step(ctypes.byref(struct), *pointers, keys.shape[2], slot, scratch.data_ptr(), threads)
+    step(ctypes.byref(struct), x.shape[0], *pointers, keys.shape[2], slots.data_ptr(), scratch.data_ptr(), threads)
 
 
 @torch.library.custom_op("axtorch::decode_layer", mutates_args=("x", "keys", "values", "scratch"))
@@ -127,16 +124,17 @@ def decode_layer_operator(
     weights: list[Optional[torch.Tensor]],
     sizes: list[int],
     constants: list[float],
-    slot: int,
+    slots: torch.Tensor,
     threads: int,
 ) -> None:
-    """One layer's step as a torch operator: ``x`` [1, 1, dim] updated in place, the token's keys
-    and values written at ``slot`` of ``keys`` and ``values`` [1, kv_heads, slots, head_dim]."""
+    """One layer's step as a torch operator: ``x`` [B, 1, dim] updated in place, each row's token's
+    keys and values written at its slot (``slots`` [B], int64) of ``keys`` and ``values`` [B,
+    kv_heads, cache slots, head_dim]."""
     library = load_library()
     if library is None:
         raise RuntimeError(NO_KERNELS)
     struct = layer_struct(weights, sizes, constants)
-    _run_step(layer_step(library), struct, x, keys, values, scratch, allowed, cos, sin, slot, threads)
+    _run_step(layer_step(library), struct, x, keys, values, scratch, allowed, cos, sin, slots, threads)
 
 
 @decode_layer_operator.register_fake
@@ -241,46 +239,49 @@ def native_layer(layer: nn.Module, stacks: Mapping[nn.Module, NativeLinear]) -> 
 
 
 class NativeLayerRunner:
-    """A decoder's ``LayerRunner`` for batch-1 decoding on a CPU: the layers ``native_layer``
-    recognised (``layers``, None for the others) as compiled steps, one token of one row at a time,
-    in evaluation without gradients; any other forward runs ``run_layers_unrolled``."""
+    """A decoder's ``LayerRunner`` for decoding on a CPU: the layers ``native_layer`` recognised
+    (``layers``, None for the others) as compiled steps, one token of each of 1 to ``MAX_ROWS``
+    rows at a time, in evaluation without gradients; any other forward runs ``run_layers_unrolled``."""
 
     def __init__(self, library: ctypes.CDLL, layers: Sequence[Optional[NativeLayer]]):
         self.layers = list(layers)
         self.step = layer_step(library)
         self.scratch_floats = library.axtorch_decode_layer_scratch
-        self.scratch_floats.argtypes = [ctypes.POINTER(LayerStruct), ctypes.c_long]
+        self.scratch_floats.argtypes = [ctypes.POINTER(LayerStruct), ctypes.c_long, ctypes.c_long]
         self.scratch_floats.restype = ctypes.c_long
         self.scratch = torch.empty(0)
         self.scratch_for: tuple[int, ...] = ()
 
-    def _scratch(self, caches: Sequence[KVCache]) -> torch.Tensor:
-        """Room for any layer's step at its cache's length, allocated once per set of cache lengths."""
+    def _scratch(self, caches: Sequence[KVCache], rows: int) -> torch.Tensor:
+        """Room for any layer's step at its cache's length, allocated once per set of cache lengths and rows."""
         lengths = tuple(cache.max_len for cache in caches)
-        if lengths != self.scratch_for:
+        if (*lengths, rows) != self.scratch_for:
             floats = max(
-                self.scratch_floats(ctypes.byref(native.struct), length)
+                self.scratch_floats(ctypes.byref(native.struct), length, rows)
                 for native, length in zip(self.layers, lengths)
                 if native is not None
             )
-            self.scratch, self.scratch_for = torch.empty(floats), lengths
+            self.scratch, self.scratch_for = torch.empty(floats), (*lengths, rows)
         return self.scratch
 
     def __call__(self, decoder: Decoder, inputs: DecoderInput) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         x, caches = inputs.hidden_states, inputs.kv_caches
+        rows = x.shape[0]
         if (
             caches is None
-            or x.shape[:2] != (1, 1)
+            or x.shape[1] != 1
+            or not 1 <= rows <= MAX_ROWS
             or x.dtype != torch.float32
             or inputs.segment_ids is not None
             or torch.is_grad_enabled()
             or decoder.training  # dropout, which the step does not apply
-            or any(c.keys.dtype != torch.float32 or c.keys.shape[0] != 1 for c in caches)
+            or any(c.keys.dtype != torch.float32 or c.keys.shape[0] != rows for c in caches)
         ):
             return run_layers_unrolled(decoder, inputs)
         x = x.clone(memory_format=torch.contiguous_format)  # the steps write it in place
-        position = int(inputs.positions)
-        scratch, shared, threads = self._scratch(caches), SharedValues(), torch.get_num_threads()
+        row_positions = inputs.positions.reshape(-1, 1).expand(rows, 1)  # [B, 1], also where all rows share one
+        positions = row_positions.reshape(rows).tolist()
+        scratch, shared, threads = self._scratch(caches, rows), SharedValues(), torch.get_num_threads()
         written: set[int] = set()  # ring caches share their slot positions (``allocate_kv_caches``)
         aux_loss = None
         for layer, native, cache in zip(decoder.layers, self.layers, caches):
@@ -288,22 +289,22 @@ class NativeLayerRunner:
                 out = decoder.run_layer(layer, TransformerLayerInput(x, inputs.positions, cache, None, shared))
                 x, aux_loss = out.hidden_states.contiguous(), add_aux_loss(aux_loss, out.aux_loss)
                 continue
-            slot = cache.slot(position)
+            slots = torch.tensor([cache.slot(position) for position in positions], dtype=torch.long)
             if cache.window is not None and id(cache.slot_positions) not in written:
-                cache.slot_positions[0, slot] = position
+                cache.slot_positions[torch.arange(rows), slots] = torch.tensor(positions)
                 written.add(id(cache.slot_positions))
-            allowed = native.attention.mask(inputs.positions, cache.slot_positions, None, None, shared).contiguous()
+            allowed = native.attention.mask(row_positions, cache.slot_positions, None, None, shared).contiguous()
             cos = sin = None
             if native.rotary is not None:
-                cos, sin = (t.contiguous() for t in native.rotary.tables(inputs.positions, x.device, shared))
+                cos, sin = (t.contiguous() for t in native.rotary.tables(row_positions, x.device, shared))
             if tracing(x):
                 torch.ops.axtorch.decode_layer(
                     x, cache.keys, cache.values, scratch, allowed, cos, sin,
-                    native.weights, native.sizes, native.constants, slot, threads,
+                    native.weights, native.sizes, native.constants, slots, threads,
                 )  # fmt: skip
             else:
                 _run_step(
-                    self.step, native.struct, x, cache.keys, cache.values, scratch, allowed, cos, sin, slot, threads
+                    self.step, native.struct, x, cache.keys, cache.values, scratch, allowed, cos, sin, slots, threads
                 )
                 torch.autograd.graph.increment_version((x, cache.keys, cache.values))  # as the operator would
         return x, aux_loss

@@ -1,7 +1,8 @@
-"""The compiled layer step (``native_layers``): with axtorch's own kernel, decoding one row runs each
-recognised layer as one C call and gives the modules' logits and tokens, for every composition it
-recognises (pre- and sandwich norms, query/key norms, sliding-window rings, soft-capping, biases,
-grouped heads, no rotation); layers it does not recognise and batches run the modules."""
+"""The compiled layer step (``native_layers``): with axtorch's own kernel, decoding one to eight rows
+runs each recognised layer as one C call and gives the modules' logits and tokens, for every
+composition it recognises (pre- and sandwich norms, query/key norms, sliding-window rings,
+soft-capping, biases, grouped heads, no rotation) and for rows of different lengths; layers it
+does not recognise, larger batches and training mode run the modules."""
 
 import ctypes
 
@@ -68,27 +69,40 @@ def native_kernel(monkeypatch):
     monkeypatch.setattr(cpu_weights, "default_kernel", lambda: DecodeKernel.native)
 
 
-def _step_logits(model, steps: int) -> torch.Tensor:
-    """The logits of ``steps`` one-token decode steps after a prefill of ``PROMPT``, greedy."""
-    caches = model.allocate_kv_caches(1, len(PROMPT) + steps, dtype=torch.float32, device="cpu", max_write=len(PROMPT))
-    ids = torch.tensor([PROMPT])
-    logits = model(CausalLMInput(input_ids=ids, kv_caches=caches)).logits[:, -1:]
+#: Prompts of a batch, of different lengths (right-padded, as ``generate_ids`` batches them).
+BATCH = [PROMPT, [7, 7, 1], [4, 3, 2, 1, 8, 8, 9, 10]]
+
+
+def _step_logits(model, steps: int, prompts=(PROMPT,)) -> torch.Tensor:
+    """The logits of ``steps`` one-token decode steps of every prompt after their prefill, greedy."""
+    lengths = [len(prompt) for prompt in prompts]
+    caches = model.allocate_kv_caches(
+        len(prompts), max(lengths) + steps, dtype=torch.float32, device="cpu", max_write=max(lengths)
+    )
+    ids = torch.zeros(len(prompts), max(lengths), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, : len(prompt)] = torch.tensor(prompt)
+    positions = torch.tensor(lengths)[:, None]
+    logits = model(CausalLMInput(input_ids=ids, kv_caches=caches, head_positions=positions - 1)).logits
     every = []
-    for position in range(len(PROMPT), len(PROMPT) + steps):
+    for _ in range(steps):
         token = logits.argmax(-1)
-        logits = model(CausalLMInput(input_ids=token, positions=torch.tensor([[position]]), kv_caches=caches)).logits
+        logits = model(CausalLMInput(input_ids=token, positions=positions, kv_caches=caches)).logits
         every.append(logits)
+        positions = positions + 1
     return torch.cat(every, dim=1)
 
 
+@pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("kind", list(RECOGNISED))
 @torch.no_grad()
-def test_every_layer_runs_compiled_and_gives_the_modules_logits_and_tokens(kind, threads):
+def test_every_layer_runs_compiled_and_gives_the_modules_logits_and_tokens(kind, threads, rows):
     model = _model(RECOGNISED[kind])
+    prompts = BATCH[:rows]
     steps = 20  # past gemma3_tiny's window of 8: the rings wrap
-    expected = _step_logits(model, steps)
-    greedy = generate_ids(model, [PROMPT], steps, pack=False)
+    expected = _step_logits(model, steps, prompts)
+    greedy = generate_ids(model, prompts, steps, pack=False)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -96,8 +110,8 @@ def test_every_layer_runs_compiled_and_gives_the_modules_logits_and_tokens(kind,
             runner = model.decoder.layer_runner
             assert isinstance(runner, NativeLayerRunner)
             assert all(native is not None for native in runner.layers)
-            got = _step_logits(model, steps)
-        tokens = generate_ids(model, [PROMPT], steps)
+            got = _step_logits(model, steps, prompts)
+        tokens = generate_ids(model, prompts, steps)
     finally:
         torch.set_num_threads(before)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
@@ -127,9 +141,9 @@ def test_a_model_without_a_recognised_layer_keeps_the_default_runner():
         assert model.decoder.layer_runner is run_layers_unrolled
 
 
-def test_batches_and_training_mode_run_the_modules(monkeypatch):
+def test_more_rows_than_a_step_takes_and_training_mode_run_the_modules(monkeypatch):
     model = _model(["experiment=debug", "model=gemma3_tiny"])
-    prompts = [PROMPT, [7, 7, 1]]
+    prompts = [PROMPT, [7, 7, 1]] * 5  # 10 rows: above MAX_ROWS
     greedy = generate_ids(model, prompts, 12, pack=False)
     with decode_weights(model):
         runner = model.decoder.layer_runner

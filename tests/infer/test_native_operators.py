@@ -53,8 +53,9 @@ def layer_arguments():
             "x": torch.randn(1, 1, model.config.dim),
             "keys": cache.keys,
             "values": cache.values,
-            "scratch": torch.empty(runner.scratch_floats(native.struct, cache.max_len)),
-            "allowed": torch.zeros(cache.max_len, dtype=torch.bool).index_fill_(0, torch.tensor([0]), True),
+            "scratch": torch.empty(runner.scratch_floats(native.struct, cache.max_len, 1)),
+            "allowed": torch.zeros(1, cache.max_len, dtype=torch.bool).index_fill_(1, torch.tensor([0]), True),
+            "slots": torch.zeros(1, dtype=torch.long),
             "cos": cos.contiguous(),
             "sin": sin.contiguous(),
         }
@@ -67,7 +68,7 @@ def test_compile_traces_the_layer_step_and_its_cache_writes(layer_arguments):
     inputs, constants = layer_arguments
 
     def step(**tensors):
-        torch.ops.axtorch.decode_layer(**tensors, **constants, slot=0, threads=1)
+        torch.ops.axtorch.decode_layer(**tensors, **constants, threads=1)
 
     eager = {name: t.clone() for name, t in inputs.items()}
     step(**eager)
