@@ -5,8 +5,8 @@ launch/*/README.md, and one per ```python snippet of README.md and docs/*.md; a 
 document and line. The commands of one document run in order, as a reader runs them, in one fresh
 directory outside the repository (so the installed ``axtorch.conf`` configs are used, and a
 command can use what an earlier one wrote); running one case alone first runs the document's
-earlier commands. What the test changes, and only that, is in ``doc_blocks.as_run``: a step limit
-on training runs, TPU lines on CPU virtual devices, the benchmark at its smallest.
+earlier commands. What the test changes, and only that, is in ``doc_blocks.as_run``: step and
+evaluation limits on training runs, TPU lines on CPU virtual devices, the benchmark at its smallest.
 
 A command that needs what this machine lacks says so in the document, ending in
 ``# needs: <what>``, and is skipped with that reason; any other command that fails, fails here.
@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 from doc_blocks import (
     REPO,
-    STEP_LIMIT,
+    TRAINING_LIMITS,
     Block,
     DocCommand,
     DocSnippet,
@@ -209,8 +209,8 @@ def test_the_docs_have_commands_and_snippets():
     assert any(s.doc == "README.md" for s in SNIPPETS)
 
 
-def test_the_step_limit_is_documented():
-    assert f"`{STEP_LIMIT}`" in (REPO / "docs" / "testing.md").read_text()
+def test_the_training_limits_are_documented():
+    assert f"`{TRAINING_LIMITS}`" in (REPO / "docs" / "testing.md").read_text()
 
 
 def test_commands_split_at_lines_continuations_and_comments():
@@ -231,9 +231,10 @@ def test_commands_split_at_lines_continuations_and_comments():
 def test_training_commands_get_only_the_step_limit():
     assert as_run("make train") == "make train"
     run = as_run("PJRT_DEVICE=TPU .venv-xla/bin/python -m axtorch.train backend=xla")
-    assert run == f"PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 .venv-xla/bin/python -m axtorch.train backend=xla {STEP_LIMIT}"
-    assert as_run("axtorch-train model=mixtral_tiny") == f"axtorch-train model=mixtral_tiny {STEP_LIMIT}"
-    assert as_run("launch/torchrun_single_node.sh model=llama3_1b").endswith(f"model=llama3_1b {STEP_LIMIT}")
+    xla_on_cpu = "PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 .venv-xla/bin/python -m axtorch.train backend=xla"
+    assert run == f"{xla_on_cpu} {TRAINING_LIMITS}"
+    assert as_run("axtorch-train model=mixtral_tiny") == f"axtorch-train model=mixtral_tiny {TRAINING_LIMITS}"
+    assert as_run("launch/torchrun_single_node.sh model=llama3_1b").endswith(f"model=llama3_1b {TRAINING_LIMITS}")
     assert as_run("axtorch-generate checkpoint=runs/x") == "axtorch-generate checkpoint=runs/x"
     with pytest.raises(ValueError, match="compound"):
         as_run("axtorch-train x=1 | tee log")
