@@ -75,6 +75,22 @@ def _cpu_identity() -> str:
     return "\n".join(dict.fromkeys(line for line in lines if line.split(":")[0].strip() in wanted))
 
 
+def cpu_vendor() -> str:
+    """The CPU's vendor as Linux reports it (``AuthenticAMD``, ``GenuineIntel``), or ""."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return ""
+    return next((line.partition(":")[2].strip() for line in lines if line.startswith("vendor_id")), "")
+
+
+def prefetch_flags(vendor: str) -> tuple[str, ...]:
+    """How the kernels prefetch on ``vendor``'s CPUs: non-temporally on AMD's, the AMD EPYC host's
+    best; into every cache level elsewhere, where non-temporal prefetches halved an Intel Xeon's
+    rate (kernels.h)."""
+    return ("-DPREFETCH_LOCALITY=0",) if vendor == "AuthenticAMD" else ()
+
+
 def _build(command: list[str], directory: Path) -> Optional[Path]:
     """The library built by ``command`` (with OpenMP if it can), once per sources, compiler, flags,
     torch version and CPU; None if it cannot be built (a failed build leaves nothing behind)."""
@@ -82,7 +98,7 @@ def _build(command: list[str], directory: Path) -> Optional[Path]:
     sources = b"\0".join(path.read_bytes() for path in SOURCES + HEADERS)
     error = ""
     for threads in (OPENMP, ()):
-        flags = FLAGS + threads
+        flags = FLAGS + prefetch_flags(cpu_vendor()) + threads
         identity = (version, *flags, torch.__version__, _cpu_identity())
         digest = hashlib.sha256(b"\0".join(s.encode() for s in identity) + sources).hexdigest()[:16]
         name = f"axtorch_kernels_{digest}"

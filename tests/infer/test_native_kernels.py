@@ -130,3 +130,14 @@ def test_a_cache_directory_that_cannot_be_written_leaves_torchs_kernels(tmp_path
     with caplog.at_level(logging.INFO, logger=native_kernels.__name__):
         assert native_kernels.load_library.__wrapped__() is None
     assert "no compiled decode kernels" in caplog.text
+
+
+def test_amd_cpus_prefetch_non_temporally_others_into_every_cache(tmp_path, monkeypatch):
+    assert native_kernels.prefetch_flags("AuthenticAMD") == ("-DPREFETCH_LOCALITY=0",)
+    assert native_kernels.prefetch_flags("GenuineIntel") == native_kernels.prefetch_flags("") == ()
+    # Each vendor's setting builds a library of its own (the flag is part of the build's identity).
+    built = {}
+    for vendor in ("AuthenticAMD", "GenuineIntel"):
+        monkeypatch.setattr(native_kernels, "cpu_vendor", lambda vendor=vendor: vendor)
+        built[vendor] = native_kernels._build(compiler(), tmp_path)
+    assert None not in built.values() and built["AuthenticAMD"] != built["GenuineIntel"], built
