@@ -131,9 +131,8 @@ def format_check(
         lines.extend(_step_lines(*step_seconds))
     if check.remat:
         lines.append(
-            "  except under remat: torch's memory tracker reads a remat run higher than the same run without it, "
-            "also on real tensors, where autograd keeps far less: take its activations as an upper bound "
-            "(docs/parallelism.md)"
+            "  except under remat: torch's memory tracker reads more activations than autograd keeps, also on "
+            "real tensors: take them as an upper bound (docs/parallelism.md)"
         )
     return "\n".join(lines)
 
