@@ -13,8 +13,16 @@
 #define AXTORCH_EXPORT
 #endif
 
+/* A vector of WIDTH floats, ACCUMULATORS of them in flight per weight row: one cache line a load
+ * where the CPU has 512-bit registers (AVX-512), else half of one (AVX2, and two NEON registers
+ * elsewhere); 64 floats a row per iteration either way. */
+#ifdef __AVX512F__
+#define WIDTH 16
+#define ACCUMULATORS 4
+#else
 #define WIDTH 8
 #define ACCUMULATORS 8
+#endif
 /* How far ahead of a read its cache lines are asked for, in floats (4 KiB): a weight matrix is one
  * sequential stream, and a prefetch past its end is harmless. On the AMD EPYC host it lifted a
  * pass over SmolLM2-135M's matrices from 87-89% of a plain sum's rate to 95-104%. */
@@ -37,9 +45,8 @@ static inline vector load(const float *p) {
   return v;
 }
 
-/* a . b over n floats, a streamed from memory (a weight row), b at hand. Eight independent
- * accumulators of eight floats each (a width every x86-64 CPU since AVX2 has, and two NEON
- * registers elsewhere), so the loads of a row stay in flight together. */
+/* a . b over n floats, a streamed from memory (a weight row), b at hand. ACCUMULATORS independent
+ * vector accumulators, so the loads of a row stay in flight together. */
 static inline float dot(const float *a, const float *b, long n) {
   const long step = WIDTH * ACCUMULATORS, whole = n / step * step;
   vector acc[ACCUMULATORS] = {{0}};
