@@ -110,11 +110,16 @@ static void gated(const layer_t *l, long rows, const float *x, float *out) {
   const long hidden = l->hidden, dim = l->dim;
   const float *gate = l->gate_up, *up = l->gate_up + hidden * dim, *bias = l->gate_up_bias;
   const dot_rows_t dot_rows = DOT_ROWS_OF[rows];
+  const dot_two_rows_t dot_two_rows = DOT_TWO_ROWS_OF[rows];
 #pragma omp for schedule(static)
   for (long i = 0; i < hidden; ++i) {
     float g[MAX_ROWS], u[MAX_ROWS];
-    dot_rows(gate + i * dim, x, dim, g);
-    dot_rows(up + i * dim, x, dim, u);
+    if (dot_two_rows) {
+      dot_two_rows(gate + i * dim, up + i * dim, x, dim, g, u);
+    } else {
+      dot_rows(gate + i * dim, x, dim, g);
+      dot_rows(up + i * dim, x, dim, u);
+    }
     for (long r = 0; r < rows; ++r) {
       if (bias) g[r] += bias[i], u[r] += bias[hidden + i];
       out[r * hidden + i] = activate(g[r], l->activation) * u[r];

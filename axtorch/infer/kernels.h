@@ -99,18 +99,78 @@ static const dot_rows_t DOT_ROWS_OF[MAX_ROWS + 1] = {
     0, dot_rows_1, dot_rows_2, dot_rows_3, dot_rows_4, dot_rows_5, dot_rows_6, dot_rows_7, dot_rows_8,
 };
 
+/* dot_two_rows_N(wa, wb, x, cols, ya, yb): ya[i] = wa . x[i] and yb[i] = wb . x[i] for N rows of x,
+ * two weight rows at once, so that each load of x serves two products: with several rows of x a
+ * step is bound by loads of x, not of weights. 2N accumulators and three loads in flight must fit
+ * the registers: up to 8 rows with AVX-512's 32, up to 6 with AVX2's 16. */
+#define DOT_TWO_ROWS(N)                                                                                   \
+  static inline void dot_two_rows_##N(const float *wa, const float *wb, const float *x, long cols, float *ya, \
+                                      float *yb) {                                                        \
+    vector acc_a[N] = {{0}}, acc_b[N] = {{0}};                                                            \
+    long c = 0;                                                                                           \
+    for (; c + WIDTH <= cols; c += WIDTH) {                                                               \
+      if (c % CACHE_LINE_FLOATS == 0) {                                                                   \
+        __builtin_prefetch(wa + c + PREFETCH_AHEAD, 0, PREFETCH_LOCALITY);                                \
+        __builtin_prefetch(wb + c + PREFETCH_AHEAD, 0, PREFETCH_LOCALITY);                                \
+      }                                                                                                   \
+      const vector a = load(wa + c), b = load(wb + c);                                                    \
+      for (int i = 0; i < N; ++i) {                                                                       \
+        const vector xi = load(x + i * cols + c);                                                         \
+        acc_a[i] += a * xi;                                                                               \
+        acc_b[i] += b * xi;                                                                               \
+      }                                                                                                   \
+    }                                                                                                     \
+    for (int i = 0; i < N; ++i) {                                                                         \
+      float sa = 0.f, sb = 0.f;                                                                           \
+      for (int lane = 0; lane < WIDTH; ++lane) sa += acc_a[i][lane], sb += acc_b[i][lane];                \
+      for (long k = c; k < cols; ++k) sa += wa[k] * x[i * cols + k], sb += wb[k] * x[i * cols + k];       \
+      ya[i] = sa, yb[i] = sb;                                                                             \
+    }                                                                                                     \
+  }
+DOT_TWO_ROWS(2)
+DOT_TWO_ROWS(3)
+DOT_TWO_ROWS(4)
+DOT_TWO_ROWS(5)
+DOT_TWO_ROWS(6)
+#ifdef __AVX512F__
+DOT_TWO_ROWS(7)
+DOT_TWO_ROWS(8)
+#define dot_two_rows_7_or_none dot_two_rows_7
+#define dot_two_rows_8_or_none dot_two_rows_8
+#else
+#define dot_two_rows_7_or_none 0
+#define dot_two_rows_8_or_none 0
+#endif
+
+typedef void (*dot_two_rows_t)(const float *, const float *, const float *, long, float *, float *);
+/* The products of two weight rows with 2 to MAX_ROWS rows of x, by the row count (0: read one weight
+ * row at a time, as at one row of x, or where the registers would not hold them). */
+static const dot_two_rows_t DOT_TWO_ROWS_OF[MAX_ROWS + 1] = {
+    0, 0, dot_two_rows_2, dot_two_rows_3, dot_two_rows_4, dot_two_rows_5, dot_two_rows_6, dot_two_rows_7_or_none,
+    dot_two_rows_8_or_none,
+};
+
 /* Y = X W^T (+ b) for `count` (1 to MAX_ROWS) rows of X [count, cols], Y [count, rows]: each weight
- * row read once against all rows of X. Inside an OpenMP parallel region the threads split the
- * weight rows (an orphaned `omp for`, which ends in a barrier); outside one, or built without
- * OpenMP, the calling thread computes them all. */
+ * row read once against all rows of X, two weight rows at a time where ``DOT_TWO_ROWS_OF`` has
+ * them. Inside an OpenMP parallel region the threads split the weight rows (an orphaned `omp for`,
+ * which ends in a barrier); outside one, or built without OpenMP, the calling thread computes them
+ * all. */
 static inline void products(const float *w, const float *x, const float *b, float *y, long rows, long cols,
                             long count) {
   const dot_rows_t dot_rows = DOT_ROWS_OF[count];
+  const dot_two_rows_t dot_two_rows = DOT_TWO_ROWS_OF[count];
+  const long step = dot_two_rows ? 2 : 1;
 #pragma omp for schedule(static)
-  for (long r = 0; r < rows; ++r) {
-    float sums[MAX_ROWS];
-    dot_rows(w + r * cols, x, cols, sums);
-    for (long i = 0; i < count; ++i) y[i * rows + r] = b ? sums[i] + b[r] : sums[i];
+  for (long first = 0; first < (rows + step - 1) / step; ++first) {
+    const long r = first * step;
+    float sums[2][MAX_ROWS];
+    const long done = r + 1 < rows && dot_two_rows ? 2 : 1;
+    if (done == 2)
+      dot_two_rows(w + r * cols, w + (r + 1) * cols, x, cols, sums[0], sums[1]);
+    else
+      dot_rows(w + r * cols, x, cols, sums[0]);
+    for (long k = 0; k < done; ++k)
+      for (long i = 0; i < count; ++i) y[i * rows + r + k] = b ? sums[k][i] + b[r + k] : sums[k][i];
   }
 }
 
