@@ -283,13 +283,17 @@ class NativeLayerRunner:
         positions = row_positions.reshape(rows).tolist()
         scratch, shared, threads = self._scratch(caches, rows), SharedValues(), torch.get_num_threads()
         written: set[int] = set()  # ring caches share their slot positions (``allocate_kv_caches``)
+        slots_by_layout: dict[tuple[Optional[int], int], torch.Tensor] = {}  # full caches, and rings of one size
         aux_loss = None
         for layer, native, cache in zip(decoder.layers, self.layers, caches):
             if native is None:
                 out = decoder.run_layer(layer, TransformerLayerInput(x, inputs.positions, cache, None, shared))
                 x, aux_loss = out.hidden_states.contiguous(), add_aux_loss(aux_loss, out.aux_loss)
                 continue
-            slots = torch.tensor([cache.slot(position) for position in positions], dtype=torch.long)
+            layout = (cache.window, cache.max_len)
+            if layout not in slots_by_layout:
+                slots_by_layout[layout] = torch.tensor([cache.slot(p) for p in positions], dtype=torch.long)
+            slots = slots_by_layout[layout]
             if cache.window is not None and id(cache.slot_positions) not in written:
                 cache.slot_positions[torch.arange(rows), slots] = torch.tensor(positions)
                 written.add(id(cache.slot_positions))
