@@ -5,8 +5,8 @@
  * Each weight row is one sequential read (``dot``, kernels.h); on an AMD EPYC (Zen 4) this read the
  * models' weights at 95-104% of a plain sum's rate, where BLAS's matrix-vector products reached
  * 35-60% (docs/benchmarks.md). With several rows of X each weight row is still read once, against
- * all of them (``dot_rows_N``, ``products``): a step of 8 sequences reads the weights as one of 1 does, where
- * torch's matrix product at 8 rows read them at about 40% of the rate. Threads split the weight
+ * all of them (``products``, kernels.h): a step of 8 sequences reads the weights as one of 1 does,
+ * where torch's matrix product at 8 rows read them at about 40% of the rate. Threads split the weight
  * rows, in the OpenMP runtime torch itself runs (the library links libgomp.so.1, which resolves to
  * torch's already loaded copy), so they share one pool of threads. */
 #include "kernels.h"

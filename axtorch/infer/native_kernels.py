@@ -65,23 +65,24 @@ def compiler() -> Optional[list[str]]:
     return command if command and shutil.which(command[0]) else None
 
 
+def _cpuinfo_lines() -> list[str]:
+    """/proc/cpuinfo's lines (Linux), or none."""
+    try:
+        return Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return []
+
+
 def _cpu_identity() -> str:
     """The CPU's model and feature flags (Linux), or the platform's name: what ``-march=native`` builds for."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.machine() + platform.processor()
     wanted = ("model name", "flags", "Features", "CPU part")
-    return "\n".join(dict.fromkeys(line for line in lines if line.split(":")[0].strip() in wanted))
+    lines = [line for line in _cpuinfo_lines() if line.split(":")[0].strip() in wanted]
+    return "\n".join(dict.fromkeys(lines)) if lines else platform.machine() + platform.processor()
 
 
 def cpu_vendor() -> str:
     """The CPU's vendor as Linux reports it (``AuthenticAMD``, ``GenuineIntel``), or ""."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return ""
-    return next((line.partition(":")[2].strip() for line in lines if line.startswith("vendor_id")), "")
+    return next((line.partition(":")[2].strip() for line in _cpuinfo_lines() if line.startswith("vendor_id")), "")
 
 
 def prefetch_flags(vendor: str) -> tuple[str, ...]:
@@ -96,10 +97,10 @@ def _build(command: list[str], directory: Path) -> Optional[Path]:
     torch version and CPU; None if it cannot be built (a failed build leaves nothing behind)."""
     version = subprocess.run([*command, "--version"], capture_output=True, text=True).stdout
     sources = b"\0".join(path.read_bytes() for path in SOURCES + HEADERS)
-    error = ""
+    error, prefetch, cpu = "", prefetch_flags(cpu_vendor()), _cpu_identity()
     for threads in (OPENMP, ()):
-        flags = FLAGS + prefetch_flags(cpu_vendor()) + threads
-        identity = (version, *flags, torch.__version__, _cpu_identity())
+        flags = FLAGS + prefetch + threads
+        identity = (version, *flags, torch.__version__, cpu)
         digest = hashlib.sha256(b"\0".join(s.encode() for s in identity) + sources).hexdigest()[:16]
         name = f"axtorch_kernels_{digest}"
         build = directory / name
