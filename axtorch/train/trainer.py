@@ -341,6 +341,7 @@ class Trainer:
         """Token-weighted cross-entropy over the held-out split; empty when there is no held-out data."""
         self.model.eval()
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # (loss sum, tokens)
+        self.backend.run_traced()  # the sums as data, not a constant: the first batch's program is every batch's
         for batch in self.data.val_batches(self.config.trainer.batch_size, self.config.trainer.eval_batches):
             for mb in self.work.micro_batches(self._replica_rows(batch)):
                 micro_batch_sums = self.backend.runner.evaluate(mb, self.work)

@@ -107,6 +107,17 @@ def test_each_step_runs_its_programs_once_and_later_steps_compile_none(runs):
 
 
 @pytest.mark.slow
+def test_an_evaluation_compiles_one_program_for_all_its_batches(runs):
+    """The held-out sums start as data on the device, so the first batch's program is every
+    batch's; a constant in the first batch's alone made a second program to compile."""
+    _, reports = runs
+    batches = 4  # the debug experiment's trainer.eval_batches
+    for name in ("xla1", "xla_fsdp4"):
+        first = reports[name]["evaluations"][0]  # programs compiled by each program run: the sums, then each batch
+        assert first[-batches:] == [1] + [0] * (batches - 1) and sum(first) == 2, (name, first)
+
+
+@pytest.mark.slow
 def test_fsdp4_devices_hold_a_quarter_of_parameters_and_optimizer_state(runs):
     _, reports = runs
     report = reports["xla_fsdp4"]

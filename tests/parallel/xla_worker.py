@@ -72,7 +72,26 @@ def main() -> None:
         )
         return out
 
+    evaluations: list[list[int]] = []  # per evaluation: XLA programs compiled by each program it ran
+    evaluate, run_traced = trainer.evaluate, trainer.backend.run_traced
+
+    def counted_evaluate():
+        compiled: list[int] = []
+
+        def counted_run():
+            before = _count("UncachedCompile")
+            run_traced()
+            compiled.append(_count("UncachedCompile") - before)
+
+        trainer.backend.run_traced = counted_run
+        try:
+            return evaluate()
+        finally:
+            trainer.backend.run_traced = run_traced
+            evaluations.append(compiled)
+
     trainer.train_step = counted_step
+    trainer.evaluate = counted_evaluate
     result = trainer.fit(until_step=int(until_step))
     config = trainer.config
     backend = trainer.backend
@@ -83,6 +102,7 @@ def main() -> None:
         "devices_per_process": backend.devices_per_process,
         "fed_rows": fed_rows[0] if fed_rows else None,
         "programs": programs,
+        "evaluations": evaluations,
         "parameters": {},
         "optimizer": {},
         "batch_shards": local_shard_shapes(backend.to_device({"input_ids": rows})["input_ids"]),
