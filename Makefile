@@ -82,7 +82,7 @@ test-newest: $(VENV)/.axtorch-test $(OLDEST_VENV)/.axtorch-xla
 # single-process kill, goodput and signal journeys (process handling; the torchrun preemption
 # test stays), config composition, mesh rules and the planner (Hydra and arithmetic), the data
 # pipeline (numpy and tokenizers, with its streamed training runs), import layering and feature
-# locality (source text), the suite's own tooling (tiers, timings, coverage floors), the launcher script, the command-line journeys whose pieces the unit tests cover on 2.9 (generate,
+# locality (source text), the suite's own tooling (tiers, timings, coverage floors, scheduling groups), the launcher script, the command-line journeys whose pieces the unit tests cover on 2.9 (generate,
 # export, the SmolLM2 fine-tune), the GGUF file formats and the real GGUFs' tokenizers and special
 # tokens (numpy, gguf and tokenizers; the models they load are the HF-parity-tested ones) and the
 # GPU script's CPU smoke run.
@@ -106,7 +106,7 @@ test-oldest: $(OLDEST_VENV)/.axtorch-xla
 		--ignore=tests/train/test_gpu_train_benchmark.py --ignore=tests/cli/test_plan.py \
 		--ignore=tests/cli/test_plan_search.py --ignore=tests/data --ignore=tests/health \
 		--ignore=tests/train/test_streaming_training.py \
-		--ignore=tests/test_feature_locality.py --ignore=tests/test_suite_tooling.py --ignore=tests/interop/test_gguf_export.py \
+		--ignore=tests/test_feature_locality.py --ignore=tests/test_suite_tooling.py --ignore=tests/test_scheduling_groups.py --ignore=tests/interop/test_gguf_export.py \
 		--ignore=tests/interop/test_gguf_llama.py --ignore=tests/interop/test_gguf_quantisations.py \
 		--ignore=tests/interop/test_gguf_sentencepiece.py --ignore=tests/interop/test_gguf_smollm2.py \
 		--ignore=tests/interop/test_gguf_experts.py --ignore=tests/interop/test_gguf_pre_tokenizers.py \
