@@ -25,7 +25,6 @@ import functools
 import hashlib
 import logging
 import os
-import platform
 import shlex
 import shutil
 import subprocess
@@ -38,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils import cpp_extension
+
+from axtorch.parallel.this_machine import axtorch_cache, cpu_identity, cpu_vendor
 
 logger = logging.getLogger(__name__)
 
@@ -65,26 +66,6 @@ def compiler() -> Optional[list[str]]:
     return command if command and shutil.which(command[0]) else None
 
 
-def _cpuinfo_lines() -> list[str]:
-    """/proc/cpuinfo's lines (Linux), or none."""
-    try:
-        return Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return []
-
-
-def _cpu_identity() -> str:
-    """The CPU's model and feature flags (Linux), or the platform's name: what ``-march=native`` builds for."""
-    wanted = ("model name", "flags", "Features", "CPU part")
-    lines = [line for line in _cpuinfo_lines() if line.split(":")[0].strip() in wanted]
-    return "\n".join(dict.fromkeys(lines)) if lines else platform.machine() + platform.processor()
-
-
-def cpu_vendor() -> str:
-    """The CPU's vendor as Linux reports it (``AuthenticAMD``, ``GenuineIntel``), or ""."""
-    return next((line.partition(":")[2].strip() for line in _cpuinfo_lines() if line.startswith("vendor_id")), "")
-
-
 def prefetch_flags(vendor: str) -> tuple[str, ...]:
     """How the kernels prefetch on ``vendor``'s CPUs: non-temporally on AMD's, the AMD EPYC host's
     best; into every cache level elsewhere, where non-temporal prefetches halved an Intel Xeon's
@@ -97,7 +78,7 @@ def _build(command: list[str], directory: Path) -> Optional[Path]:
     torch version and CPU; None if it cannot be built (a failed build leaves nothing behind)."""
     version = subprocess.run([*command, "--version"], capture_output=True, text=True).stdout
     sources = b"\0".join(path.read_bytes() for path in SOURCES + HEADERS)
-    error, prefetch, cpu = "", prefetch_flags(cpu_vendor()), _cpu_identity()
+    error, prefetch, cpu = "", prefetch_flags(cpu_vendor()), cpu_identity()
     for threads in (OPENMP, ()):
         flags = FLAGS + prefetch + threads
         identity = (version, *flags, torch.__version__, cpu)
@@ -124,7 +105,7 @@ def _build(command: list[str], directory: Path) -> Optional[Path]:
 
 
 def kernel_directory() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "axtorch" / "kernels"
+    return axtorch_cache() / "kernels"
 
 
 @functools.cache

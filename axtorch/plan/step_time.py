@@ -36,12 +36,14 @@ if TYPE_CHECKING:
 RECOMPUTE = {"none": 1.0, "selective": 1.1, "full": 4 / 3}
 #: A mixture of experts' stacked expert weights, which expert parallelism places itself.
 _EXPERT_WEIGHT = re.compile(r"\.feed_forward\.experts\.")
+#: The causes of a step's exposed communication, by the mesh axis whose link carries them.
 _LINKS = {
     "tensor parallel": "model",
     "context parallel": "seq",
     "expert all-to-all": "expert",
     "pipeline sends": "pipe",
 }
+_CAUSE_ON = {axis: cause for cause, axis in _LINKS.items()}
 
 
 class StepTimeModel:
@@ -232,13 +234,13 @@ def _traced_cause(kind: str, axes: list[str]) -> Optional[str]:
     """The cause a traced collective counts under in ``StepTimeModel.parts``' terms; None for what
     overlaps with compute (FSDP's gathers and reduce-scatters, HSDP's all-reduce over ``data``)."""
     if axes == ["model"]:
-        return "tensor parallel"
+        return _CAUSE_ON["model"]
     if kind == "all-to-all":
-        return "expert all-to-all"
+        return _CAUSE_ON["expert"]
     if kind in ("send", "recv"):
-        return "pipeline sends"
+        return _CAUSE_ON["pipe"]
     if axes == ["seq"]:  # the keys and values gathered, their gradients reduced
-        return "context parallel"
+        return _CAUSE_ON["seq"]
     if kind in ("all-gather", "reduce-scatter") and set(axes) <= {"fsdp", "seq", "expert"}:
         return None
     if kind == "all-reduce" and axes == ["data"]:

@@ -10,18 +10,29 @@ A chip not in the catalogue has no MFU: the trainer warns once and logs the othe
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
+import os
+import tempfile
 import warnings
 from typing import Optional
 
 import torch
 
 from axtorch.parallel.hardware import runtime_device
+from axtorch.parallel.this_machine import axtorch_cache, cpu_identity
 from axtorch.train.flops import measure_matmul_peak_flops
 
-#: The CPU matmul peak measured in this process, per dtype and thread count (~0.6 s each time on
-#: this project's CPU), so that a second trainer in the same process (a notebook, a test run)
-#: reuses it.
-_MEASURED_CPU_PEAKS: dict[tuple[torch.dtype, int], float] = {}
+#: The CPU matmul peaks measured on this machine, in axtorch's cache (``this_machine``), by CPU
+#: model and features, torch version, dtype and thread count. Measuring keeps every core busy for
+#: a quarter of a second (~0.8 CPU-seconds on this project's 2 cores): kept, it is paid once per
+#: machine rather than by every process (each torchrun worker), and one machine's runs share one
+#: MFU denominator. Delete the file to measure again.
+PEAK_CACHE_FILE = "cpu_peak_flops.json"
+#: The peaks this process has resolved, by the same key, so that a second trainer (a notebook, a
+#: test run) reads no file.
+_MEASURED_CPU_PEAKS: dict[str, float] = {}
 
 
 def datasheet_peak_flops(device_name: str, dtype: torch.dtype) -> Optional[float]:
@@ -36,16 +47,13 @@ def resolve_peak_flops(
     """Summed peak FLOP/s of the ``num_devices`` devices that run a step; None where none is known.
 
     ``configured`` (per device, ``trainer.peak_flops``) wins; a CPU's peak is measured (once per
-    process, dtype and thread count) and shared by the devices one process drives (XLA's virtual
-    CPU devices); any other chip's comes from the catalogue, and a chip the catalogue lacks warns
-    once.
+    machine, torch version, dtype and thread count: ``cpu_peak_flops``) and shared by the devices
+    one process drives (XLA's virtual CPU devices); any other chip's comes from the catalogue, and
+    a chip the catalogue lacks warns once.
     """
     per_device = configured
     if per_device is None and device_name == "cpu":
-        key = (dtype, torch.get_num_threads())
-        if key not in _MEASURED_CPU_PEAKS:
-            _MEASURED_CPU_PEAKS[key] = measure_matmul_peak_flops(torch.device("cpu"), dtype)
-        per_device = _MEASURED_CPU_PEAKS[key] / devices_per_process
+        per_device = cpu_peak_flops(dtype) / devices_per_process
     elif per_device is None:
         per_device = datasheet_peak_flops(device_name, dtype)
         if per_device is None:
@@ -56,3 +64,41 @@ def resolve_peak_flops(
                 stacklevel=2,
             )
     return None if per_device is None else per_device * num_devices
+
+
+def cpu_peak_flops(dtype: torch.dtype) -> float:
+    """This machine's measured matmul peak in ``dtype`` at the current thread count: from this
+    process, else from the cache file, else measured now and added to the file."""
+    identity = hashlib.sha256(cpu_identity().encode()).hexdigest()[:16]
+    key = f"{identity} torch-{torch.__version__} {dtype} threads-{torch.get_num_threads()}"
+    if key not in _MEASURED_CPU_PEAKS:
+        path = axtorch_cache() / PEAK_CACHE_FILE
+        kept = _read_peaks(path)
+        if key not in kept:
+            kept[key] = measure_matmul_peak_flops(torch.device("cpu"), dtype)
+            _write_peaks(path, kept)
+        _MEASURED_CPU_PEAKS[key] = kept[key]
+    return _MEASURED_CPU_PEAKS[key]
+
+
+def _read_peaks(path: os.PathLike) -> dict[str, float]:
+    """The file's peaks; none where it is missing, unreadable or not what this module writes."""
+    try:
+        with open(path) as handle:
+            peaks = json.load(handle)
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(peaks, dict):
+        return {}
+    return {k: float(v) for k, v in peaks.items() if isinstance(v, (int, float)) and v > 0}
+
+
+def _write_peaks(path: os.PathLike, peaks: dict[str, float]) -> None:
+    """Replace the file whole (processes measuring at once each leave a complete file); a cache
+    that cannot be written only means measuring again next time."""
+    directory = os.path.dirname(path)
+    with contextlib.suppress(OSError):
+        os.makedirs(directory, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=directory, suffix=".tmp", delete=False) as handle:
+            json.dump(peaks, handle, indent=1, sort_keys=True)
+        os.replace(handle.name, path)

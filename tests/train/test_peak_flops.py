@@ -141,15 +141,16 @@ def test_the_cpu_peak_is_measured_by_default(tmp_path, data_cache):
     assert not [m for m in messages if "peak FLOP/s" in m]
 
 
-def test_a_cpu_peak_is_measured_once_per_process_dtype_and_thread_count(monkeypatch):
-    """Measuring takes ~1.4 s, so the trainers after the first in a process reuse it; the devices one
-    process drives (XLA's virtual CPU devices) share it."""
+def test_a_cpu_peak_is_measured_once_per_machine_dtype_and_thread_count(monkeypatch, tmp_path):
+    """Measuring takes ~0.8 CPU-seconds, so it is kept in axtorch's cache: a later process (each
+    torchrun worker) reads it; the devices one process drives (XLA's virtual CPU devices) share it."""
     measured = []
 
     def measure(device, dtype):
         measured.append((dtype, torch.get_num_threads()))
         return 1e11
 
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(peak_flops_module, "measure_matmul_peak_flops", measure)
     monkeypatch.setattr(peak_flops_module, "_MEASURED_CPU_PEAKS", {})
     threads = torch.get_num_threads()
@@ -163,6 +164,22 @@ def test_a_cpu_peak_is_measured_once_per_process_dtype_and_thread_count(monkeypa
         torch.set_num_threads(threads)
     assert measured == [(torch.float32, threads), (torch.bfloat16, threads), (torch.float32, threads + 1)]
 
+    # Another process on this machine (this one's own figures forgotten): the file answers.
+    monkeypatch.setattr(peak_flops_module, "_MEASURED_CPU_PEAKS", {})
+    assert resolve_peak_flops(None, "cpu", torch.float32, num_devices=1, devices_per_process=1) == 1e11
+    assert len(measured) == 3
+    kept = json.loads((tmp_path / "axtorch" / peak_flops_module.PEAK_CACHE_FILE).read_text())
+    assert len(kept) == 3 and all(torch.__version__ in key for key in kept)
+
+    # Another CPU (its model and features), or a file that is not a cache's: measured again.
+    monkeypatch.setattr(peak_flops_module, "_MEASURED_CPU_PEAKS", {})
+    monkeypatch.setattr(peak_flops_module, "cpu_identity", lambda: "model name : another CPU")
+    resolve_peak_flops(None, "cpu", torch.float32, num_devices=1, devices_per_process=1)
+    (tmp_path / "axtorch" / peak_flops_module.PEAK_CACHE_FILE).write_text("[not a cache")
+    monkeypatch.setattr(peak_flops_module, "_MEASURED_CPU_PEAKS", {})
+    resolve_peak_flops(None, "cpu", torch.float32, num_devices=1, devices_per_process=1)
+    assert len(measured) == 5
+
 
 def test_failing_tensorboard_plot_and_metrics_warn_and_training_goes_on(tmp_path, data_cache, monkeypatch):
     from torch.utils.tensorboard import SummaryWriter
@@ -174,6 +191,7 @@ def test_failing_tensorboard_plot_and_metrics_warn_and_training_goes_on(tmp_path
     monkeypatch.setattr(curves_module, "plot_runs", broken)
     monkeypatch.setattr(peak_flops_module, "measure_matmul_peak_flops", broken)
     monkeypatch.setattr(peak_flops_module, "_MEASURED_CPU_PEAKS", {})  # not one an earlier test measured
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # nor one kept on this machine
     result, train, messages = _fit(tmp_path, data_cache)
     assert result.step == 3 and result.final_eval_loss is not None
     assert [r["step"] for r in train] == [1, 2, 3]  # the JSONL record is complete without TensorBoard or MFU
