@@ -38,7 +38,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils import cpp_extension
 
-from axtorch.parallel.this_machine import axtorch_cache, cpu_identity, cpu_vendor
+from axtorch.host.cache import axtorch_cache
+from axtorch.host.cpu import cpu_identity, cpu_vendor
 
 logger = logging.getLogger(__name__)
 

@@ -20,11 +20,12 @@ from typing import Optional
 
 import torch
 
+from axtorch.host.cache import axtorch_cache
+from axtorch.host.cpu import cpu_identity
 from axtorch.parallel.hardware import runtime_device
-from axtorch.parallel.this_machine import axtorch_cache, cpu_identity
 from axtorch.train.flops import measure_matmul_peak_flops
 
-#: The CPU matmul peaks measured on this machine, in axtorch's cache (``this_machine``), by CPU
+#: The CPU matmul peaks measured on this machine, in axtorch's cache (``axtorch.host``), by CPU
 #: model and features, torch version, dtype and thread count. Measuring keeps every core busy for
 #: a quarter of a second (~0.8 CPU-seconds on this project's 2 cores): kept, it is paid once per
 #: machine rather than by every process (each torchrun worker), and one machine's runs share one

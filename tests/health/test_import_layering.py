@@ -20,16 +20,17 @@ PACKAGE_ROOT = Path(__file__).resolve().parents[2] / "axtorch"
 #: Each package and the axtorch packages it may import, bottom of the stack first.
 ALLOWED = {
     "config": set(),
+    "host": set(),
     "layers": {"config"},
     "models": {"config", "layers"},
     "data": {"config"},
-    "infer": {"config", "layers", "models"},
-    "parallel": {"config", "layers", "models"},
+    "infer": {"config", "host", "layers", "models"},
+    "parallel": {"config", "host", "layers", "models"},
     "interop": {"config", "layers", "models", "data"},
-    "train": {"config", "layers", "models", "data", "parallel", "interop"},
-    "compose": {"config", "layers", "models", "data", "parallel", "interop", "train", "infer"},
-    "plan": {"config", "layers", "models", "data", "parallel", "interop", "train", "compose"},
-    "cli": {"config", "layers", "models", "data", "parallel", "interop", "train", "infer", "compose", "plan"},
+    "train": {"config", "host", "layers", "models", "data", "parallel", "interop"},
+    "compose": {"config", "host", "layers", "models", "data", "parallel", "interop", "train", "infer"},
+    "plan": {"config", "host", "layers", "models", "data", "parallel", "interop", "train", "compose"},
+    "cli": {"config", "host", "layers", "models", "data", "parallel", "interop", "train", "infer", "compose", "plan"},
 }
 ENTRY_POINT_SHIMS = {"ckpt.py", "export.py", "generate.py", "golden.py", "plot.py", "tokenize.py"}
 

@@ -1,12 +1,9 @@
-"""The machine a process runs on, as results measured or built on it are keyed: its CPU's model
-and features, its vendor, and the per-user cache that holds such results (``$XDG_CACHE_HOME/axtorch``,
-``~/.cache/axtorch`` by default), so that a home directory shared by different machines keeps one
-result for each."""
+"""The CPU a process runs on, as what is measured or built on it is keyed (the decode kernels'
+build, the measured matmul peak): its model and features, and its vendor."""
 
 from __future__ import annotations
 
 import functools
-import os
 import platform
 from pathlib import Path
 
@@ -31,8 +28,3 @@ def cpu_identity() -> str:
 def cpu_vendor() -> str:
     """The CPU's vendor as Linux reports it (``AuthenticAMD``, ``GenuineIntel``), or ""."""
     return next((line.partition(":")[2].strip() for line in _cpuinfo_lines() if line.startswith("vendor_id")), "")
-
-
-def axtorch_cache() -> Path:
-    """axtorch's per-user cache directory (not created here)."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "axtorch"
