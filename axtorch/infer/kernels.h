@@ -142,11 +142,45 @@ DOT_TWO_ROWS(8)
 #define dot_two_rows_8_or_none 0
 #endif
 
+/* dot_two_rows_1(wa, wb, x, cols, ya, yb): two weight rows against one row of x (a decode step of
+ * one sequence), four accumulators each, so that two rows' streams are read at once. On the Intel
+ * Xeon host a pass over SmolLM2-135M's matrices rose from 64% of the probe to 86-90% on one
+ * thread, and from 73% to 82-101% on two, against ``dot``'s one row at a time (two accumulators a
+ * row: 79-85% and 76-81%). */
+static inline void dot_two_rows_1(const float *wa, const float *wb, const float *x, long cols, float *ya,
+                                  float *yb) {
+  enum { K = 4 };
+  vector a[K] = {{0}}, b[K] = {{0}};
+  long c = 0;
+  for (; c + K * WIDTH <= cols; c += K * WIDTH) {
+    for (int line = 0; line < K * WIDTH; line += CACHE_LINE_FLOATS) {
+      __builtin_prefetch(wa + c + PREFETCH_AHEAD + line, 0, PREFETCH_LOCALITY);
+      __builtin_prefetch(wb + c + PREFETCH_AHEAD + line, 0, PREFETCH_LOCALITY);
+    }
+    for (int k = 0; k < K; ++k) {
+      const vector xk = load(x + c + k * WIDTH);
+      a[k] += load(wa + c + k * WIDTH) * xk;
+      b[k] += load(wb + c + k * WIDTH) * xk;
+    }
+  }
+  for (; c + WIDTH <= cols; c += WIDTH) {
+    const vector xc = load(x + c);
+    a[0] += load(wa + c) * xc;
+    b[0] += load(wb + c) * xc;
+  }
+  vector la = a[0], lb = b[0];
+  for (int k = 1; k < K; ++k) la += a[k], lb += b[k];
+  float sa = 0.f, sb = 0.f;
+  for (int lane = 0; lane < WIDTH; ++lane) sa += la[lane], sb += lb[lane];
+  for (; c < cols; ++c) sa += wa[c] * x[c], sb += wb[c] * x[c];
+  *ya = sa, *yb = sb;
+}
+
 typedef void (*dot_two_rows_t)(const float *, const float *, const float *, long, float *, float *);
-/* The products of two weight rows with 2 to MAX_ROWS rows of x, by the row count (0: read one weight
- * row at a time, as at one row of x, or where the registers would not hold them). */
+/* The products of two weight rows with 1 to MAX_ROWS rows of x, by the row count (0: read one weight
+ * row at a time, where the registers would not hold two). */
 static const dot_two_rows_t DOT_TWO_ROWS_OF[MAX_ROWS + 1] = {
-    0, 0, dot_two_rows_2, dot_two_rows_3, dot_two_rows_4, dot_two_rows_5, dot_two_rows_6, dot_two_rows_7_or_none,
+    0, dot_two_rows_1, dot_two_rows_2, dot_two_rows_3, dot_two_rows_4, dot_two_rows_5, dot_two_rows_6, dot_two_rows_7_or_none,
     dot_two_rows_8_or_none,
 };
 
