@@ -131,8 +131,11 @@ def load_library() -> Optional[ctypes.CDLL]:
 def load_matvec() -> Optional[MatVec]:
     """This machine's compiled product (``load_library``), or None."""
     library = load_library()
-    if library is None:
-        return None
+    return None if library is None else matvec_of(library)
+
+
+def matvec_of(library: ctypes.CDLL) -> MatVec:
+    """The product a built library holds, as a function of tensors."""
     function = library.axtorch_matvec
     function.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
     function.restype = None

@@ -2,6 +2,7 @@
 count, torch's kernel wherever it does not apply, one build per machine, in torch's OpenMP
 runtime, and decoding without it where no compiler is."""
 
+import ctypes
 import json
 import logging
 import subprocess
@@ -13,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from axtorch.compose.experiment_loader import load_experiment_config
+from axtorch.host.cpu import cpu_identity
 from axtorch.infer import cpu_weights, generate_ids, native_kernels
 from axtorch.infer.cpu_weights import DecodeKernel, NativeLinear
 from axtorch.infer.native_kernels import compiler, load_matvec
@@ -141,3 +143,19 @@ def test_amd_cpus_prefetch_non_temporally_others_into_every_cache(tmp_path, monk
         monkeypatch.setattr(native_kernels, "cpu_vendor", lambda vendor=vendor: vendor)
         built[vendor] = native_kernels._build(compiler(), tmp_path)
     assert None not in built.values() and built["AuthenticAMD"] != built["GenuineIntel"], built
+
+
+@pytest.mark.skipif("avx512f" not in cpu_identity(), reason="an x86 CPU with AVX-512, whose build can leave it out")
+def test_the_avx2_build_multiplies_as_torch_linear_at_every_row_count(tmp_path, monkeypatch):
+    """Where the CPU has AVX-512 the kernels take 16-float vectors; elsewhere 8, with other
+    accumulators and no two-row products at 7 and 8 rows of x. This builds that second variant."""
+    monkeypatch.setattr(native_kernels, "FLAGS", (*native_kernels.FLAGS, "-mno-avx512f"))
+    library = native_kernels._build(compiler(), tmp_path)
+    assert library is not None
+    matvec = native_kernels.matvec_of(ctypes.CDLL(str(library)))
+    generator = torch.Generator().manual_seed(0)
+    for rows, cols in ((1, 7), (5, 65), (67, 576)):
+        weight, bias = torch.randn(rows, cols, generator=generator), torch.randn(rows, generator=generator)
+        for count in range(1, native_kernels.MAX_ROWS + 1):
+            x = torch.randn(count, 1, cols, generator=generator)
+            torch.testing.assert_close(matvec(weight, x, bias), F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
