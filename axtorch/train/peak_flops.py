@@ -102,4 +102,8 @@ def _write_peaks(path: os.PathLike, peaks: dict[str, float]) -> None:
         os.makedirs(directory, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=directory, suffix=".tmp", delete=False) as handle:
             json.dump(peaks, handle, indent=1, sort_keys=True)
-        os.replace(handle.name, path)
+        try:
+            os.replace(handle.name, path)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(handle.name)  # left only where the replace failed

@@ -149,9 +149,11 @@ def test_amd_cpus_prefetch_non_temporally_others_into_every_cache(tmp_path, monk
 def test_the_avx2_build_multiplies_as_torch_linear_at_every_row_count(tmp_path, monkeypatch):
     """Where the CPU has AVX-512 the kernels take 16-float vectors; elsewhere 8, with other
     accumulators and no two-row products at 7 and 8 rows of x. This builds that second variant."""
+    native = native_kernels._build(compiler(), tmp_path / "native")
     monkeypatch.setattr(native_kernels, "FLAGS", (*native_kernels.FLAGS, "-mno-avx512f"))
-    library = native_kernels._build(compiler(), tmp_path)
-    assert library is not None
+    library = native_kernels._build(compiler(), tmp_path / "avx2")
+    assert library is not None and native is not None
+    assert library.read_bytes() != native.read_bytes(), "the flag left the AVX-512 build unchanged"
     matvec = native_kernels.matvec_of(ctypes.CDLL(str(library)))
     generator = torch.Generator().manual_seed(0)
     for rows, cols in ((1, 7), (5, 65), (67, 576)):
