@@ -89,7 +89,9 @@ def _build(command: list[str], directory: Path) -> Optional[Path]:
         build.mkdir(parents=True, exist_ok=True)
         try:
             with mock.patch.dict(os.environ, {"CXX": shlex.join(command)}):
-                cpp_extension.load(
+                # Its path, not ours to guess: a name built before in this process (in another
+                # directory) is built again as `<name>_v1`.
+                library = cpp_extension.load(
                     name,
                     [str(source) for source in SOURCES],
                     extra_cflags=list(flags),
@@ -97,7 +99,7 @@ def _build(command: list[str], directory: Path) -> Optional[Path]:
                     build_directory=str(build),
                     is_python_module=False,
                 )
-            return build / f"{name}.so"
+            return Path(library)
         except (RuntimeError, OSError, subprocess.CalledProcessError) as failure:
             error = str(failure)
             shutil.rmtree(build, ignore_errors=True)
