@@ -32,6 +32,7 @@ from axtorch.models.causal_lm import CausalLM
 from axtorch.parallel.backend import StepRunner, WholeModel, ec2_instance_type
 from axtorch.parallel.execution import ExecutionConfig, LayerRunnerKind
 from axtorch.parallel.mesh import MeshConfig
+from axtorch.parallel.optimizer_state import create_adamw_state
 from axtorch.parallel.sharding import PartitionSpec, ShardingConfig, resolve_activation_specs, resolve_parameter_specs
 from axtorch.parallel.side_channel import Coordinator, GlooSideChannel
 from axtorch.parallel.tensor_shards import Piece
@@ -157,14 +158,9 @@ class XlaBackend:
         for group in optimizer.param_groups:
             for name, param in zip(group["names"], group["params"]):
                 specs_by_param[param] = self.parameter_specs[name]
-        for param, spec in specs_by_param.items():
-            state = optimizer.state[param]
-            if state:
-                continue
-            state["step"] = torch.tensor(0.0)
+        for param in create_adamw_state(optimizer):
             for key in ("exp_avg", "exp_avg_sq"):
-                state[key] = torch.zeros_like(param)
-                xs.mark_sharding(state[key], self.mesh, _xla_spec(spec))
+                xs.mark_sharding(optimizer.state[param][key], self.mesh, _xla_spec(specs_by_param[param]))
         # Zeros on the device now, not traced into the first update: its program is then the
         # same as every later step's, compiled once.
         torch_xla.sync()

@@ -35,8 +35,9 @@ from axtorch.layers.mixture_of_experts import routed_evenly
 from axtorch.parallel.backend_kind import BackendKind
 from axtorch.parallel.chips import GIB
 from axtorch.parallel.fake_world import fake_world, memory_tracker
+from axtorch.parallel.optimizer_state import create_adamw_state
 from axtorch.train.experiment import ExperimentConfig
-from axtorch.train.optimizer import build_optimizer, create_state
+from axtorch.train.optimizer import build_optimizer
 from axtorch.train.step import TrainStep
 from axtorch.train.trainer import build_parallel_model, build_run_backend, rows_per_replica
 
@@ -265,7 +266,7 @@ def _measure(config: ExperimentConfig, steps: int, fake: bool) -> tuple[dict[str
         backend.prepare_optimizer(optimizer)
         # The optimizer state exists before the trace, as from the second step on: one traced
         # step is the steady state (tracing the step that creates it took as long again).
-        create_state(optimizer)
+        create_adamw_state(optimizer)
         work = TrainStep(
             config, backend, model, config.loss.build(), optimizer, rows // config.trainer.grad_accum_steps
         )

@@ -63,21 +63,3 @@ def build_optimizer(model: nn.Module, config: OptimConfig) -> torch.optim.AdamW:
         eps=config.eps,
         foreach=True,
     )
-
-
-def create_state(optimizer: torch.optim.Optimizer) -> None:
-    """Make the state the optimizer's first step would create, by its own step at learning rate 0
-    on zero gradients (as torch's distributed checkpoint does before it loads a state): the
-    parameters keep their values, and a step traced after it is every later step."""
-    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
-    if optimizer.state or any(p.grad is not None for p in params):
-        raise ValueError("create_state needs an optimizer that has not stepped and parameters without gradients")
-    for param in params:
-        param.grad = torch.zeros_like(param)
-    rates = [group["lr"] for group in optimizer.param_groups]
-    for group in optimizer.param_groups:
-        group["lr"] = 0.0
-    optimizer.step()
-    for group, rate in zip(optimizer.param_groups, rates):
-        group["lr"] = rate
-    optimizer.zero_grad(set_to_none=True)
