@@ -29,9 +29,12 @@ from axtorch.train.metrics import read_metrics
 pytestmark = [pytest.mark.slow, pytest.mark.journey]
 
 SCRIPT = "launch/slurm.sbatch"
-#: Long enough to interrupt twice: a debug step takes well under 0.1 s, and a signal's way through
-#: Slurm about 1 s. Every run of the module uses it, so that their schedules agree.
-LONG_STEPS = 150
+#: Long enough to interrupt twice: a debug step of two processes takes about 0.09 s on a busy
+#: 2-core machine, and a signal's way through Slurm about one step (fresh-clone CI, 2026-12-05:
+#: preemptions landed at steps 7 and 13, kills at 25), so a job is interrupted before its 30th
+#: step and has 50 steps, about 4 s, to spare. Every run of the module uses it, so that their
+#: schedules agree.
+LONG_STEPS = 80
 LONG = (f"trainer.max_steps={LONG_STEPS}", f"trainer.checkpoint_every={LONG_STEPS}", "trainer.plot=false")
 FSDP2 = ("backend=native", "mesh.fsdp=2", "sharding=fsdp")
 
