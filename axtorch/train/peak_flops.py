@@ -11,11 +11,13 @@ A chip not in the catalogue has no MFU: the trainer warns once and logs the othe
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
 import tempfile
 import warnings
+from collections.abc import Iterator
 from typing import Optional
 
 import torch
@@ -74,12 +76,28 @@ def cpu_peak_flops(dtype: torch.dtype) -> float:
     key = f"{identity} torch-{torch.__version__} {dtype} threads-{torch.get_num_threads()}"
     if key not in _MEASURED_CPU_PEAKS:
         path = axtorch_cache() / PEAK_CACHE_FILE
-        kept = _read_peaks(path)
-        if key not in kept:
-            kept[key] = measure_matmul_peak_flops(torch.device("cpu"), dtype)
-            _write_peaks(path, kept)
+        # One process at a time reads, measures and writes: torchrun's workers start together,
+        # and each measuring beside the others would keep a peak of cores shared, while a
+        # process that read the file before another wrote it would drop that one's entry.
+        with _held_alone(path):
+            kept = _read_peaks(path)
+            if key not in kept:
+                kept[key] = measure_matmul_peak_flops(torch.device("cpu"), dtype)
+                _write_peaks(path, kept)
         _MEASURED_CPU_PEAKS[key] = kept[key]
     return _MEASURED_CPU_PEAKS[key]
+
+
+@contextlib.contextmanager
+def _held_alone(path: os.PathLike) -> Iterator[None]:
+    """An exclusive lock on ``path``'s lock file while the block runs; none where it cannot be
+    made (a read-only cache: nothing is written there either)."""
+    with contextlib.ExitStack() as held:
+        with contextlib.suppress(OSError):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            lock = held.enter_context(open(f"{os.fspath(path)}.lock", "a"))
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def _read_peaks(path: os.PathLike) -> dict[str, float]:

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
 import warnings
 
 import pytest
@@ -16,7 +18,7 @@ from axtorch.parallel.single import SingleDeviceBackend
 from axtorch.train import curves as curves_module
 from axtorch.train import peak_flops as peak_flops_module
 from axtorch.train.flops import model_flops_per_token
-from axtorch.train.peak_flops import datasheet_peak_flops, resolve_peak_flops
+from axtorch.train.peak_flops import cpu_peak_flops, datasheet_peak_flops, resolve_peak_flops
 from axtorch.train.trainer import Trainer
 
 T = 1e12
@@ -179,6 +181,34 @@ def test_a_cpu_peak_is_measured_once_per_machine_dtype_and_thread_count(monkeypa
     monkeypatch.setattr(peak_flops_module, "_MEASURED_CPU_PEAKS", {})
     resolve_peak_flops(None, "cpu", torch.float32, num_devices=1, devices_per_process=1)
     assert len(measured) == 5
+
+
+def test_trainers_starting_together_measure_in_turn_and_keep_every_peak(monkeypatch, tmp_path):
+    """torchrun's workers start at once: one measures alone while the others wait, then they read
+    what it kept. Without the lock each measured beside the others (a peak of shared cores), and
+    the last to write dropped the entries written since it read the file."""
+    spans: dict[torch.dtype, tuple[float, float]] = {}
+    first_measuring = threading.Event()
+
+    def measure(device, dtype):
+        start = time.monotonic()
+        if dtype == torch.float32:
+            first_measuring.set()
+            time.sleep(0.5)  # long enough for the other call to end, were it not held
+        spans[dtype] = (start, time.monotonic())
+        return {torch.float32: 1e11, torch.bfloat16: 2e11}[dtype]
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(peak_flops_module, "measure_matmul_peak_flops", measure)
+    monkeypatch.setattr(peak_flops_module, "_MEASURED_CPU_PEAKS", {})
+    first = threading.Thread(target=cpu_peak_flops, args=(torch.float32,))
+    first.start()
+    assert first_measuring.wait(timeout=30)
+    assert cpu_peak_flops(torch.bfloat16) == 2e11
+    first.join()
+    assert spans[torch.bfloat16][0] >= spans[torch.float32][1], spans
+    kept = json.loads((tmp_path / "axtorch" / peak_flops_module.PEAK_CACHE_FILE).read_text())
+    assert sorted(kept.values()) == [1e11, 2e11]
 
 
 def test_failing_tensorboard_plot_and_metrics_warn_and_training_goes_on(tmp_path, data_cache, monkeypatch):
