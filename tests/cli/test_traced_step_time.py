@@ -36,3 +36,28 @@ def test_sends_count_whole_and_one_device_collectives_not_at_all():
     assert CollectiveCount("send", 3, bytes=100, axes="pipe", group_size=2).sent_bytes == 100
     assert CollectiveCount("all-gather", 3, bytes=100, axes="", group_size=1).sent_bytes == 0
     assert CollectiveCount("all-to-all", 1, bytes=100, axes="expert", group_size=4).sent_bytes == 75
+
+
+def test_each_kind_of_collective_counts_under_the_parallelism_that_issues_it():
+    """Experts' all-to-all, a pipeline's sends, context parallelism's gathers are exposed; HSDP's
+    all-reduce over ``data`` overlaps with compute as FSDP's gathers do; one device's are free."""
+    config, _ = load_plan_inputs(["model=llama3_8b"])
+    cluster = cluster_for("gpu-H100-8x4")
+    model = StepTimeModel(config, {}, cluster, 4096, 32, flops_per_token=1.0, layer_costs=[1])
+    mesh = {"pipe": 2, "data": 2, "fsdp": 1, "seq": 2, "expert": 2, "model": 1}
+    collectives = [
+        CollectiveCount("all-to-all", 4, bytes=4 * 10**9, axes="expert", group_size=2),
+        CollectiveCount("send", 8, bytes=10**9, axes="pipe", group_size=2),
+        CollectiveCount("recv", 8, bytes=10**9, axes="pipe", group_size=2),
+        CollectiveCount("all-gather", 2, bytes=2 * 10**9, axes="seq", group_size=2),
+        CollectiveCount("all-reduce", 1, bytes=10**9, axes="data", group_size=2),
+        CollectiveCount("all-gather", 1, bytes=10**12, axes="", group_size=1),
+    ]
+    one_second = model.peak_flops * model.kernel_efficiency
+    parts = model.traced_parts(mesh, one_second, collectives)
+    link = {axis: cluster.bandwidth(mesh, axis) for axis in ("expert", "pipe", "seq", "data")}
+    assert parts["expert all-to-all"] == pytest.approx(4e9 / 2 / link["expert"])
+    assert parts["pipeline sends"] == pytest.approx(1e9 / link["pipe"])  # a receive sends nothing
+    assert parts["context parallel"] == pytest.approx(2e9 / 2 / link["seq"])
+    assert parts["fsdp/data exposed"] == pytest.approx(max(0.0, 2 * 1e9 / 2 / link["data"] - 1.0))
+    assert set(parts) == {"compute", "expert all-to-all", "pipeline sends", "context parallel", "fsdp/data exposed"}

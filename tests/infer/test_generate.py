@@ -9,6 +9,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from axtorch.compose.experiment_loader import load_experiment_config
+from axtorch.config.errors import ConfigError
 from axtorch.data.tokenizer import train_byte_level_bpe
 from axtorch.infer import SamplingConfig, cpu_weights, generate, generate_ids, pack_linears, quantize_int8
 from axtorch.infer.cpu_weights import PackedLinear
@@ -344,3 +345,21 @@ def test_library_generate_calls_reuse_the_packed_weights_until_a_weight_changes(
         model.decoder.layers[0].attention.k_proj.weight.mul_(-2.0)
     generate_ids(model, PROMPTS, 6)
     assert len(packings) == per_call + 2  # the stack that holds it
+
+
+@pytest.mark.parametrize(
+    ("setting", "value", "allowed"),
+    [
+        ("temperature", -0.5, "0 (greedy) or a positive float"),
+        ("top_k", 0, "a positive integer or null"),
+        ("top_p", 0.0, "a probability in (0, 1] or null"),
+        ("top_p", 1.5, "a probability in (0, 1] or null"),
+        ("min_p", 1.5, "a fraction in [0, 1] or null"),
+        ("repetition_penalty", 0.0, "a positive float (1: off)"),
+    ],
+)
+def test_sampling_settings_out_of_range_are_refused_by_name(setting, value, allowed):
+    with pytest.raises(ConfigError) as refusal:
+        SamplingConfig(**{setting: value}).validate()
+    message = str(refusal.value)
+    assert f"sampling.{setting}" in message and str(value) in message and allowed in message, message
