@@ -5,8 +5,8 @@
 ``axtorch-plan`` prices a formula of the model (``axtorch.plan.memory``); the dry run
 (``axtorch-train dry_run=true``, ``axtorch.train.dry_run``) traces the real training step on fake
 tensors and a fake process group, and measures what is live at its peak. Each row runs both on
-one experiment and prints the two peaks side by side, by kind, with their ratio; a row whose mesh
-the dry run does not trace yet (pipeline parallelism) says so instead of a figure.
+one experiment and prints the two peaks side by side, by kind, with their ratio (with pipeline
+stages, the dry run's fullest stage's first rank, as the planner's figure is for the fullest).
 The machine's speed does not enter: both are counts of bytes, and the seconds each took are
 printed only to say what the row costs.
 """
@@ -49,7 +49,8 @@ ROWS = {
         "mesh.fsdp=16",
         "mesh.model=8",
         "sharding=fsdp_tp",
-        "trainer.batch_size=64",
+        "trainer.batch_size=128",
+        "pipeline.microbatches=8",
         "data.seq_len=4096",
     ],
     "mixtral": [
@@ -76,8 +77,9 @@ ROWS = {
 def compare(name: str, steps: int) -> str:
     """One row of the table: the planner's figures, the dry run's, their ratio, or why there is none."""
     config, mesh = load_plan_inputs(ROWS[name])
+    # The planner's batch is per device and micro-batch: a replica's rows over the pipeline's micro-batches.
     replicas = mesh["data"] * mesh["fsdp"] * mesh["seq"] * mesh["expert"]
-    rows_per_device = config.trainer.batch_size // replicas
+    rows_per_device = config.trainer.batch_size // replicas // config.pipeline.planned_microbatches(mesh["pipe"])
     planned = plan(config, mesh, batch_size=rows_per_device).memory
     split = " ".join(f"{axis}={size}" for axis, size in mesh.items() if size != 1) or "1 device"
     started = time.perf_counter()

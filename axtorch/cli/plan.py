@@ -176,7 +176,12 @@ def search_report(overrides: Sequence[str], options: PlanOptions, config_dirs: S
     with_best = [*overrides, *best.overrides()]
     best_config, _ = load_plan_inputs(with_best, cluster.devices, config_dirs)
     rows, seq_len = planner.global_batch, planner.seq_len
-    step_time = best.parts, lambda traced: planner.step_time.traced_parts(best.mesh, traced.flops, traced.collectives)
+    pipe = best.mesh["pipe"]
+    bubble = best_config.pipeline.bubble(pipe, best.microbatches) if pipe > 1 else 0.0
+    step_time = (
+        best.parts,
+        lambda traced: planner.step_time.traced_parts(best.mesh, traced.flops, traced.collectives, bubble),
+    )
     check = checked(
         with_best, best_config, best.mesh, rows, seq_len, options, config_dirs, best.memory_bytes, step_time=step_time
     )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 from unittest import mock
 
 import torch
@@ -30,11 +30,28 @@ def fake_world(rank: int, world_size: int) -> Iterator[None]:
     if dist.is_initialized():
         raise RuntimeError("a dry run needs a process without a process group (run it outside torchrun)")
     dist.init_process_group("fake", rank=rank, world_size=world_size, store=dist.HashStore())
+    _forget_cached_shardings()
     try:
         with _shapes_propagated_apart(), _meshes_made_of_real_tensors():
             yield
     finally:
         dist.destroy_process_group()
+        _forget_cached_shardings()
+
+
+def _forget_cached_shardings() -> None:
+    """Empty DTensor's cache of each op's output sharding, kept by its inputs' specs.
+
+    A device mesh equals one of the same layout from another world (a dry run traces one rank
+    of each pipeline stage in turn), whatever its process groups: a cached answer would carry
+    the earlier world's groups, destroyed with it.
+    """
+    from torch.distributed.tensor import DTensor
+
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache.cache_clear()
+    clear_fast_path = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear_fast_path is not None:  # torch 2.10 on: a second cache in C++
+        clear_fast_path()
 
 
 @contextlib.contextmanager
@@ -88,12 +105,39 @@ def _meshes_made_of_real_tensors() -> Iterator[None]:
         yield
 
 
+class _RepeatedForwards:
+    """Lets a module the step calls directly run its forward more than once a step.
+
+    A pipeline's schedule calls each stage's module once per micro-batch, as gradient accumulation
+    calls the model; torch's tracker takes a second call of a module called from no other for the
+    next step and refuses it. Its statistics per module (which the dry run does not read) then
+    start again for that module; what the step holds, and its peak, are tracked as before.
+    """
+
+    def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
+        tracker = cast(MemTracker, self)
+        modules = tracker._mod_tracker
+        called_directly = modules.parents <= {"Global", modules.get_known_fqn(module)}
+        if module in tracker.memory_tracking and called_directly and not modules.is_bw:
+            del tracker.memory_tracking[module]
+        super()._pre_fw_hook(module, inputs)  # type: ignore[misc]
+
+
+class _StepFSDPMemTracker(_RepeatedForwards, FSDPMemTracker):
+    pass
+
+
+class _StepMemTracker(_RepeatedForwards, MemTracker):
+    pass
+
+
 def memory_tracker(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: Any) -> FSDPMemTracker | MemTracker:
-    """torch's tracker of the memory a step holds, by kind: FSDP's for a sharded model, else the plain one."""
+    """torch's tracker of the memory a step holds, by kind: FSDP's for a sharded model, else the plain one
+    (either letting a module run several forwards a step: ``_RepeatedForwards``)."""
     if isinstance(model, FSDPModule):
-        tracker = FSDPMemTracker(model, optimizer)
+        tracker = _StepFSDPMemTracker(model, optimizer)
         tracker.track_inputs((inputs,))
         return tracker
-    plain = MemTracker()
+    plain = _StepMemTracker()
     plain.track_external(model, optimizer)
     return plain

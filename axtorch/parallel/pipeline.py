@@ -16,6 +16,8 @@ from typing import Any, Optional, cast
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from axtorch.layers.transformer import TransformerLayerInput
@@ -35,7 +37,8 @@ class _LayerSubset(nn.ModuleDict):
 
 def keep_stages(model: CausalLM, ranges: list[range], stages: list[int]) -> CausalLM:
     """A copy of ``model`` (on the meta device) with only the modules of ``stages``."""
-    part = copy.deepcopy(model)
+    with unset_fake_temporarily():  # a meta copy, as the model was built, also in a dry run's fake mode
+        part = copy.deepcopy(model)
     kept = sorted(index for stage in stages for index in ranges[stage])
     part.decoder.layers = cast(nn.ModuleList, _LayerSubset({str(i): part.decoder.layers[i] for i in kept}))
     if 0 not in stages:
@@ -48,18 +51,50 @@ def keep_stages(model: CausalLM, ranges: list[range], stages: list[int]) -> Caus
 
 
 class _Stage(PipelineStage):
-    """A ``PipelineStage`` whose first handshake with its neighbours also works on gloo with torch 2.9.
+    """A ``PipelineStage`` whose first handshake with its neighbours also works on gloo with torch 2.9,
+    and which, where no neighbour answers (a dry run's fake process group), takes the shapes it was given.
 
-    torch 2.9 sends an int64 scalar into the neighbour's float32[1] buffer; NCCL does not check
+    torch 2.9 greets each neighbour before the first step, and sends an int64 scalar into the neighbour's float32[1] buffer; NCCL does not check
     sizes, gloo aborts (``op.preamble.length <= op.nbytes. 8 vs 4``). Newer torch sends float32,
-    and there this changes nothing.
+    and there this changes nothing. Newer torch also has the stages vote on whether every one was
+    given its shapes (``_warmup_p2p``) and reads the count the neighbours send back: with no
+    neighbours, a stage given its shapes votes alone.
     """
 
+    def __init__(self, *args: Any, peers_answer: bool = True, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.peers_answer = peers_answer
+
     def _get_init_p2p_neighbors_ops(self) -> list[dist.P2POp]:
+        if not self.peers_answer:
+            return []  # the handshake warms a real run's communicators once, before any step
         ops = super()._get_init_p2p_neighbors_ops()
         for op in ops:
             op.tensor = op.tensor.float()
         return ops
+
+    def _warmup_forward_vote(self, has_backward: bool, received_acc: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if self.peers_answer:
+            return super()._warmup_forward_vote(has_backward, received_acc)
+        return _shapes_given()
+
+    def _warmup_backward_result(self, received_result: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if self.peers_answer:
+            return super()._warmup_backward_result(received_result)
+        return _shapes_given()
+
+
+def _shapes_given() -> torch.Tensor:
+    """The vote "every stage was given its shapes". The schedule reads its value: made from data, it
+    keeps it under fake tensors too (a fake tensor of one element made from a value holds it)."""
+    return torch.tensor([1], dtype=torch.int32)
+
+
+def _meta_like(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s shape and dtype on the meta device (outside any fake mode: no values, no memory),
+    with a gradient if it is a float: a stage's output does in training (its example ran without)."""
+    with unset_fake_temporarily():
+        return torch.empty(tensor.shape, dtype=tensor.dtype, device="meta", requires_grad=tensor.is_floating_point())
 
 
 class StageModule(nn.Module):
@@ -129,13 +164,69 @@ class Pipeline:
         self.has_first = 0 in self.stage_indices
         self.has_last = self.num_stages - 1 in self.stage_indices
         self.microbatches = 0  # known once ``prepare`` has the rows
+        #: False in a world of no peers (a dry run's fake process group): the stages are then given
+        #: their tensors' shapes up front (``shape_stages``), since no neighbour can tell them.
+        self.peers_answer = dist.get_backend(group) != "fake"
+        #: Each stage's example input and output (meta tensors), where the peers do not answer.
+        self._shapes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._loss_fn: Optional[MicroBatchLoss] = None
         self._sums: list[torch.Tensor] = []
 
     def prepare(self, rows_per_replica: int) -> None:
-        """Build the schedules for steps of ``rows_per_replica`` rows (checked against the config)."""
+        """Build the schedules for steps of ``rows_per_replica`` rows (checked against the config);
+        where the peers do not answer, ``shape_stages`` builds them."""
         self.config.validate(self.pipe, self.modules[0].model.config.decoder.num_layers, rows_per_replica)
         self.microbatches = self.config.resolved_microbatches(self.pipe, rows_per_replica)
+        if self.peers_answer:
+            self._build_schedules()
+
+    def shape_stages(
+        self, micro_batch: MicroBatch, steps: MicroBatchSteps, handed_on: Optional[torch.Tensor]
+    ) -> torch.Tensor:
+        """Give each stage its input's and output's shapes up front, then build the schedules: in a
+        world of no peers, where torch cannot ask the neighbours.
+
+        The first stage takes a micro-batch of ``micro_batch``'s token ids; every other stage the
+        hidden states another stage hands on, ``handed_on`` (a meta tensor: what the first stage
+        returned here, in the process that holds it). Each stage's output is its own forward's, run
+        once without gradients on an example. Returns the hidden states this process's stages hand
+        on (the first stage's output where it holds it, else ``handed_on``).
+        """
+        rows = len(micro_batch["input_ids"]) // self.microbatches
+        keywords = {key: micro_batch[key][:rows] for key in STAGE_KEYWORDS if key in micro_batch}
+        for module, index in zip(self.modules, self.stage_indices):
+            if module.first:
+                example = micro_batch["input_ids"][:rows]
+            elif handed_on is None:
+                raise ValueError(f"stage {index} takes hidden states from another process's stage: pass handed_on")
+            else:
+                example = torch.empty(handed_on.shape, dtype=handed_on.dtype, device=self.device)
+            with torch.no_grad(), steps.autocast():
+                output = module(example, **keywords)
+            for part in module.modules():  # FSDP's root keeps its gathered weights after a forward
+                if isinstance(part, FSDPModule):
+                    part.reshard()
+            if module.first and not module.last:
+                handed_on = _meta_like(output)
+            elif (
+                not module.last
+                and handed_on is not None
+                and (output.shape, output.dtype)
+                != (
+                    handed_on.shape,
+                    handed_on.dtype,
+                )
+            ):
+                raise ValueError(
+                    f"stage {index} hands on {output.dtype} {tuple(output.shape)}, but it was handed "
+                    f"{handed_on.dtype} {tuple(handed_on.shape)}: the stages disagree on the hidden states"
+                )
+            self._shapes[index] = (_meta_like(example), _meta_like(output))
+        self._build_schedules()
+        assert handed_on is not None
+        return handed_on
+
+    def _build_schedules(self) -> None:
         # Training and evaluation each get their own stages: torch 2.9 does not prepare a stage
         # for backward once it has run without (newer torch re-prepares it at every switch).
         self.training_schedule = self._schedule()
@@ -157,7 +248,15 @@ class Pipeline:
 
     def _schedule(self) -> Any:
         stages = [
-            _Stage(module, index, self.num_stages, self.device, group=self.group)
+            _Stage(
+                module,
+                index,
+                self.num_stages,
+                self.device,
+                *self._shapes.get(index, (None, None)),
+                group=self.group,
+                peers_answer=self.peers_answer,
+            )
             for module, index in zip(self.modules, self.stage_indices)
         ]
         stage_or_stages = stages if self.config.schedule == "interleaved_1f1b" else stages[0]

@@ -42,6 +42,13 @@ class PipelineConfig:
         fitting = [m for m in range(stages, 2 * stages + 1) if rows_per_replica % m == 0]
         return fitting[-1] if fitting else 2 * stages
 
+    def planned_microbatches(self, pipe: int) -> int:
+        """The micro-batches a plan of ``axtorch-plan batch=`` rows per micro-batch assumes: the
+        configured count, else twice the stages (what a step of that many micro-batches resolves to)."""
+        if pipe == 1:
+            return 1
+        return self.resolved_microbatches(pipe, 2 * self.num_stages(pipe))
+
     def microbatches_in_flight(self, pipe: int, microbatches: int) -> float:
         """Micro-batches of activations the first process holds at once: all of them under GPipe,
         one per stage under 1F1B, a little more interleaved (Narayanan et al. 2021)."""

@@ -17,7 +17,7 @@ from axtorch.parallel.backend_kind import BackendKind
 from axtorch.parallel.chips import GIB
 from axtorch.plan.inputs import load_plan_inputs
 from axtorch.plan.memory import DeviceMemory
-from axtorch.train.dry_run import UNTRACED_AXES, DryRunReport, dry_run
+from axtorch.train.dry_run import DryRunReport, dry_run
 from axtorch.train.experiment import ExperimentConfig
 
 #: ``check=null`` (the default) runs the dry run for models of at most this many layers: an 8B
@@ -29,9 +29,6 @@ def check_refusal(config: ExperimentConfig, mesh: Mapping[str, int]) -> Optional
     """Why the dry run cannot check this plan, or None."""
     if config.backend is BackendKind.xla:
         return "the dry run traces the native backend's program, not XLA's"
-    untraced = [f"mesh.{axis}={mesh[axis]}" for axis in UNTRACED_AXES if mesh.get(axis, 1) > 1]
-    if untraced:
-        return f"the dry run does not trace {' or '.join(untraced)} yet (docs/parallelism.md)"
     return None
 
 
@@ -42,9 +39,11 @@ def runs_by_default(config: ExperimentConfig) -> bool:
 
 def global_rows(config: ExperimentConfig, mesh: Mapping[str, int], batch: int) -> int:
     """``trainer.batch_size`` for ``batch`` sequences per device per micro-batch (``axtorch-plan batch=``):
-    one such batch on each data-parallel replica, for each gradient-accumulation step."""
+    one such batch on each data-parallel replica, for each gradient-accumulation step or, with
+    pipeline stages, for each of the plan's micro-batches."""
     replicas = mesh.get("data", 1) * mesh.get("fsdp", 1) * mesh.get("expert", 1)
-    return batch * replicas * config.trainer.grad_accum_steps
+    microbatches = config.pipeline.planned_microbatches(mesh.get("pipe", 1))
+    return batch * replicas * config.trainer.grad_accum_steps * microbatches
 
 
 @dataclass
@@ -127,6 +126,11 @@ def format_check(
     peak = check.report.peak_bytes
     lines.append(f"  {'peak':<{width}}  {planned_total / GIB:9.3f}  {peak / GIB:9.3f}")
     lines.append(f"  the planner's peak is {planned_total / peak:.2f}x the dry run's: the dry run's is the program's")
+    if len(check.report.ranks) > 1:
+        fullest, busiest = check.report.fullest.name, check.report.busiest.name
+        lines.append(
+            f"  the dry run's memory is its fullest traced rank's ({fullest}), its step the busiest's ({busiest})"
+        )
     if step_seconds is not None:
         lines.extend(_step_lines(*step_seconds))
     if check.remat:

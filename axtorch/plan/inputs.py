@@ -48,4 +48,6 @@ def load_plan_inputs(
     several = devices > 1 and config.backend is BackendKind.single
     planned = dataclasses.replace(config, mesh=resolved, backend=BackendKind.native if several else config.backend)
     planned.validate_layers_against_mesh()
+    if sizes["pipe"] > 1:
+        planned.validate_pipeline_limits()
     return config, sizes

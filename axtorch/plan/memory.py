@@ -36,8 +36,9 @@ class DeviceMemory:
     optimizer_bytes: int
     activation_bytes: int
     #: The root's embedding and output head, gathered whole over the data-parallel axes by FSDP,
-    #: and under expert parallelism one layer's local experts (gathered for its forward, and again
-    #: for its backward).
+    #: under expert parallelism one layer's local experts (gathered for its forward, and again for
+    #: its backward), and under pipeline stages with FSDP the whole stage, kept gathered between
+    #: each micro-batch's forward and backward.
     gathered_bytes: int = 0
     #: The fused output head's ``[vocab, dim]`` weight gradient (each process's rows under tensor
     #: parallelism), computed in the forward (``axtorch.train.head_cross_entropy``), and under FSDP
@@ -153,12 +154,17 @@ def device_memory(
     # adapter freezes the head; under stages it is the last process's, not the first (the busiest).
     frozen_or_elsewhere = model.adapter is not None or pipe > 1
     head = 0 if frozen_or_elsewhere else vocab_by_dim / tensor_parallel * (2 if data_parallel > 1 else 1)
+    # A stage's FSDP units have no root above them, so each keeps its weights gathered (in the
+    # compute precision) from a micro-batch's forward to its backward, as torchtitan's stages do:
+    # at the first backward, the process's whole stage, over fsdp.
+    fsdp = mesh_sizes.get("fsdp", 1)
+    stage_gathered = elements * fsdp * precision.dtype.itemsize if pipe > 1 and fsdp > 1 else 0
     return DeviceMemory(
         parameter_bytes=FP32_BYTES * elements,
         gradient_bytes=FP32_BYTES * elements,
         optimizer_bytes=2 * FP32_BYTES * elements,
         activation_bytes=round(activations),
-        gathered_bytes=round(FP32_BYTES * gathered),
+        gathered_bytes=round(FP32_BYTES * gathered + stage_gathered),
         head_bytes=round(FP32_BYTES * head),
     )
 

@@ -88,7 +88,7 @@ def plan(
     microbatches = 1
     stages = bubble = None
     if pipe > 1:
-        microbatches = pipeline.resolved_microbatches(pipe, 2 * pipeline.num_stages(pipe))
+        microbatches = pipeline.planned_microbatches(pipe)
         pipeline.validate(pipe, model.decoder.num_layers, microbatches)
         stages = stage_layers(layer_costs, pipe, pipeline)
         bubble = pipeline.bubble(pipe, microbatches)

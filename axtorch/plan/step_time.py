@@ -93,8 +93,8 @@ class StepTimeModel:
         """Seconds of the step by cause: compute, bubble, and each collective's exposed share."""
         compute = self.model_flops_seconds() * RECOMPUTE[remat] / self.kernel_efficiency
         parts = {"compute": compute}
-        if bubble:  # idle for that share of the step: compute x bubble / (1 - bubble) seconds
-            parts["pipeline bubble"] = compute * bubble / (1 - bubble)
+        if bubble:
+            parts["pipeline bubble"] = _idle_seconds(compute, bubble)
         volumes = self.collective_bytes(mesh, specs, rows, stage_layers)
         # FSDP's gathers and reduce-scatters, and HSDP's all-reduce, overlap with compute.
         overlapped = volumes.pop("fsdp", 0.0) / self.cluster.bandwidth(mesh, "fsdp")
@@ -105,15 +105,18 @@ class StepTimeModel:
         return parts
 
     def traced_parts(
-        self, mesh: dict[str, int], flops: float, collectives: Sequence[CollectiveCount]
+        self, mesh: dict[str, int], flops: float, collectives: Sequence[CollectiveCount], bubble: float = 0.0
     ) -> dict[str, float]:
         """Seconds of the step by cause as ``parts`` gives them, from a dry run of the step
         (``axtorch.train.dry_run``) instead of the formulas: the FLOPs it traced on one device
-        (recomputation included) at ``kernel_efficiency`` of the peak, and each collective's bytes
-        sent (``CollectiveCount.sent_bytes``) over the slowest link its group spans. FSDP's gathers
-        and reduce-scatters and HSDP's all-reduce overlap with compute, as in ``parts``."""
+        (recomputation included; with stages, the busiest stage's) at ``kernel_efficiency`` of the
+        peak, the pipeline's ``bubble`` as in ``parts``, and each collective's bytes sent
+        (``CollectiveCount.sent_bytes``) over the slowest link its group spans. FSDP's gathers and
+        reduce-scatters and HSDP's all-reduce overlap with compute, as in ``parts``."""
         compute = flops / (self.peak_flops * self.kernel_efficiency)
         parts = {"compute": compute}
+        if bubble:
+            parts["pipeline bubble"] = _idle_seconds(compute, bubble)
         overlapped = 0.0
         for collective in collectives:
             axes = collective.axes.split("+") if collective.axes else []
@@ -246,3 +249,8 @@ def _traced_cause(kind: str, axes: list[str]) -> Optional[str]:
     if kind == "all-reduce" and axes == ["data"]:
         return None
     return f"{kind} over {'+'.join(axes)}"
+
+
+def _idle_seconds(compute: float, bubble: float) -> float:
+    """Seconds a pipeline idles for ``bubble`` of its step beside ``compute`` seconds of work."""
+    return compute * bubble / (1 - bubble)

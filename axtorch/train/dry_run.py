@@ -20,7 +20,7 @@ import dataclasses
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Any, Optional, cast
+from typing import TYPE_CHECKING, Any, Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
+from tqdm.auto import tqdm
 
 from axtorch.config.errors import ConfigError
 from axtorch.layers.mixture_of_experts import routed_evenly
@@ -40,6 +41,9 @@ from axtorch.train.experiment import ExperimentConfig
 from axtorch.train.optimizer import build_optimizer
 from axtorch.train.step import TrainStep
 from axtorch.train.trainer import build_parallel_model, build_run_backend, rows_per_replica
+
+if TYPE_CHECKING:  # imports torch._dynamo, which only pipelines need
+    from axtorch.parallel.pipeline import Pipeline
 
 #: The memory tracker's kinds of tensor (``_FSDPRefType`` / ``_RefType`` names), in the report's words.
 _KINDS = {
@@ -99,8 +103,6 @@ _CPU_FLOP_FORMULAS = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _attention_flops,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _attention_backward_flops,
 }
-#: Mesh axes the dry run does not trace yet (``dry_run`` refuses them).
-UNTRACED_AXES = ("pipe",)
 #: Collective ops by name (c10d's and the functional ones), as the report names them.
 _COLLECTIVES = {
     "all_reduce": "all-reduce",
@@ -142,13 +144,12 @@ class CollectiveCount:
 
 
 @dataclass
-class DryRunReport:
-    """Rank 0's step (every rank of a data x fsdp mesh holds the same shapes): memory at its peak
-    by kind, and per step its collectives and FLOPs."""
+class RankTrace:
+    """What one traced rank holds and does in a step."""
 
-    devices: int
-    mesh: dict[str, int]
-    steps: int
+    rank: int
+    #: The pipeline stages it runs (empty without ``mesh.pipe``).
+    stages: list[int]
     #: Bytes live at the step's peak, by kind (``KIND_ORDER``).
     memory_at_peak: dict[str, int]
     collectives: list[CollectiveCount]
@@ -157,6 +158,48 @@ class DryRunReport:
     @property
     def peak_bytes(self) -> int:
         return sum(self.memory_at_peak.values())
+
+    @property
+    def name(self) -> str:
+        """``rank 2, stage 1`` (``rank 0`` without stages)."""
+        stages = ", ".join(str(index) for index in self.stages)
+        return f"rank {self.rank}" + (f", stage{'s' * (len(self.stages) > 1)} {stages}" if stages else "")
+
+
+@dataclass
+class DryRunReport:
+    """The traced ranks' steps: rank 0, which stands for every rank of a mesh without ``pipe`` (they
+    all hold the same shapes), or the first rank of each pipeline stage. Memory is the fullest
+    rank's; FLOPs and collectives the busiest rank's, which sets the step's pace."""
+
+    devices: int
+    mesh: dict[str, int]
+    steps: int
+    ranks: list[RankTrace]
+
+    @property
+    def fullest(self) -> RankTrace:
+        return max(self.ranks, key=lambda trace: trace.peak_bytes)
+
+    @property
+    def busiest(self) -> RankTrace:
+        return max(self.ranks, key=lambda trace: trace.flops)
+
+    @property
+    def memory_at_peak(self) -> dict[str, int]:
+        return self.fullest.memory_at_peak
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.fullest.peak_bytes
+
+    @property
+    def collectives(self) -> list[CollectiveCount]:
+        return self.busiest.collectives
+
+    @property
+    def flops(self) -> float:
+        return self.busiest.flops
 
 
 class MeshGroups:
@@ -215,48 +258,53 @@ def _collective_kind(op_name: str) -> Optional[str]:
 
 
 def dry_run(config: ExperimentConfig, mesh: dict[str, int], steps: int = 1) -> DryRunReport:
-    """Trace ``steps`` training steps of ``config`` as rank 0 of ``mesh``'s devices."""
+    """Trace ``steps`` training steps of ``config`` on ``mesh``'s devices: as rank 0, or with
+    ``mesh.pipe`` as the first rank of each stage, in the stages' order."""
     if config.backend is BackendKind.xla:
         raise ConfigError(
             "backend",
             "xla",
             "native or single with dry_run=true",
-            reason="the dry run traces the native backend's program; an XLA mesh's memory comes from axtorch-plan",
+            reason="this traces the native backend's program; the xla backend's is axtorch.train.xla_dry_run "
+            "(axtorch-train dry_run=true backend=xla)",
         )
     if steps < 1:
         raise ConfigError("steps", steps, "a positive number of steps to trace")
-    for axis in UNTRACED_AXES:
-        if mesh[axis] > 1:
-            raise ConfigError(
-                f"mesh.{axis}",
-                mesh[axis],
-                "1 with dry_run=true",
-                reason="the dry run traces meshes of the data, fsdp, model (tensor), seq and expert axes so far: "
-                "the pipeline schedule reads its loss, a value fake tensors do not have",
-            )
     devices = math.prod(mesh.values())
     # The native backend resolves the mesh against the fake world; the trace runs on the CPU. A
     # copy, not ``dataclasses.replace``: that would apply the deprecated settings again.
     traced = copy.copy(config)
     traced.backend = BackendKind.native
     traced.trainer = dataclasses.replace(config.trainer, device="cpu")
-    # Every rank of a data x fsdp x model x seq mesh holds the same shapes: rank 0 stands for them all.
-    with fake_world(0, devices):
-        memory, collectives, flops = _measure(traced, steps, fake=True)
-    return DryRunReport(devices, mesh, steps, memory, collectives, flops)
+    # Every rank of a data x fsdp x model x seq x expert mesh holds the same shapes, so rank 0
+    # stands for them all; with pipeline stages (``pipe``, the outermost axis) the first rank of
+    # each, the first stage's first, since the others are handed the hidden states it hands on.
+    ranks, handed_on = [], None
+    stage_ranks = range(0, devices, devices // mesh["pipe"])
+    for stage_rank in tqdm(
+        stage_ranks, desc="tracing the pipeline's stages", unit="stage", disable=len(stage_ranks) == 1
+    ):
+        with fake_world(stage_rank, devices):
+            trace, handed_on = _measure(traced, steps, fake=True, handed_on=handed_on)
+        ranks.append(trace)
+    return DryRunReport(devices, mesh, steps, ranks)
 
 
 def measured_run(config: ExperimentConfig, mesh: dict[str, int], steps: int = 1) -> DryRunReport:
     """``steps`` real training steps of ``config`` on this process's rank of the process group its
     launcher started (torchrun), measured with the dry run's own tools on real tensors and real
     collectives: what the dry run is held to (tests/parallel/test_dry_run_vs_gloo.py)."""
-    memory, collectives, flops = _measure(config, steps, fake=False)
-    return DryRunReport(math.prod(mesh.values()), mesh, steps, memory, collectives, flops)
+    trace, _ = _measure(config, steps, fake=False)
+    return DryRunReport(math.prod(mesh.values()), mesh, steps, [trace])
 
 
-def _measure(config: ExperimentConfig, steps: int, fake: bool) -> tuple[dict[str, int], list[CollectiveCount], float]:
+def _measure(
+    config: ExperimentConfig, steps: int, fake: bool, handed_on: Optional[torch.Tensor] = None
+) -> tuple[RankTrace, Optional[torch.Tensor]]:
     """Memory at the peak by kind, and per step the collectives and FLOPs, of ``steps`` training
-    steps on zero tokens: traced on fake tensors, or run on real ones (their weights initialised)."""
+    steps on zero tokens: traced on fake tensors, or run on real ones (their weights initialised).
+    Under ``mesh.pipe`` a trace gives its stages their shapes first (``Pipeline.shape_stages``:
+    ``handed_on``, the hidden states the first stage hands on, which it returns)."""
     backend = build_run_backend(config)  # the device mesh is made outside fake mode: it reads its ranks
     groups = MeshGroups(getattr(backend, "mesh", None))  # and so are its groups' names
     rows = rows_per_replica(config.trainer, backend.data_parallel_size)
@@ -273,6 +321,19 @@ def _measure(config: ExperimentConfig, steps: int, fake: bool) -> tuple[dict[str
         backend.runner.prepare(rows)
         tokens = torch.zeros(rows, config.data.seq_len, dtype=torch.long)
         batch = {"input_ids": tokens, "labels": tokens.clone()}
+        stages: list[int] = []
+        if not backend.runner.holds_whole_model:
+            pipeline = cast("Pipeline", backend.runner)
+            stages = pipeline.stage_indices
+            if not pipeline.peers_answer:
+                with routed_evenly():
+                    handed_on = pipeline.shape_stages(work.micro_batches(batch)[0], work, handed_on)
+            else:
+                # A real schedule's first step asks the neighbours for its stages' shapes, through
+                # an ``autograd.grad`` over each stage that torch's memory tracker cannot watch: a
+                # real run is measured from its second step, as a trace given the shapes is.
+                work.gradients(batch)
+                optimizer.zero_grad(set_to_none=True)
         tracker = memory_tracker(model, optimizer, batch)
         collectives = CollectiveLog(groups)
         # Routing is data: fake tensors have none, so experts take their rows evenly (in a real run
@@ -290,7 +351,8 @@ def _measure(config: ExperimentConfig, steps: int, fake: bool) -> tuple[dict[str
         at_peak = tracker.get_tracker_snapshot("peak")
     per_step = [c for _, c in sorted(collectives.counts.items())]
     counts = [dataclasses.replace(c, count=c.count // steps, bytes=c.bytes // steps) for c in per_step]
-    return _by_kind(at_peak), counts, flops.get_total_flops() / steps
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return RankTrace(rank, stages, _by_kind(at_peak), counts, flops.get_total_flops() / steps), handed_on
 
 
 def _by_kind(snapshot: dict[torch.device, dict[Any, int]]) -> dict[str, int]:
@@ -313,16 +375,29 @@ def format_report(report: DryRunReport, capacity_bytes: Optional[float] = None, 
         "no data read, no checkpoint written",
     ]
     unit, scale = ("GiB", GIB) if report.peak_bytes >= GIB else ("MiB", 2**20)
-    lines.append(f"rank 0 (every rank holds the same shapes), {unit} at the step's peak:")
+    if len(report.ranks) == 1:
+        lines.append(f"rank 0 (every rank holds the same shapes), {unit} at the step's peak:")
+        columns = [""]
+    else:
+        lines.append(
+            f"the first rank of each pipeline stage (the other ranks of a stage hold the same shapes), "
+            f"{unit} at the step's peak:"
+        )
+        columns = [f"{trace.name:>22}" for trace in report.ranks]
+        lines.append(f"  {'':<22} {''.join(columns)}")
+    width = max(len(column) for column in columns) or 10
     for kind in KIND_ORDER:
-        lines.append(f"  {kind:<22} {report.memory_at_peak[kind] / scale:10.3f}")
-    lines.append(f"  {'peak':<22} {report.peak_bytes / scale:10.3f}")
-    sent = ", ".join(
-        f"{c.kind}{f' over {c.axes}' if c.axes else ''} x{c.count} ({c.bytes / scale:.3f} {unit})"
-        for c in report.collectives
-    )
-    lines.append(f"  collectives per step: {sent or 'none'}")
-    lines.append(f"  FLOPs per step: {report.flops:.4g}")
+        values = "".join(f"{trace.memory_at_peak[kind] / scale:{width}.3f}" for trace in report.ranks)
+        lines.append(f"  {kind:<22} {values}")
+    lines.append(f"  {'peak':<22} {''.join(f'{trace.peak_bytes / scale:{width}.3f}' for trace in report.ranks)}")
+    for trace in report.ranks:
+        whose = "" if len(report.ranks) == 1 else f" ({trace.name})"
+        sent = ", ".join(
+            f"{c.kind}{f' over {c.axes}' if c.axes else ''} x{c.count} ({c.bytes / scale:.3f} {unit})"
+            for c in trace.collectives
+        )
+        lines.append(f"  collectives per step{whose}: {sent or 'none'}")
+        lines.append(f"  FLOPs per step{whose}: {trace.flops:.4g}")
     if capacity_bytes is not None:
         verdict = "fits" if report.peak_bytes <= capacity_bytes else "does NOT fit"
         lines.append(

@@ -94,7 +94,8 @@ class ExperimentConfig:
                 reason=f"context parallelism cuts each sequence into {chunks} equal chunks",
             )
         if self.mesh.pipe > 1:
-            self._validate_pipeline()
+            self.validate_pipeline_limits()
+            self._validate_pipeline_rows()
         if self.model.float8 is not None:
             self._validate_float8(self.model.float8.recipe)
         frozen_base = self.model.frozen_base
@@ -177,7 +178,8 @@ class ExperimentConfig:
                 "does not apply; float8 composes with FSDP and pipeline stages",
             )
 
-    def _validate_pipeline(self) -> None:
+    def validate_pipeline_limits(self) -> None:
+        """What stages over ``mesh.pipe`` cannot run with, apart from the batch (``_validate_pipeline_rows``)."""
         pipe = self.mesh.pipe
         layers = self.model.decoder.keyed_layer_configs("model.decoder").items()
         feed_forward_key, feed_forward = next(
@@ -212,6 +214,9 @@ class ExperimentConfig:
         for fine, key, value, allowed, reason in limits:
             if not fine:
                 raise ConfigError(key, value, f"{allowed} with mesh.pipe={pipe}", reason=reason)
+
+    def _validate_pipeline_rows(self) -> None:
+        pipe = self.mesh.pipe
         replicas = [getattr(self.mesh, axis) for axis in ("data", "fsdp", "expert")]
         if -1 not in replicas:  # otherwise the replica count is known only with the world size
             rows = self.trainer.batch_size // math.prod(replicas)

@@ -42,20 +42,31 @@ def test_a_model_too_large_to_trace_quickly_says_how_to_check_it(capsys):
     assert "not checked by the dry run: 80 layers trace in about a minute" in capsys.readouterr().out
 
 
-def test_a_mesh_the_dry_run_does_not_trace_is_said_and_refused_when_asked_for(capsys):
-    pipe = ["model=llama3_70b", "mesh.pipe=4", "mesh.fsdp=8", "mesh.model=8", "sharding=fsdp_tp"]
-    assert main(pipe) == 0
-    assert "not checked by the dry run: the dry run does not trace mesh.pipe=4 yet" in capsys.readouterr().out
-    assert main([*pipe, "check=true"]) == 2
-    err = capsys.readouterr().err
-    assert "check=True" in err and "mesh.pipe=4" in err
+def test_the_xla_backend_is_said_and_refused_when_asked_for(capsys):
+    xla = [*DEBUG_FSDP[:1], "backend=xla", "mesh.fsdp=2", "sharding=fsdp"]
+    assert main(xla) == 0
+    assert "not checked by the dry run: the dry run traces the native backend's program" in capsys.readouterr().out
+    assert main([*xla, "check=true"]) == 2
+    assert "check=True" in capsys.readouterr().err
+
+
+def test_a_pipeline_plan_is_checked_on_its_fullest_stage(capsys):
+    pipe = ["experiment=debug", "backend=native", "mesh.pipe=2", "mesh.fsdp=2", "sharding=fsdp"]
+    assert main([*pipe, "model.decoder.num_layers=4", "batch=1", "seq_len=64"]) == 0
+    out = capsys.readouterr().out
+    command = re.search(r"^checked by the dry run \(\d+ s\): (.*)$", out, flags=re.MULTILINE).group(1)
+    arguments = shlex.split(command)
+    # One sequence a device in each of the plan's 4 micro-batches, on two fsdp replicas.
+    assert "trainer.batch_size=8" in arguments
+    report = dry_run(*load_plan_inputs(arguments[2:]))
+    assert _dry_run_peak(out) == pytest.approx(report.peak_bytes / GIB, abs=1e-3)
+    assert f"the dry run's memory is its fullest traced rank's ({report.fullest.name})" in out
 
 
 def test_the_searchs_best_mesh_is_checked():
     options = PlanOptions(hardware="gpu-H100-8x1", seq_len=256, global_batch=64, top=1)
     report = search_report(["experiment=debug"], options)
     best = re.search(r"overrides: \[(.*)\]", report).group(1).split(", ")
-    assert "mesh.pipe" not in report and "mesh.expert" not in report  # a mesh the dry run traces
     command = re.search(r"^checked by the dry run \(\d+ s\): (.*)$", report, flags=re.MULTILINE).group(1)
     arguments = shlex.split(command)
     assert set(best) - {"trainer.precision=fp32"} <= set(arguments)  # the best mesh, as its rule runs it

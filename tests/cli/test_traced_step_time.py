@@ -61,3 +61,17 @@ def test_each_kind_of_collective_counts_under_the_parallelism_that_issues_it():
     assert parts["context parallel"] == pytest.approx(2e9 / 2 / link["seq"])
     assert parts["fsdp/data exposed"] == pytest.approx(max(0.0, 2 * 1e9 / 2 / link["data"] - 1.0))
     assert set(parts) == {"compute", "expert all-to-all", "pipeline sends", "context parallel", "fsdp/data exposed"}
+
+
+def test_a_pipelines_traced_step_idles_for_its_bubble_as_the_formulas_does():
+    """The busiest stage's traced FLOPs are its compute; the pipeline idles beside them for the
+    bubble's share of the step, priced as ``parts`` prices it."""
+    config, _ = load_plan_inputs(["model=llama3_8b"])
+    model = StepTimeModel(config, {}, cluster_for("gpu-H100-8x4"), 4096, 32, flops_per_token=1.0, layer_costs=[1])
+    mesh = {"pipe": 4, "data": 1, "fsdp": 8, "seq": 1, "expert": 1, "model": 1}
+    one_second = model.peak_flops * model.kernel_efficiency
+    bubble = 3 / (8 + 3)  # 4 stages, 8 micro-batches
+    parts = model.traced_parts(mesh, one_second, [], bubble)
+    assert parts["pipeline bubble"] == pytest.approx(bubble / (1 - bubble))
+    assert sum(parts.values()) == pytest.approx(1 / (1 - bubble))  # the step: compute over the busy share
+    assert "pipeline bubble" not in model.traced_parts(mesh, one_second, [])

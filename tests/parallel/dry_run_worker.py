@@ -3,8 +3,8 @@ run's own tools (``axtorch.train.dry_run.measured_run``).
 
     torchrun --nproc-per-node N tests/parallel/dry_run_worker.py OUT OVERRIDE...
 
-Rank 0 writes OUT (JSON): memory at the peak by kind, collectives per step (kind, count, bytes),
-FLOPs per step.
+Rank 0 writes OUT (JSON): for every rank, in rank order, its memory at the peak by kind,
+collectives per step (kind, count, bytes) and FLOPs per step.
 """
 
 import dataclasses
@@ -22,9 +22,11 @@ from axtorch.train.dry_run import measured_run
 def main() -> None:
     out, *overrides = sys.argv[1:]
     config, mesh = load_plan_inputs(overrides)
-    report = measured_run(config, mesh)
+    (trace,) = measured_run(config, mesh).ranks
+    every_rank: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every_rank, dataclasses.asdict(trace))
     if dist.get_rank() == 0:
-        Path(out).write_text(json.dumps(dataclasses.asdict(report)))
+        Path(out).write_text(json.dumps(every_rank))
     exit_process(0, skip_finalization=True)
 
 

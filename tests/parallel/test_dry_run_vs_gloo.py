@@ -24,25 +24,34 @@ SIZE = ["experiment=debug", "backend=native", "trainer.device=cpu", "trainer.bat
         ["mesh.fsdp=2", "sharding=fsdp"],
         ["mesh.fsdp=2", "mesh.model=2", "sharding=fsdp_tp"],
         ["model=mixtral_tiny", "mesh.fsdp=2", "mesh.expert=2", "sharding=fsdp_ep"],
+        ["mesh.pipe=2", "mesh.fsdp=2", "sharding=fsdp"],
     ],
-    ids=["fsdp", "fsdp_x_model", "fsdp_x_expert"],
+    ids=["fsdp", "fsdp_x_model", "fsdp_x_expert", "pipe_x_fsdp"],
 )
 def test_the_dry_runs_peak_and_collectives_are_a_real_runs(tmp_path, mesh):
     overrides = [*SIZE, *mesh]
     config, axes = load_plan_inputs(overrides)
-    traced = dry_run(config, axes)
+    report = dry_run(config, axes)
     out = tmp_path / "measured.json"
-    run_ranks(traced.devices, str(WORKER), str(out), *overrides)
-    measured = json.loads(out.read_text())
+    run_ranks(report.devices, str(WORKER), str(out), *overrides)
+    every_rank = json.loads(out.read_text())
 
-    real_peak = sum(measured["memory_at_peak"].values())
-    assert traced.peak_bytes == pytest.approx(real_peak, rel=0.10), (traced.memory_at_peak, measured["memory_at_peak"])
-    for kind in ("parameters", "optimizer state"):
-        assert traced.memory_at_peak[kind] == pytest.approx(measured["memory_at_peak"][kind], rel=0.10), kind
-    real_collectives = {(c["kind"], c["axes"]): c for c in measured["collectives"]}
-    assert {(c.kind, c.axes) for c in traced.collectives} == set(real_collectives)
-    for sent in traced.collectives:
-        real = real_collectives[sent.kind, sent.axes]
-        assert sent.count == real["count"], (sent, real)
-        assert sent.bytes == pytest.approx(real["bytes"], rel=0.10), (sent, real)
-    assert traced.flops == pytest.approx(measured["flops"], rel=0.10)
+    # Rank 0, which stands for all the ranks of its mesh, or the first rank of each pipeline stage.
+    assert [traced.rank for traced in report.ranks] == list(range(0, report.devices, report.devices // axes["pipe"]))
+    for traced in report.ranks:
+        measured = every_rank[traced.rank]
+        real_peak = sum(measured["memory_at_peak"].values())
+        assert traced.peak_bytes == pytest.approx(real_peak, rel=0.10), (traced.memory_at_peak, measured)
+        for kind in ("parameters", "optimizer state"):
+            assert traced.memory_at_peak[kind] == pytest.approx(measured["memory_at_peak"][kind], rel=0.10), (
+                kind,
+                traced.memory_at_peak,
+                measured["memory_at_peak"],
+            )
+        real_collectives = {(c["kind"], c["axes"]): c for c in measured["collectives"]}
+        assert {(c.kind, c.axes) for c in traced.collectives} == set(real_collectives)
+        for sent in traced.collectives:
+            real = real_collectives[sent.kind, sent.axes]
+            assert sent.count == real["count"], (sent, real)
+            assert sent.bytes == pytest.approx(real["bytes"], rel=0.10), (sent, real)
+        assert traced.flops == pytest.approx(measured["flops"], rel=0.10)

@@ -3,6 +3,7 @@ what the shapes say it must hold and send, and its refusals before any tracing."
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ import torch
 
 from axtorch.cli.dry_run import run_dry
 from axtorch.config.errors import ConfigError
+from axtorch.parallel.backend_kind import BackendKind
 from axtorch.plan import load_plan_inputs
 from axtorch.train.dry_run import dry_run, format_report
 from axtorch.train.exit_codes import ExitCode
@@ -91,11 +93,38 @@ def test_a_rank_of_a_two_axis_mesh_of_four_holds_a_quarter_of_the_weights(axes, 
     assert f"dry run: 4 devices (mesh fsdp=2 {axes[0].split('.')[1]})" in format_report(report)
 
 
+def test_a_pipeline_is_traced_on_the_first_rank_of_each_stage_which_hands_the_next_its_hidden_states():
+    """Each stage's ranks split its weights over fsdp; the hidden states of every micro-batch go
+    forward and their gradients back over ``pipe``; together the stages do an fsdp rank's work."""
+    layers = ["model.decoder.num_layers=4", "trainer.batch_size=8", "data.seq_len=64"]
+    config, mesh = load_plan_inputs([*DEBUG, *layers, "mesh.pipe=2", "mesh.fsdp=2", "sharding=fsdp"])
+    report = dry_run(config, mesh)
+    assert [(trace.rank, trace.stages) for trace in report.ranks] == [(0, [0]), (2, [1])]
+    with torch.device("meta"):
+        model = config.model.build()
+    whole = sum(p.nbytes for p in model.parameters())
+    layer = sum(p.nbytes for name, p in model.named_parameters() if name.startswith("decoder.layers.0."))
+    for trace in report.ranks:
+        shard = trace.memory_at_peak["optimizer state"] / 2  # AdamW's two moments of this rank's shard
+        assert shard == pytest.approx(whole / 4, rel=0.03), trace.memory_at_peak
+        # Its stage's two layers stay gathered from a micro-batch's forward to its backward (FSDP
+        # units with no root above them keep their weights after the forward, as torchtitan's do).
+        gathered = trace.memory_at_peak["parameters"] - shard
+        assert 2 * layer * 0.99 <= gathered <= whole / 2, (gathered, layer, whole)
+    microbatches, hidden = 4, 1 * 64 * config.model.dim * 4  # 4 rows a replica, one a micro-batch, fp32
+    first, last = ({c.kind: c for c in trace.collectives if c.axes == "pipe"} for trace in report.ranks)
+    for sends in (first["send"], first["recv"], last["send"], last["recv"]):
+        assert (sends.count, sends.bytes) == (microbatches, microbatches * hidden)
+    config, mesh = load_plan_inputs([*DEBUG, *layers, "mesh.fsdp=2", "sharding=fsdp"])
+    assert sum(trace.flops for trace in report.ranks) == pytest.approx(dry_run(config, mesh).flops, rel=0.02)
+    said = format_report(report)
+    assert "the first rank of each pipeline stage" in said and "FLOPs per step (rank 2, stage 1)" in said
+
+
 @pytest.mark.parametrize(
     ("overrides", "said"),
     [
-        (["backend=xla"], "invalid config backend='xla'"),
-        (["mesh.pipe=2"], "invalid config mesh.pipe=2"),
+        (["mesh.pipe=2", "pipeline.microbatches=3"], "invalid config pipeline.microbatches=3"),
         (["mesh.fsdp=-1", "devices=6", "mesh.model=4"], "mesh.fsdp=-1"),
         (["hardware=abacus-9000"], "invalid config hardware='abacus-9000'"),
         (["steps=0"], "invalid config steps=0"),
@@ -103,12 +132,23 @@ def test_a_rank_of_a_two_axis_mesh_of_four_holds_a_quarter_of_the_weights(axes, 
         # The debug model's 2 key/value heads cannot split over 4 (the trace failed in a view before).
         (["mesh.model=4", "sharding=fsdp_tp"], "mesh.model=4: tensor parallelism splits attention by whole key/value"),
     ],
-    ids=["xla", "pipeline", "indivisible", "unknown-hardware", "no-steps", "no-device-count", "heads"],
+    ids=["pipeline-microbatches", "indivisible", "unknown-hardware", "no-steps", "no-device-count", "heads"],
 )
 def test_what_a_dry_run_cannot_trace_is_refused_before_tracing(overrides, said, capsys):
     code = run_dry(["dry_run=true", *DEBUG, *overrides], [])
     assert code == ExitCode.CONFIG_ERROR
     assert said in capsys.readouterr().err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch_xla") is not None, reason="torch_xla is installed here")
+def test_the_xla_dry_run_without_torch_xla_says_what_to_install(capsys):
+    """With torch_xla, ``tests/parallel/test_xla_dry_run.py`` runs it (in processes of their own)."""
+    assert run_dry(["dry_run=true", "experiment=debug", "backend=xla", "mesh.fsdp=4"], []) == ExitCode.CONFIG_ERROR
+    assert "backend=xla needs torch_xla" in capsys.readouterr().err
+    config, mesh = load_plan_inputs([*DEBUG])
+    config.backend = BackendKind.xla
+    with pytest.raises(ConfigError, match=r"axtorch\.train\.xla_dry_run"):
+        dry_run(config, mesh)  # the native trace refuses it by name
 
 
 def test_a_dry_run_leaves_no_process_group_behind():
