@@ -7,8 +7,13 @@ step, and, given the hardware, whether it fits (``axtorch/train/dry_run.py``)::
     axtorch-train dry_run=true model=llama3_8b backend=native mesh.fsdp=-1 devices=64 sharding=fsdp
     axtorch-train dry_run=true model=llama3_8b backend=native mesh.fsdp=8 sharding=fsdp hardware=gpu-H100-8x1
 
-It exits 0, 2 for a config that cannot run (before any tracing), and 4 when the peak exceeds the
-hardware's device memory.
+With ``backend=xla`` it runs the xla backend's own dry run instead (``axtorch/train/xla_dry_run.py``:
+the step traced lazily by torch_xla, never run, its shardings held to the rules)::
+
+    axtorch-train dry_run=true model=llama3_8b backend=xla mesh.fsdp=64 sharding=fsdp
+
+It exits 0, 2 for a config that cannot run (before any tracing), 4 when the peak exceeds the
+hardware's device memory, and 5 when the XLA program splits a tensor otherwise than the rules ask.
 """
 
 from __future__ import annotations
@@ -20,9 +25,11 @@ from typing import Optional
 
 from axtorch.cli.key_values import parse_key_values, split_own_keys
 from axtorch.config.errors import ConfigError
+from axtorch.parallel.backend_kind import BackendKind
 from axtorch.plan import cluster_for, load_plan_inputs
 from axtorch.train.dry_run import dry_run, format_report
 from axtorch.train.exit_codes import ExitCode
+from axtorch.train.experiment import ExperimentConfig
 
 
 @dataclass
@@ -60,10 +67,30 @@ def run_dry(overrides: Sequence[str], config_dirs: Sequence[str]) -> int:
         config, mesh = load_plan_inputs(overrides, devices, config_dirs)
         hardware = options.hardware or config.mesh_rules.hardware  # a mesh rule's target, else none to fit
         cluster = named or (cluster_for(hardware) if hardware else None)
+        capacity = cluster.memory_bytes if cluster else None
+        if config.backend is BackendKind.xla:
+            return _run_dry_xla(config, mesh, capacity, hardware)
         report = dry_run(config, mesh, options.steps)
     except ConfigError as error:
         print(f"axtorch-train: {error}", file=sys.stderr)
         return int(ExitCode.CONFIG_ERROR)
-    capacity = cluster.memory_bytes if cluster else None
     print(format_report(report, capacity, hardware))
     return int(ExitCode.DOES_NOT_FIT if capacity is not None and report.peak_bytes > capacity else ExitCode.FINISHED)
+
+
+def _run_dry_xla(
+    config: ExperimentConfig, mesh: dict[str, int], capacity: Optional[float], hardware: Optional[str]
+) -> int:
+    """The xla backend's dry run: its traced program's shardings against the rules (``xla_dry_run``)."""
+    try:
+        from axtorch.train.xla_dry_run import format_xla_report, xla_dry_run
+
+        report = xla_dry_run(config, mesh)
+    except ImportError as error:  # no torch_xla in this environment: the xla backend's own message
+        print(f"axtorch-train: {error}", file=sys.stderr)
+        return int(ExitCode.CONFIG_ERROR)
+    print(format_xla_report(report, capacity, hardware))
+    if report.problems:
+        return int(ExitCode.MISSHARDED)
+    state = report.device_bytes("parameter") + report.device_bytes("AdamW moment")
+    return int(ExitCode.DOES_NOT_FIT if capacity is not None and state > capacity else ExitCode.FINISHED)

@@ -51,6 +51,9 @@ except ImportError as error:  # pragma: no cover - exercised only without torch_
 # After the check above: it imports torch_xla itself.
 from axtorch.parallel.xla_scan import LayerScan
 
+#: AdamW's state that is shaped like its parameter.
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
 
 def _xla_spec(spec: PartitionSpec) -> tuple:
     """axtorch's spec (None or a tuple of axis names per dim) in torch_xla's form."""
@@ -111,8 +114,18 @@ class XlaBackend:
 
     def fill_parameter(self, model: nn.Module, name: str, value: torch.Tensor) -> None:
         """Send ``value`` to the devices split by its spec, so that each device receives only its block."""
+        self._place(model, name, self._send_sharded(value, _xla_spec(self.parameter_specs[name])))
+
+    def place_without_values(self, model: nn.Module) -> None:
+        """Every parameter a lazy tensor of its shape, annotated with its spec, that holds no values
+        until a program runs: the XLA dry run traces the step on them and never runs it."""
+        for name, param in list(model.named_parameters()):
+            data = torch.empty(param.shape, dtype=param.dtype, device=self.device)
+            xs.mark_sharding(data, self.mesh, _xla_spec(self.parameter_specs[name]))
+            self._place(model, name, data)
+
+    def _place(self, model: nn.Module, name: str, data: torch.Tensor) -> None:
         module_name, _, param_name = name.rpartition(".")
-        data = self._send_sharded(value, _xla_spec(self.parameter_specs[name]))
         frozen = not model.get_parameter(name).requires_grad  # a frozen base (model/adapter) stays frozen
         model.get_submodule(module_name).register_parameter(param_name, nn.Parameter(data, requires_grad=not frozen))
 
@@ -154,16 +167,20 @@ class XlaBackend:
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Create AdamW's moments up front, sharded like their parameters (not replicated)."""
+        self.annotate_optimizer_state(optimizer)
+        # Zeros on the device now, not traced into the first update: its program is then the
+        # same as every later step's, compiled once.
+        torch_xla.sync()
+
+    def annotate_optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
+        """AdamW's moments, made lazily and annotated with their parameters' specs."""
         specs_by_param = {}
         for group in optimizer.param_groups:
             for name, param in zip(group["names"], group["params"]):
                 specs_by_param[param] = self.parameter_specs[name]
         for param in create_adamw_state(optimizer):
-            for key in ("exp_avg", "exp_avg_sq"):
+            for key in MOMENTS:
                 xs.mark_sharding(optimizer.state[param][key], self.mesh, _xla_spec(specs_by_param[param]))
-        # Zeros on the device now, not traced into the first update: its program is then the
-        # same as every later step's, compiled once.
-        torch_xla.sync()
 
     def step_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         if self.layer_scan is not None:

@@ -30,6 +30,9 @@ class ExitCode(enum.IntEnum):
     NON_FINITE = 3
     #: A dry run (``dry_run=true``) whose step would not fit the named hardware's device memory.
     DOES_NOT_FIT = 4
+    #: An XLA dry run (``dry_run=true backend=xla``) whose traced program splits a tensor otherwise
+    #: than the sharding rules ask.
+    MISSHARDED = 5
     #: The hang watchdog ended the process (``trainer.watchdog_action=exit``).
     HUNG = 124
     #: A signal stopped the run at a step boundary; its newest checkpoint holds everything trained.

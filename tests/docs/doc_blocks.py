@@ -212,7 +212,10 @@ def is_training_command(text: str) -> bool:
 
 
 def uses_xla(text: str) -> bool:
-    return "PJRT_DEVICE=" in text
+    """Whether a command runs torch_xla: it names the XLA devices, or it is the xla backend's dry
+    run, which sets up devices of its own."""
+    words = _words(text)
+    return "PJRT_DEVICE=" in text or ("dry_run=true" in words and "backend=xla" in words)
 
 
 def as_run(text: str) -> str:

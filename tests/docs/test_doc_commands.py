@@ -238,3 +238,10 @@ def test_training_commands_get_only_the_step_limit():
     assert as_run("axtorch-generate checkpoint=runs/x") == "axtorch-generate checkpoint=runs/x"
     with pytest.raises(ValueError, match="compound"):
         as_run("axtorch-train x=1 | tee log")
+
+
+def test_commands_that_run_torch_xla_get_its_environment():
+    assert uses_xla("PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 .venv-xla/bin/python -m axtorch.train backend=xla")
+    assert uses_xla("axtorch-train dry_run=true backend=xla mesh.fsdp=-1 hardware=tpu-v5p-128")  # devices of its own
+    assert not uses_xla("axtorch-train dry_run=true backend=native mesh.fsdp=-1 hardware=tpu-v5p-128")
+    assert not uses_xla("axtorch-plan backend=xla mesh.fsdp=4")  # plans without torch_xla

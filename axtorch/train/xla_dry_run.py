@@ -1,0 +1,282 @@
+"""The dry run of the xla backend: the real step traced by torch_xla and never run, its shardings checked.
+
+torch_xla records a step as a lazy graph and compiles and runs it only when a value is needed. The
+dry run builds the model with every parameter a lazy tensor of its shape (no values, so no
+memory), placed with the backend's own annotation (``XlaBackend.place_without_values``), makes
+AdamW's moments as the backend does, and traces the real training step (forward, loss, backward,
+clipping, AdamW) into the graph on virtual CPU devices as many as the mesh's, at the real layer
+count and shapes. It then reads back the sharding each parameter, each moment and each annotated
+activation carries in the traced program and holds it to what the rules ask. It never compiles
+the program: memory beyond the weights and optimizer state, the compiler's own choices for
+unannotated tensors (gradients, a scan's stacked weights) and the collectives are not seen.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import is_fake
+
+from axtorch.config.errors import ConfigError
+from axtorch.parallel.chips import GIB
+from axtorch.parallel.sharding import PartitionSpec, resolve_activation_specs
+from axtorch.train.experiment import ExperimentConfig
+from axtorch.train.optimizer import build_optimizer
+from axtorch.train.step import TrainStep
+from axtorch.train.trainer import build_parallel_model, build_run_backend, rows_per_replica
+
+#: A parameter no rule covers is replicated (``sharding.require_full_coverage=false``); above this
+#: many bytes that is a finding: every device would hold it whole without anyone having asked.
+UNASKED_REPLICATION_LIMIT = 2**20
+
+
+@dataclass
+class TracedSharding:
+    """One tensor of the traced program: how the rules ask it split and how the program splits it."""
+
+    kind: str  # "parameter", "AdamW moment" or "activation"
+    name: str
+    shape: tuple[int, ...]
+    #: Ways each dimension is split, as the rules ask.
+    asked: tuple[int, ...]
+    #: Ways each dimension is split in the traced program; None: the program carries no annotation.
+    traced: Optional[tuple[int, ...]]
+    #: Bytes a device holds of it, as the program splits it.
+    device_bytes: int
+    #: What the program does otherwise than the rules ask; None where it does as they ask.
+    problem: Optional[str] = None
+
+
+@dataclass
+class XlaDryRunReport:
+    devices: int
+    mesh: dict[str, int]
+    tensors: list[TracedSharding]
+    #: Activation rules' annotations inside a scan (``execution.layer_runner=scan``), which are
+    #: not placed: the compiler propagates shardings there from the stacked weights and the carry.
+    scanned: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def problems(self) -> list[TracedSharding]:
+        return [tensor for tensor in self.tensors if tensor.problem is not None]
+
+    def device_bytes(self, kind: str) -> int:
+        return sum(tensor.device_bytes for tensor in self.tensors if tensor.kind == kind)
+
+
+def xla_dry_run(config: ExperimentConfig, mesh: dict[str, int]) -> XlaDryRunReport:
+    """Trace one training step of ``config`` on the xla backend over ``mesh``'s devices (virtual
+    CPU devices), without running it, and check the shardings it carries against the rules."""
+    from axtorch.parallel.xla import MOMENTS  # imports torch_xla (says what to install where it is missing)
+
+    devices = math.prod(mesh.values())
+    _virtual_cpu_devices(devices)  # before the runtime starts: importing torch_xla does not start it
+
+    traced = copy.copy(config)
+    traced.mesh = copy.copy(config.mesh)
+    for axis, size in mesh.items():  # the sizes resolved (an axis of -1 among them)
+        setattr(traced.mesh, axis, size)
+    backend: Any = build_run_backend(traced)
+    model = build_parallel_model(traced, backend, fill=False)
+    backend.place_without_values(model)
+    specs, sizes = backend.parameter_specs, backend.sizes
+    tensors = [
+        _checked("parameter", name, param, specs[name], sizes, _covered(name, config))
+        for name, param in model.named_parameters()
+    ]
+    optimizer = build_optimizer(model, config.optim)
+    backend.annotate_optimizer_state(optimizer)
+    for name, param in model.named_parameters():
+        for key in MOMENTS if param in optimizer.state else ():
+            tensors.append(_checked("AdamW moment", f"{name}.{key}", optimizer.state[param][key], specs[name], sizes))
+    seen = _watch_activations(model, config, sizes)
+    rows = rows_per_replica(config.trainer, backend.data_parallel_size)
+    work = TrainStep(config, backend, model, config.loss.build(), optimizer, rows // config.trainer.grad_accum_steps)
+    backend.runner.prepare(rows)
+    tokens = torch.zeros(rows, config.data.seq_len, dtype=torch.long)
+    work.gradients({"input_ids": tokens, "labels": tokens.clone()})
+    work.update(config.optim.lr)  # traced into the graph, which is dropped unrun
+    scanned = []
+    for (module, io, field), (spec, calls) in seen.items():
+        if not calls:
+            scanned.append(f"{module} {io}.{field}")
+        for shape, ways, itemsize in calls[:1]:  # every call of a module annotates alike
+            tensors.append(_activation(f"{module} {io}.{field}", shape, ways, itemsize, spec, sizes))
+    return XlaDryRunReport(devices, mesh, tensors, scanned)
+
+
+def _virtual_cpu_devices(devices: int) -> None:
+    """torch_xla's CPU client with ``devices`` virtual devices: set before its runtime starts, or
+    refused when this process's runtime already runs with another count."""
+    import torch_xla
+
+    if torch_xla._XLAC._xla_runtime_is_initialized():
+        import torch_xla.runtime as xr
+
+        have = xr.global_runtime_device_count()
+        if have != devices or xr.device_type() != "CPU":
+            raise ConfigError(
+                "devices",
+                devices,
+                f"{have}, the {xr.device_type()} devices this process's XLA runtime already has",
+                reason="an XLA dry run sets up virtual CPU devices before torch_xla starts: run it in a fresh process",
+            )
+        return
+    os.environ["PJRT_DEVICE"] = "CPU"
+    os.environ["CPU_NUM_DEVICES"] = str(devices)
+
+
+def _ways(spec: PartitionSpec, sizes: Mapping[str, int]) -> tuple[int, ...]:
+    return tuple(math.prod(sizes[axis] for axis in axes or ()) for axes in spec)
+
+
+def _ways_in_program(tensor: torch.Tensor) -> Optional[tuple[int, ...]]:
+    """Ways the traced program splits each dimension of ``tensor`` (torch_xla's HLO sharding
+    annotation: ``{devices=[4,1]0,1,2,3}``, with a last replicated tile dimension or not,
+    ``{replicated}``); None where it carries none."""
+    import torch_xla
+
+    text = torch_xla._XLAC._get_xla_sharding_spec(tensor)
+    if not text:
+        return None
+    tiles = re.search(r"devices=\[([\d,]+)\]", text)
+    if tiles is None:  # replicated, or on one device
+        return (1,) * tensor.dim()
+    ways = tuple(int(count) for count in tiles.group(1).split(","))
+    return ways[: tensor.dim()]  # a last tile dimension of replicas, if any, splits nothing
+
+
+def _covered(name: str, config: ExperimentConfig) -> bool:
+    return any(re.fullmatch(rule.pattern, name) for rule in config.sharding.parameters)
+
+
+def _checked(
+    kind: str, name: str, tensor: torch.Tensor, spec: PartitionSpec, sizes: Mapping[str, int], covered: bool = True
+) -> TracedSharding:
+    shape, asked, traced = tuple(tensor.shape), _ways(spec, sizes), _ways_in_program(tensor)
+    split = traced if traced is not None else (1,) * len(shape)
+    device_bytes = tensor.numel() * tensor.element_size() // math.prod(split)
+    problem = None
+    if split != asked:
+        problem = f"the rules ask it split {_as_ways(asked)}, the program splits it {_as_ways(split)}"
+    elif not covered and math.prod(split) == 1 and device_bytes >= UNASKED_REPLICATION_LIMIT:
+        problem = (
+            f"no rule covers it, so every device holds it whole ({device_bytes / 2**20:.1f} MiB): "
+            "give it a rule (sharding.parameters), null entries if replicating it is meant"
+        )
+    return TracedSharding(kind, name, shape, asked, traced, device_bytes, problem)
+
+
+def _activation(
+    name: str,
+    shape: tuple[int, ...],
+    traced: Optional[tuple[int, ...]],
+    itemsize: int,
+    spec: PartitionSpec,
+    sizes: Mapping[str, int],
+) -> TracedSharding:
+    asked = _ways(spec, sizes)
+    split = traced if traced is not None else (1,) * len(shape)
+    uneven = [
+        f"dim {dim} of size {size} over {ways}" for dim, (size, ways) in enumerate(zip(shape, asked)) if size % ways
+    ]
+    problem = None
+    if split != asked:
+        problem = f"the rules ask it split {_as_ways(asked)}, the program splits it {_as_ways(split)}"
+    elif uneven:
+        problem = f"it does not split evenly ({', '.join(uneven)}): the compiler pads every device's piece"
+    return TracedSharding(
+        "activation", name, shape, asked, traced, math.prod(shape) * itemsize // math.prod(split), problem
+    )
+
+
+def _as_ways(ways: tuple[int, ...]) -> str:
+    return "x".join(str(count) for count in ways) if math.prod(ways) > 1 else "nowhere (replicated)"
+
+
+def _watch_activations(
+    model: nn.Module, config: ExperimentConfig, sizes: Mapping[str, int]
+) -> dict[tuple[str, str, str], tuple[PartitionSpec, list[tuple[tuple[int, ...], Optional[tuple[int, ...]], int]]]]:
+    """Record, for every activation a rule names, the shape and the program's split of each call's
+    tensor, read after the backend's own hook has annotated it (hooks run in the order registered)."""
+    modules = dict(model.named_modules())
+    seen: dict = {}
+    for (module_name, io, field), spec in resolve_activation_specs(modules, config.sharding, sizes).items():
+        calls: list = []
+        seen[module_name, io, field] = (spec, calls)
+
+        def record(value: Any, calls: list = calls, field: str = field) -> None:
+            tensor = getattr(value, field)
+            if not is_fake(tensor):  # inside a scan's trace the backend places no annotation
+                calls.append((tuple(tensor.shape), _ways_in_program(tensor), tensor.element_size()))
+
+        module = modules[module_name]
+        if io == "input":
+            module.register_forward_pre_hook(lambda mod, args, record=record: record(args[0]))
+        else:
+            module.register_forward_hook(lambda mod, args, output, record=record: record(output))
+    return seen
+
+
+def format_xla_report(
+    report: XlaDryRunReport, capacity_bytes: Optional[float] = None, hardware: Optional[str] = None
+) -> str:
+    """The XLA dry run as the command prints it: what the program splits, how, and what is wrong."""
+    split = " ".join(f"{axis}={size}" for axis, size in report.mesh.items() if size != 1) or "one device"
+    kinds = {
+        kind: [t for t in report.tensors if t.kind == kind] for kind in ("parameter", "AdamW moment", "activation")
+    }
+    state = report.device_bytes("parameter") + report.device_bytes("AdamW moment")
+    unit, scale = ("GiB", GIB) if state >= GIB else ("MiB", 2**20)
+    lines = [
+        f"dry run (xla): {report.devices} virtual CPU devices (mesh {split}), one step traced by torch_xla "
+        "and never run; no weights held, no data read, no checkpoint written",
+        f"  parameters:     {len(kinds['parameter'])} in the program, "
+        f"{report.device_bytes('parameter') / scale:.3f} {unit} a device as it splits them",
+        f"  AdamW moments:  {len(kinds['AdamW moment'])}, "
+        f"{report.device_bytes('AdamW moment') / scale:.3f} {unit} a device",
+        f"  activations:    {len(kinds['activation'])} annotated by the rules"
+        + (f"; inside the scanned layers, left to the compiler: {', '.join(report.scanned)}" if report.scanned else ""),
+    ]
+    # Modules that differ only in their index (every layer's output) annotate alike: one line for them.
+    alike: dict[tuple[str, tuple[int, ...], str], int] = {}
+    for tensor in kinds["activation"]:
+        key = (re.sub(r"\.\d+(\.|\s)", r".N\1", tensor.name), tensor.shape, _as_ways(tensor.traced or (1,)))
+        alike[key] = alike.get(key, 0) + 1
+    for (name, shape, ways), count in alike.items():
+        lines.append(f"    {name} {list(shape)} split {ways}" + (f" ({count} modules)" if count > 1 else ""))
+    replicated = [t for t in kinds["parameter"] if math.prod(t.traced or (1,)) == 1]
+    if replicated:
+        held = sum(t.device_bytes for t in replicated)
+        lines.append(f"  replicated parameters (as the rules ask): {len(replicated)}, {held / 2**20:.3f} MiB a device")
+    problems = report.problems
+    lines.append(
+        "  every parameter, moment and annotated activation is split as the rules ask, at the real shapes"
+        if not problems
+        else f"  {len(problems)} tensor{'s' * (len(problems) != 1)} split otherwise than the rules ask:"
+    )
+    for tensor in problems[:20]:
+        lines.append(f"    {tensor.kind} {tensor.name} {list(tensor.shape)}: {tensor.problem}")
+    if len(problems) > 20:
+        lines.append(f"    ... and {len(problems) - 20} more")
+    lines.append(
+        "  not seen without compiling: activations' and temporaries' memory, the compiler's splits of "
+        "unannotated tensors (gradients, a scan's stacked weights), the collectives (docs/parallelism.md)"
+    )
+    if capacity_bytes is not None:
+        state = report.device_bytes("parameter") + report.device_bytes("AdamW moment")
+        verdict = "fit" if state <= capacity_bytes else "do NOT fit"
+        lines.append(
+            f"the weights and AdamW state alone {verdict} {hardware or 'the device'}: {state / GIB:.2f} GiB "
+            f"of {capacity_bytes / GIB:.2f} GiB a device (activations not counted)"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,73 @@
+"""The xla backend's dry run (``dry_run=true backend=xla``): the real step traced lazily at the real
+size on virtual CPU devices it sets up itself, never run, its shardings held to the rules."""
+
+import os
+import subprocess
+
+import pytest
+import torch
+from xla_runs import ROOT, XLA_PYTHON, needs_xla
+
+from axtorch.plan import load_plan_inputs
+from axtorch.train.exit_codes import ExitCode
+
+pytestmark = [needs_xla, pytest.mark.journey]
+
+
+def _dry_run(*overrides: str) -> subprocess.CompletedProcess:
+    """As a user runs it: no XLA device settings in the environment, the dry run makes its own."""
+    env = {key: value for key, value in os.environ.items() if key not in ("PJRT_DEVICE", "CPU_NUM_DEVICES")}
+    command = [str(XLA_PYTHON), "-m", "axtorch.train", "dry_run=true", "backend=xla", *overrides]
+    return subprocess.run(
+        command, capture_output=True, text=True, timeout=600, env=env | {"TF_CPP_MIN_LOG_LEVEL": "2"}, cwd=ROOT
+    )
+
+
+def test_an_8b_model_on_64_devices_is_traced_whole_and_split_as_its_rules_ask():
+    """32 layers of 8B weights that no device holds: every weight a sixty-fourth, AdamW's two moments
+    alike, each layer's hidden states split by rows."""
+    overrides = ["model=llama3_8b", "mesh.fsdp=64", "sharding=fsdp", "trainer.batch_size=64", "data.seq_len=4096"]
+    result = _dry_run(*overrides)
+    assert result.returncode == ExitCode.FINISHED, result.stdout + result.stderr[-3000:]
+    out = result.stdout
+    assert "dry run (xla): 64 virtual CPU devices (mesh fsdp=64)" in out
+    config, _ = load_plan_inputs(overrides)
+    with torch.device("meta"):
+        model = config.model.build()
+    split = sum(p.numel() * 4 // 64 for p in model.parameters() if p.dim() == 2)
+    whole = sum(p.numel() * 4 for p in model.parameters() if p.dim() == 1)  # norms, replicated by the rules
+    assert f"{len(list(model.parameters()))} in the program, {(split + whole) / 2**30:.3f} GiB a device" in out
+    assert f"AdamW moments:  {2 * len(list(model.parameters()))}," in out
+    assert "decoder.layers.N output.hidden_states [64, 4096, 4096] split 64x1x1 (32 modules)" in out
+    assert "every parameter, moment and annotated activation is split as the rules ask" in out
+
+
+def test_a_big_parameter_no_rule_covers_and_an_uneven_activation_split_fail_by_name(tmp_path):
+    """``require_full_coverage=false`` replicates what no rule covers: a 2 MiB embedding on every
+    device is reported; a sequence of 66 split 4 ways would be padded by the compiler."""
+    (tmp_path / "sharding").mkdir()
+    (tmp_path / "sharding" / "partial.yaml").write_text(
+        "require_full_coverage: false\n"
+        "parameters:\n"
+        "  - pattern: 'lm_head\\.weight|decoder\\.layers\\.\\d+\\.(attention|feed_forward)\\.\\w+_proj\\.weight'\n"
+        "    spec: [fsdp, null]\n"
+        "activations:\n"
+        "  - module: 'decoder\\.layers\\.\\d+'\n"
+        "    field: hidden_states\n"
+        "    spec: [null, fsdp, null]\n"
+    )
+    result = _dry_run(
+        "--config-dir",
+        str(tmp_path),
+        "experiment=debug",
+        "mesh.fsdp=4",
+        "sharding=partial",
+        "model.vocab_size=8192",
+        "data.seq_len=66",
+    )
+    assert result.returncode == ExitCode.MISSHARDED, result.stdout + result.stderr[-3000:]
+    out = result.stdout
+    assert "parameter embedding.weight [8192, 64]: no rule covers it, so every device holds it whole (2.0 MiB)" in out
+    uneven = "it does not split evenly (dim 1 of size 66 over 4)"
+    assert f"activation decoder.layers.0 output.hidden_states [8, 66, 64]: {uneven}" in out
+    assert "decoder.layers.0.attention_norm" not in out  # small, uncovered, replicated: allowed
