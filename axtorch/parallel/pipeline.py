@@ -54,10 +54,11 @@ class _Stage(PipelineStage):
     """A ``PipelineStage`` whose first handshake with its neighbours also works on gloo with torch 2.9,
     and which, where no neighbour answers (a dry run's fake process group), takes the shapes it was given.
 
-    torch 2.9 greets each neighbour before the first step, and sends an int64 scalar into the neighbour's float32[1] buffer; NCCL does not check
-    sizes, gloo aborts (``op.preamble.length <= op.nbytes. 8 vs 4``). Newer torch sends float32,
-    and there this changes nothing. Newer torch also has the stages vote on whether every one was
-    given its shapes (``_warmup_p2p``) and reads the count the neighbours send back: with no
+    torch 2.9 greets each neighbour before the first step with an int64 scalar sent into the
+    neighbour's float32[1] buffer; NCCL does not check sizes, gloo aborts (``op.preamble.length <=
+    op.nbytes. 8 vs 4``). Newer torch sends float32, and there this changes nothing. With no
+    neighbours there is no one to greet. Newer torch also has the stages vote on whether every one
+    was given its shapes (``_warmup_p2p``) and reads the count the neighbours send back: with no
     neighbours, a stage given its shapes votes alone.
     """
 

@@ -25,6 +25,11 @@ from axtorch.parallel.sharding import PartitionSpec, shard_shape
 from axtorch.train.config import Precision
 
 FP32_BYTES = 4
+#: Bytes the last pipeline stage's loss holds at its peak per token of a micro-batch and entry of
+#: the vocabulary, by compute precision: a stage hands its loss whole logits (the fused head loss
+#: does not cross stages), which the loss keeps with their float32 softmax and gradient. Measured
+#: with the dry run (``tests/cli/test_plan_check.py`` holds the planner to it on such a stage).
+STAGE_LOSS_BYTES = {Precision.fp32: 30, Precision.bf16: 20}
 
 
 @dataclass(frozen=True)
@@ -126,7 +131,7 @@ def device_memory(
 
     ``batch`` is sequences per device in one micro-batch. Under ``mesh.pipe`` the first process
     holds the most micro-batches in flight (``pipeline.microbatches_in_flight``) of its layers'
-    activations.
+    activations, the last its loss's whole logits (``STAGE_LOSS_BYTES``): the fuller of the two.
     """
     pipe = mesh_sizes.get("pipe", 1)
     layers = model.decoder.num_layers
@@ -134,9 +139,18 @@ def device_memory(
     seq = seq_len // mesh_sizes.get("seq", 1)
     activations: float = activation_bytes(model, batch, seq, mesh_sizes.get("model", 1), precision)
     if pipe > 1:
+        # The first process holds the most micro-batches in flight; the last, fewer (one under
+        # 1F1B) beside its loss's whole logits: the larger of the two.
         stages = stage_layers(layer_costs, pipe, pipeline)
-        first_layers = sum(len(stages[stage]) for stage in stages_of_process(0, pipe, pipeline.stages_per_process))
-        activations *= first_layers / layers * pipeline.microbatches_in_flight(pipe, microbatches)
+
+        def held_layers(process: int) -> int:
+            return sum(len(stages[stage]) for stage in stages_of_process(process, pipe, pipeline.stages_per_process))
+
+        first = activations * held_layers(0) / layers * pipeline.microbatches_in_flight(pipe, microbatches)
+        last_in_flight = microbatches if pipeline.schedule == "gpipe" else 1
+        logits = batch * seq * model.vocab_size * STAGE_LOSS_BYTES[precision]
+        last = activations * held_layers(pipe - 1) / layers * last_in_flight + logits
+        activations = max(first, last)
     # Expert parallelism (never with stages): each layer's returned rows, and its experts gathered whole.
     expert = mesh_sizes.get("expert", 1)
     layer_configs = model.decoder.layer_configs() if expert > 1 else []

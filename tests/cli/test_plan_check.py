@@ -50,17 +50,22 @@ def test_the_xla_backend_is_said_and_refused_when_asked_for(capsys):
     assert "check=True" in capsys.readouterr().err
 
 
-def test_a_pipeline_plan_is_checked_on_its_fullest_stage(capsys):
+def test_a_pipeline_plan_is_checked_on_its_fullest_stage_and_prices_it_within_a_tenth(capsys):
+    """A wide vocabulary makes the last stage the fullest: its loss keeps whole logits, which the
+    planner prices (``STAGE_LOSS_BYTES``) beside the first stage's micro-batches in flight."""
     pipe = ["experiment=debug", "backend=native", "mesh.pipe=2", "mesh.fsdp=2", "sharding=fsdp"]
-    assert main([*pipe, "model.decoder.num_layers=4", "batch=1", "seq_len=64"]) == 0
+    assert main([*pipe, "model.decoder.num_layers=4", "model.vocab_size=4096", "batch=2", "seq_len=256"]) == 0
     out = capsys.readouterr().out
     command = re.search(r"^checked by the dry run \(\d+ s\): (.*)$", out, flags=re.MULTILINE).group(1)
     arguments = shlex.split(command)
-    # One sequence a device in each of the plan's 4 micro-batches, on two fsdp replicas.
-    assert "trainer.batch_size=8" in arguments
+    # Two sequences a device in each of the plan's 4 micro-batches, on two fsdp replicas.
+    assert "trainer.batch_size=16" in arguments
     report = dry_run(*load_plan_inputs(arguments[2:]))
     assert _dry_run_peak(out) == pytest.approx(report.peak_bytes / GIB, abs=1e-3)
     assert f"the dry run's memory is its fullest traced rank's ({report.fullest.name})" in out
+    assert report.fullest.stages == [1]
+    ratio = float(re.search(r"the planner's peak is ([\d.]+)x the dry run's", out).group(1))
+    assert 0.9 <= ratio <= 1.1, out
 
 
 def test_the_searchs_best_mesh_is_checked():

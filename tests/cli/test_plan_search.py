@@ -68,10 +68,11 @@ def test_memory_and_step_time_follow_the_precision(precision, value_bytes, peak)
 def test_less_memory_per_device_forces_more_splitting():
     overrides, hardware = CASES["llama3_8b on 8 H100"]
     roomy, _ = _planner(overrides, hardware)
-    tight = Planner(roomy.config, roomy.shardings, cluster_for(hardware, 24), 8192, 8)
-    assert min(c.memory_bytes for c in tight.search()) <= 0.9 * 24 * GIB
+    # In 24 GiB nothing fits: a pipeline's last stage keeps its loss's whole logits of 8192 x 128256.
+    tight = Planner(roomy.config, roomy.shardings, cluster_for(hardware, 32), 8192, 8)
+    assert min(c.memory_bytes for c in tight.search()) <= 0.9 * 32 * GIB
     assert len(tight.search()) < len(roomy.search())
-    assert tight.search()[0].remat == "full"  # nothing lighter fits in 24 GiB
+    assert tight.search()[0].remat == "full"  # nothing lighter fits in 32 GiB
 
 
 def test_tensor_parallel_across_hosts_pays_the_network():
