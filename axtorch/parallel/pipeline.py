@@ -91,6 +91,10 @@ def _shapes_given() -> torch.Tensor:
     return torch.tensor([1], dtype=torch.int32)
 
 
+def _alike(tensor: torch.Tensor, other: torch.Tensor) -> bool:
+    return (tensor.shape, tensor.dtype) == (other.shape, other.dtype)
+
+
 def _meta_like(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor``'s shape and dtype on the meta device (outside any fake mode: no values, no memory),
     with a gradient if it is a float: a stage's output does in training (its example ran without)."""
@@ -209,15 +213,7 @@ class Pipeline:
                     part.reshard()
             if module.first and not module.last:
                 handed_on = _meta_like(output)
-            elif (
-                not module.last
-                and handed_on is not None
-                and (output.shape, output.dtype)
-                != (
-                    handed_on.shape,
-                    handed_on.dtype,
-                )
-            ):
+            elif not module.last and handed_on is not None and not _alike(output, handed_on):
                 raise ValueError(
                     f"stage {index} hands on {output.dtype} {tuple(output.shape)}, but it was handed "
                     f"{handed_on.dtype} {tuple(handed_on.shape)}: the stages disagree on the hidden states"
