@@ -105,13 +105,21 @@ def _meshes_made_of_real_tensors() -> Iterator[None]:
         yield
 
 
-class _RepeatedForwards:
-    """Lets a module the step calls directly run its forward more than once a step.
+class _NoHook:
+    """Stands in the tracker's table for the gradient hook a frozen parameter cannot take."""
+
+    def remove(self) -> None:
+        pass
+
+
+class _StepTracking:
+    """torch's memory tracker, made to follow a step as axtorch runs it.
 
     A pipeline's schedule calls each stage's module once per micro-batch, as gradient accumulation
-    calls the model; torch's tracker takes a second call of a module called from no other for the
+    calls the model; the tracker takes a second call of a module called from no other for the
     next step and refuses it. Its statistics per module (which the dry run does not read) then
-    start again for that module; what the step holds, and its peak, are tracked as before.
+    start again for that module; what the step holds, and its peak, are tracked as before. And the
+    tracker hooks every parameter's gradient, which a frozen one (an adapter's base) has not.
     """
 
     def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
@@ -122,18 +130,25 @@ class _RepeatedForwards:
             del tracker.memory_tracking[module]
         super()._pre_fw_hook(module, inputs)  # type: ignore[misc]
 
+    def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True) -> tuple[int, int]:
+        hooks = cast(MemTracker, self)._param_to_grad_hook_handles
+        for param in module.parameters():
+            if not param.requires_grad:
+                hooks.setdefault(param, (_NoHook(), _NoHook()))
+        return super()._track_module_params_and_buffers(module, install_grad_hooks)  # type: ignore[misc]
 
-class _StepFSDPMemTracker(_RepeatedForwards, FSDPMemTracker):
+
+class _StepFSDPMemTracker(_StepTracking, FSDPMemTracker):
     pass
 
 
-class _StepMemTracker(_RepeatedForwards, MemTracker):
+class _StepMemTracker(_StepTracking, MemTracker):
     pass
 
 
 def memory_tracker(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: Any) -> FSDPMemTracker | MemTracker:
     """torch's tracker of the memory a step holds, by kind: FSDP's for a sharded model, else the plain one
-    (either letting a module run several forwards a step: ``_RepeatedForwards``)."""
+    (either following a step as axtorch runs it: ``_StepTracking``)."""
     if isinstance(model, FSDPModule):
         tracker = _StepFSDPMemTracker(model, optimizer)
         tracker.track_inputs((inputs,))

@@ -98,7 +98,7 @@ def build_parallel_model(
         # A transform may swap in modules that initialise their own way (torchao's float8 linears
         # draw as torch's Linear does): the seeded values come from the model as configured.
         initial = config.model.build() if transforms else whole
-    apply_model_transforms(transforms, whole, backend.device)
+        apply_model_transforms(transforms, whole, backend.device)  # what it adds is on the meta device too
     model = backend.parallelize(whole)  # ``whole`` itself, or this process's pipeline stages of it
     if fill:
         torch.manual_seed(config.trainer.seed)

@@ -13,6 +13,7 @@ import torch
 
 from axtorch.cli.dry_run import run_dry
 from axtorch.config.errors import ConfigError
+from axtorch.models.transforms import apply_model_transforms
 from axtorch.parallel.backend_kind import BackendKind
 from axtorch.plan import load_plan_inputs
 from axtorch.train.dry_run import dry_run, format_report
@@ -119,6 +120,20 @@ def test_a_pipeline_is_traced_on_the_first_rank_of_each_stage_which_hands_the_ne
     assert sum(trace.flops for trace in report.ranks) == pytest.approx(dry_run(config, mesh).flops, rel=0.02)
     said = format_report(report)
     assert "the first rank of each pipeline stage" in said and "FLOPs per step (rank 2, stage 1)" in said
+
+
+@pytest.mark.parametrize("mesh_axes", [[], ["mesh.pipe=2"]], ids=["one-device", "pipeline"])
+def test_a_lora_step_keeps_adam_state_for_the_adapters_alone(mesh_axes):
+    """The frozen base has no gradient for torch's tracker to hook, and the adapters' own weights
+    are made on the meta device with the model (under the dry run's fake mode they were not)."""
+    config, mesh = load_plan_inputs([*DEBUG, "model/adapter=lora", *mesh_axes])
+    report = dry_run(config, mesh)
+    with torch.device("meta"):
+        model = config.model.build()
+    apply_model_transforms(config.model.transforms(), model, torch.device("meta"))
+    adapters = sum(p.nbytes for name, p in model.named_parameters() if ".adapter." in name)
+    held = sum(trace.memory_at_peak["optimizer state"] for trace in report.ranks)
+    assert adapters > 0 and held == pytest.approx(2 * adapters, rel=0.01), (held, adapters)
 
 
 @pytest.mark.parametrize(
