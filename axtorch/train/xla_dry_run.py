@@ -61,9 +61,10 @@ class XlaDryRunReport:
     devices: int
     mesh: dict[str, int]
     tensors: list[TracedSharding]
-    #: Activation rules' annotations inside a scan (``execution.layer_runner=scan``), which are
-    #: not placed: the compiler propagates shardings there from the stacked weights and the carry.
-    scanned: list[str] = dataclasses.field(default_factory=list)
+    #: Activation rules' annotations the traced step never placed: inside a scan
+    #: (``execution.layer_runner=scan``) the compiler propagates shardings from the stacked weights
+    #: and the carry instead; elsewhere, a rule for a module the step does not call.
+    unplaced: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def problems(self) -> list[TracedSharding]:
@@ -105,13 +106,13 @@ def xla_dry_run(config: ExperimentConfig, mesh: dict[str, int]) -> XlaDryRunRepo
     tokens = torch.zeros(rows, config.data.seq_len, dtype=torch.long)
     work.gradients({"input_ids": tokens, "labels": tokens.clone()})
     work.update(config.optim.lr)  # traced into the graph, which is dropped unrun
-    scanned = []
+    unplaced = []
     for (module, io, field), (spec, calls) in seen.items():
         if not calls:
-            scanned.append(f"{module} {io}.{field}")
+            unplaced.append(f"{module} {io}.{field}")
         for shape, ways, itemsize in calls[:1]:  # every call of a module annotates alike
             tensors.append(_activation(f"{module} {io}.{field}", shape, ways, itemsize, spec, sizes))
-    return XlaDryRunReport(devices, mesh, tensors, scanned)
+    return XlaDryRunReport(devices, mesh, tensors, unplaced)
 
 
 def _virtual_cpu_devices(devices: int) -> None:
@@ -245,7 +246,12 @@ def format_xla_report(
         f"  AdamW moments:  {len(kinds['AdamW moment'])}, "
         f"{report.device_bytes('AdamW moment') / scale:.3f} {unit} a device",
         f"  activations:    {len(kinds['activation'])} annotated by the rules"
-        + (f"; inside the scanned layers, left to the compiler: {', '.join(report.scanned)}" if report.scanned else ""),
+        + (
+            f"; not placed by the step (inside scanned layers, left to the compiler; or never called): "
+            f"{', '.join(report.unplaced)}"
+            if report.unplaced
+            else ""
+        ),
     ]
     # Modules that differ only in their index (every layer's output) annotate alike: one line for them.
     alike: dict[tuple[str, tuple[int, ...], str], int] = {}
