@@ -134,7 +134,7 @@ def checked(
     ``step_time``: the plan's step time by cause, and how to price a dry run's step the same way."""
     if options.check is False:
         return None
-    if refusal := check_refusal(config, mesh):
+    if refusal := check_refusal(config):
         if options.check:
             raise ConfigError("check", True, "false for this plan", reason=refusal)
         return f"not checked by the dry run: {refusal}"
@@ -176,8 +176,7 @@ def search_report(overrides: Sequence[str], options: PlanOptions, config_dirs: S
     with_best = [*overrides, *best.overrides()]
     best_config, _ = load_plan_inputs(with_best, cluster.devices, config_dirs)
     rows, seq_len = planner.global_batch, planner.seq_len
-    pipe = best.mesh["pipe"]
-    bubble = best_config.pipeline.bubble(pipe, best.microbatches) if pipe > 1 else 0.0
+    bubble = best_config.pipeline.bubble(best.mesh["pipe"], best.microbatches)  # 0 without stages
     step_time = (
         best.parts,
         lambda traced: planner.step_time.traced_parts(best.mesh, traced.flops, traced.collectives, bubble),

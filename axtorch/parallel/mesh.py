@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from axtorch.config.errors import ConfigError
 
@@ -46,6 +46,18 @@ class MeshConfig:
             if slices < 1 or sizes[axis] % slices:
                 raise ConfigError(f"{key}.{axis}", slices, f"a positive divisor of mesh.{axis}={sizes[axis]}")
         return dcn
+
+    def with_sizes(self, sizes: dict[str, int]) -> MeshConfig:
+        """A copy with every axis set to its resolved size (``resolve``'s: no -1 left)."""
+        return replace(
+            self,
+            pipe=sizes["pipe"],
+            data=sizes["data"],
+            fsdp=sizes["fsdp"],
+            seq=sizes["seq"],
+            expert=sizes["expert"],
+            model=sizes["model"],
+        )
 
     def resolve(self, num_devices: int, key: str = "mesh") -> dict[str, int]:
         """Axis sizes whose product is ``num_devices``, or a ConfigError naming the mismatch."""

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
+import re
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -258,6 +260,37 @@ class XlaBackend:
     def close(self) -> None:
         if self.world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def use_virtual_cpu_devices(devices: int) -> None:
+    """torch_xla's CPU client with ``devices`` virtual devices, set before its runtime starts (importing
+    torch_xla does not start it), or refused when this process's runtime already runs with others."""
+    if torch_xla._XLAC._xla_runtime_is_initialized():
+        have = xr.global_runtime_device_count()
+        if have != devices or xr.device_type() != "CPU":
+            raise ConfigError(
+                "devices",
+                devices,
+                f"{have}, the {xr.device_type()} devices this process's XLA runtime already has",
+                reason="an XLA dry run sets up virtual CPU devices before torch_xla starts: run it in a fresh process",
+            )
+        return
+    os.environ["PJRT_DEVICE"] = "CPU"
+    os.environ["CPU_NUM_DEVICES"] = str(devices)
+
+
+def program_split(tensor: torch.Tensor) -> Optional[tuple[int, ...]]:
+    """Ways the traced program splits each dimension of ``tensor``, read from its HLO sharding
+    annotation (``{devices=[4,1]0,1,2,3}``, with a last tile dimension of replicas or not;
+    ``{replicated}``); None where it carries none."""
+    text = torch_xla._XLAC._get_xla_sharding_spec(tensor)
+    if not text:
+        return None
+    tiles = re.search(r"devices=\[([\d,]+)\]", text)
+    if tiles is None:  # replicated, or on one device
+        return (1,) * tensor.dim()
+    ways = tuple(int(count) for count in tiles.group(1).split(","))
+    return ways[: tensor.dim()]  # a last tile dimension of replicas, if any, splits nothing
 
 
 def _device_id(shard_device: str) -> int:

@@ -25,7 +25,7 @@ from axtorch.train.experiment import ExperimentConfig
 AUTO_CHECK_MAX_LAYERS = 48
 
 
-def check_refusal(config: ExperimentConfig, mesh: Mapping[str, int]) -> Optional[str]:
+def check_refusal(config: ExperimentConfig) -> Optional[str]:
     """Why the dry run cannot check this plan, or None."""
     if config.backend is BackendKind.xla:
         return "the dry run traces the native backend's program, not XLA's"

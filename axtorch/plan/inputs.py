@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 from collections.abc import Sequence
@@ -42,9 +41,7 @@ def load_plan_inputs(
     sizes = mesh.resolve(devices, "mesh")
     # What the train-time checks skipped with the mesh set aside (the batch's are the plan's own);
     # a plan of several devices is the native backend's unless it names another.
-    resolved = copy.copy(mesh)
-    for axis, size in sizes.items():
-        setattr(resolved, axis, size)
+    resolved = mesh.with_sizes(sizes)
     several = devices > 1 and config.backend is BackendKind.single
     planned = dataclasses.replace(config, mesh=resolved, backend=BackendKind.native if several else config.backend)
     planned.validate_layers_against_mesh()

@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -26,9 +25,9 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
-from axtorch.config.errors import ConfigError
 from axtorch.parallel.chips import GIB
 from axtorch.parallel.sharding import PartitionSpec, resolve_activation_specs
+from axtorch.parallel.xla import MOMENTS, program_split, use_virtual_cpu_devices  # needs torch_xla
 from axtorch.train.experiment import ExperimentConfig
 from axtorch.train.optimizer import build_optimizer
 from axtorch.train.step import TrainStep
@@ -77,15 +76,10 @@ class XlaDryRunReport:
 def xla_dry_run(config: ExperimentConfig, mesh: dict[str, int]) -> XlaDryRunReport:
     """Trace one training step of ``config`` on the xla backend over ``mesh``'s devices (virtual
     CPU devices), without running it, and check the shardings it carries against the rules."""
-    from axtorch.parallel.xla import MOMENTS  # imports torch_xla (says what to install where it is missing)
-
-    devices = math.prod(mesh.values())
-    _virtual_cpu_devices(devices)  # before the runtime starts: importing torch_xla does not start it
+    use_virtual_cpu_devices(math.prod(mesh.values()))
 
     traced = copy.copy(config)
-    traced.mesh = copy.copy(config.mesh)
-    for axis, size in mesh.items():  # the sizes resolved (an axis of -1 among them)
-        setattr(traced.mesh, axis, size)
+    traced.mesh = config.mesh.with_sizes(mesh)
     backend: Any = build_run_backend(traced)
     model = build_parallel_model(traced, backend, fill=False)
     backend.place_without_values(model)
@@ -112,48 +106,11 @@ def xla_dry_run(config: ExperimentConfig, mesh: dict[str, int]) -> XlaDryRunRepo
             unplaced.append(f"{module} {io}.{field}")
         for shape, ways, itemsize in calls[:1]:  # every call of a module annotates alike
             tensors.append(_activation(f"{module} {io}.{field}", shape, ways, itemsize, spec, sizes))
-    return XlaDryRunReport(devices, mesh, tensors, unplaced)
-
-
-def _virtual_cpu_devices(devices: int) -> None:
-    """torch_xla's CPU client with ``devices`` virtual devices: set before its runtime starts, or
-    refused when this process's runtime already runs with another count."""
-    import torch_xla
-
-    if torch_xla._XLAC._xla_runtime_is_initialized():
-        import torch_xla.runtime as xr
-
-        have = xr.global_runtime_device_count()
-        if have != devices or xr.device_type() != "CPU":
-            raise ConfigError(
-                "devices",
-                devices,
-                f"{have}, the {xr.device_type()} devices this process's XLA runtime already has",
-                reason="an XLA dry run sets up virtual CPU devices before torch_xla starts: run it in a fresh process",
-            )
-        return
-    os.environ["PJRT_DEVICE"] = "CPU"
-    os.environ["CPU_NUM_DEVICES"] = str(devices)
+    return XlaDryRunReport(math.prod(mesh.values()), mesh, tensors, unplaced)
 
 
 def _ways(spec: PartitionSpec, sizes: Mapping[str, int]) -> tuple[int, ...]:
     return tuple(math.prod(sizes[axis] for axis in axes or ()) for axes in spec)
-
-
-def _ways_in_program(tensor: torch.Tensor) -> Optional[tuple[int, ...]]:
-    """Ways the traced program splits each dimension of ``tensor`` (torch_xla's HLO sharding
-    annotation: ``{devices=[4,1]0,1,2,3}``, with a last replicated tile dimension or not,
-    ``{replicated}``); None where it carries none."""
-    import torch_xla
-
-    text = torch_xla._XLAC._get_xla_sharding_spec(tensor)
-    if not text:
-        return None
-    tiles = re.search(r"devices=\[([\d,]+)\]", text)
-    if tiles is None:  # replicated, or on one device
-        return (1,) * tensor.dim()
-    ways = tuple(int(count) for count in tiles.group(1).split(","))
-    return ways[: tensor.dim()]  # a last tile dimension of replicas, if any, splits nothing
 
 
 def _covered(name: str, config: ExperimentConfig) -> bool:
@@ -163,7 +120,7 @@ def _covered(name: str, config: ExperimentConfig) -> bool:
 def _checked(
     kind: str, name: str, tensor: torch.Tensor, spec: PartitionSpec, sizes: Mapping[str, int], covered: bool = True
 ) -> TracedSharding:
-    shape, asked, traced = tuple(tensor.shape), _ways(spec, sizes), _ways_in_program(tensor)
+    shape, asked, traced = tuple(tensor.shape), _ways(spec, sizes), program_split(tensor)
     split = traced if traced is not None else (1,) * len(shape)
     device_bytes = tensor.numel() * tensor.element_size() // math.prod(split)
     problem = None
@@ -218,7 +175,7 @@ def _watch_activations(
         def record(value: Any, calls: list = calls, field: str = field) -> None:
             tensor = getattr(value, field)
             if not is_fake(tensor):  # inside a scan's trace the backend places no annotation
-                calls.append((tuple(tensor.shape), _ways_in_program(tensor), tensor.element_size()))
+                calls.append((tuple(tensor.shape), program_split(tensor), tensor.element_size()))
 
         module = modules[module_name]
         if io == "input":
