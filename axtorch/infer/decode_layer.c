@@ -1,6 +1,6 @@
-/* One transformer layer's decode step for one token of each of 1 to MAX_ROWS sequences (float32),
- * in one call: what axtorch/infer/native_layers.py runs for each layer whose composition it
- * recognises. The layer's modules would spend several times the time of its weight products on
+/* Transformer layers' decode step for one token of each of 1 to MAX_ROWS sequences (float32),
+ * consecutive layers in one call: what axtorch/infer/native_layers.py runs for each run of layers
+ * whose composition it recognises. The layer's modules would spend several times the time of its weight products on
  * small ops and module calls (docs/benchmarks.md); here the only reads that matter are the
  * weights' (once a step, whatever the rows) and the cache's.
  *
@@ -132,40 +132,59 @@ static void add_sublayer(const layer_t *l, const float *post_norm, float *sub, f
   for (long i = 0; i < l->dim; ++i) x[i] += sub[i];
 }
 
-/* Each row of x [rows, dim] <- the layer's output for it at the position whose tables (cos, sin
- * [rows, head_dim], NULL for no rotation) and allowed slots (allowed [rows, slots], 0 or 1) the
- * caller computed; row r's keys and values go to slot[r] of its cache, keys and values [rows,
- * kv_heads, slots, head_dim]. One parallel region of `threads`: the products and the heads are
- * split, the small steps between them run on one thread. */
-AXTORCH_EXPORT void axtorch_decode_layer(const layer_t *l, long rows, float *x, const float *cos, const float *sin,
-                                         const unsigned char *allowed, float *keys, float *values, long slots,
-                                         const long *slot, float *scratch, int threads) {
+/* One layer of a step (axtorch_decode_layers): the layer, the tables (cos, sin [rows, head_dim],
+ * NULL for no rotation) and allowed slots (allowed [rows, slots], 0 or 1) the caller computed for
+ * each row's position, its cache (keys and values [rows, kv_heads, slots, head_dim]) and the slot
+ * (slot [rows]) each row's token's keys and values go to. */
+typedef struct {
+  const layer_t *layer;
+  const float *cos, *sin;
+  const unsigned char *allowed;
+  float *keys, *values;
+  long slots;
+  const long *slot;
+} layer_call_t;
+
+/* Each row of x [rows, dim] <- the layer's output for it. Called by every thread of a parallel
+ * region: the products and the heads are split, the small steps between them run on one thread,
+ * and the last step's barrier leaves x whole for the next layer. */
+static void layer_step(const layer_call_t *call, long rows, float *x, float *scratch) {
+  const layer_t *l = call->layer;
   const long dim = l->dim, d = l->head_dim, heads = l->heads, kv = l->kv_heads, width = (heads + 2 * kv) * d;
+  const long slots = call->slots;
   float *normed = scratch, *qkv = normed + rows * dim, *context = qkv + rows * width, *sub = context + rows * heads * d;
   float *hidden = sub + rows * dim, *scores = hidden + rows * l->hidden;
+#pragma omp single
+  for (long r = 0; r < rows; ++r) rms_norm(x + r * dim, l->attention_norm, dim, l->norm_eps, normed + r * dim);
+  products(l->qkv, normed, l->qkv_bias, qkv, width, dim, rows);
+#pragma omp single
+  for (long r = 0; r < rows; ++r) {
+    float *q = qkv + r * width, *k = q + heads * d;
+    const float *c = call->cos ? call->cos + r * d : NULL, *s = call->sin ? call->sin + r * d : NULL;
+    const long cache = r * kv * slots * d;
+    place_keys(l, q, k, k + kv * d, c, s, call->keys + cache, call->values + cache, slots, call->slot[r]);
+  }
+  attend(l, rows, qkv, width, call->keys, call->values, call->allowed, slots, scores, context);
+  products(l->output, context, l->output_bias, sub, dim, heads * d, rows);
+#pragma omp single
+  for (long r = 0; r < rows; ++r) {
+    add_sublayer(l, l->attention_post_norm, sub + r * dim, x + r * dim);
+    rms_norm(x + r * dim, l->feed_forward_norm, dim, l->norm_eps, normed + r * dim);
+  }
+  gated(l, rows, normed, hidden);
+  products(l->down, hidden, l->down_bias, sub, dim, l->hidden, rows);
+#pragma omp single
+  for (long r = 0; r < rows; ++r) add_sublayer(l, l->feed_forward_post_norm, sub + r * dim, x + r * dim);
+}
+
+/* `count` consecutive layers' step for one token of each of `rows` sequences, x [rows, dim]
+ * updated in place, in one parallel region of `threads`: between two layers the caller would
+ * otherwise spend, on a small model, a tenth of the step (Python's per-layer work, each time on
+ * caches the weights just streamed through). `scratch` holds
+ * axtorch_decode_layer_scratch floats for the largest of the layers. */
+AXTORCH_EXPORT void axtorch_decode_layers(const layer_call_t *calls, long count, long rows, float *x,
+                                          float *scratch, int threads) {
   (void)threads; /* without OpenMP */
 #pragma omp parallel num_threads(threads) if (threads > 1)
-  {
-#pragma omp single
-    for (long r = 0; r < rows; ++r) rms_norm(x + r * dim, l->attention_norm, dim, l->norm_eps, normed + r * dim);
-    products(l->qkv, normed, l->qkv_bias, qkv, width, dim, rows);
-#pragma omp single
-    for (long r = 0; r < rows; ++r) {
-      float *q = qkv + r * width, *k = q + heads * d;
-      const float *c = cos ? cos + r * d : NULL, *s = sin ? sin + r * d : NULL;
-      const long cache = r * kv * slots * d;
-      place_keys(l, q, k, k + kv * d, c, s, keys + cache, values + cache, slots, slot[r]);
-    }
-    attend(l, rows, qkv, width, keys, values, allowed, slots, scores, context);
-    products(l->output, context, l->output_bias, sub, dim, heads * d, rows);
-#pragma omp single
-    for (long r = 0; r < rows; ++r) {
-      add_sublayer(l, l->attention_post_norm, sub + r * dim, x + r * dim);
-      rms_norm(x + r * dim, l->feed_forward_norm, dim, l->norm_eps, normed + r * dim);
-    }
-    gated(l, rows, normed, hidden);
-    products(l->down, hidden, l->down_bias, sub, dim, l->hidden, rows);
-#pragma omp single
-    for (long r = 0; r < rows; ++r) add_sublayer(l, l->feed_forward_post_norm, sub + r * dim, x + r * dim);
-  }
+  for (long i = 0; i < count; ++i) layer_step(calls + i, rows, x, scratch);
 }

@@ -45,6 +45,24 @@ static inline vector load(const float *p) {
   return v;
 }
 
+/* The sum of v's lanes as a tree: the upper half added to the lower, down to four lanes, then
+ * pairs, so log2(WIDTH) levels of adds (vector adds but the last two) rather than a chain of
+ * WIDTH - 1 dependent ones. With several rows of x each weight row's products end in 2 x rows such
+ * sums, which took as many cycles as the reads of a short weight row. */
+typedef float eight __attribute__((vector_size(8 * sizeof(float))));
+typedef float four __attribute__((vector_size(4 * sizeof(float))));
+static inline float lane_sum(vector v) {
+  eight e[WIDTH / 8];
+  memcpy(e, &v, sizeof v);
+#if WIDTH == 16
+  e[0] += e[1];
+#endif
+  four f[2];
+  memcpy(f, e, sizeof f);
+  const four s = f[0] + f[1];
+  return (s[0] + s[2]) + (s[1] + s[3]);
+}
+
 /* a . b over n floats, a streamed from memory (a weight row), b at hand. ACCUMULATORS independent
  * vector accumulators, so the loads of a row stay in flight together. */
 static inline float dot(const float *a, const float *b, long n) {
@@ -59,8 +77,7 @@ static inline float dot(const float *a, const float *b, long n) {
   for (; c + WIDTH <= n; c += WIDTH) acc[0] += load(a + c) * load(b + c);
   vector lanes = acc[0];
   for (int k = 1; k < ACCUMULATORS; ++k) lanes += acc[k];
-  float sum = 0.f;
-  for (int i = 0; i < WIDTH; ++i) sum += lanes[i];
+  float sum = lane_sum(lanes);
   for (; c < n; ++c) sum += a[c] * b[c];
   return sum;
 }
@@ -77,8 +94,7 @@ static inline float dot(const float *a, const float *b, long n) {
       for (int i = 0; i < N; ++i) acc[i] += weights * load(x + i * cols + c);                \
     }                                                                                        \
     for (int i = 0; i < N; ++i) {                                                            \
-      float sum = 0.f;                                                                       \
-      for (int lane = 0; lane < WIDTH; ++lane) sum += acc[i][lane];                          \
+      float sum = lane_sum(acc[i]);                                                          \
       for (long k = c; k < cols; ++k) sum += w[k] * x[i * cols + k];                         \
       y[i] = sum;                                                                            \
     }                                                                                        \
@@ -121,8 +137,7 @@ static const dot_rows_t DOT_ROWS_OF[MAX_ROWS + 1] = {
       }                                                                                                   \
     }                                                                                                     \
     for (int i = 0; i < N; ++i) {                                                                         \
-      float sa = 0.f, sb = 0.f;                                                                           \
-      for (int lane = 0; lane < WIDTH; ++lane) sa += acc_a[i][lane], sb += acc_b[i][lane];                \
+      float sa = lane_sum(acc_a[i]), sb = lane_sum(acc_b[i]);                                             \
       for (long k = c; k < cols; ++k) sa += wa[k] * x[i * cols + k], sb += wb[k] * x[i * cols + k];       \
       ya[i] = sa, yb[i] = sb;                                                                             \
     }                                                                                                     \
@@ -170,8 +185,7 @@ static inline void dot_two_rows_1(const float *wa, const float *wb, const float 
   }
   vector la = a[0], lb = b[0];
   for (int k = 1; k < K; ++k) la += a[k], lb += b[k];
-  float sa = 0.f, sb = 0.f;
-  for (int lane = 0; lane < WIDTH; ++lane) sa += la[lane], sb += lb[lane];
+  float sa = lane_sum(la), sb = lane_sum(lb);
   for (; c < cols; ++c) sa += wa[c] * x[c], sb += wb[c] * x[c];
   *ya = sa, *yb = sb;
 }

@@ -1,14 +1,15 @@
-"""A decoder's layers as single calls of axtorch's compiled layer step (``decode_layer.c``) when
-decoding one token of one row on a CPU.
+"""A decoder's layers as calls of axtorch's compiled layer step (``decode_layer.c``) when decoding
+one token of each of 1 to 8 rows on a CPU.
 
 In a batch-1 decode step of a small model the layers' small ops and module calls (norms,
 rotations, cache writes, attention, reshapes, a dozen modules a layer) took about as long as
 streaming their weights: SmolLM2-135M, 16 ms besides 17 ms of products a token on one thread
 (docs/benchmarks.md). ``NativeLayerRunner`` fills a decoder's ``LayerRunner`` seam while
 ``decode_weights`` holds axtorch's own kernel: a layer whose composition ``native_layer``
-recognises runs as one C call on the weights the decode formats hold (the q/k/v and gate/up stacks,
-the linears' own weights); any other layer runs its modules, and so does every forward that is
-not one token of one row (a prefill, a batch), through the default ``run_layers_unrolled``.
+recognises runs in C on the weights the decode formats hold (the q/k/v and gate/up stacks, the
+linears' own weights), consecutive ones in one call; any other layer runs its modules, and so does
+every forward that is not one token of each of 1 to 8 rows (a prefill, a larger batch), through
+the default ``run_layers_unrolled``.
 What depends only on the position, the rotary tables and the mask, still comes from each layer's
 own children (``RotaryEmbedding.tables``, the attention's mask), so their rules live in one place.
 """
@@ -16,6 +17,7 @@ own children (``RotaryEmbedding.tables``, the attention's mask), so their rules 
 from __future__ import annotations
 
 import ctypes
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Optional, cast
@@ -84,32 +86,49 @@ def layer_struct(
     return LayerStruct(*shape, *constants, activation, *addresses)
 
 
-def layer_step(library: ctypes.CDLL) -> Callable[..., None]:
-    """``decode_layer.c``'s step in ``library``."""
-    step = library.axtorch_decode_layer
+class LayerCall(ctypes.Structure):
+    """``decode_layer.c``'s ``layer_call_t``: one layer of a step, its inputs' and its cache's addresses."""
+
+    _fields_ = [
+        *((name, ctypes.c_void_p) for name in ("layer", "cos", "sin", "allowed", "keys", "values")),
+        ("slots", ctypes.c_long),
+        ("slot", ctypes.c_void_p),
+    ]
+
+
+@dataclass
+class StepInputs:
+    """What one layer's step reads besides its weights: each row's allowed slots [B, slots] (bool),
+    its position's tables (cos, sin [B, 1, 1, head_dim], None without rotation), and its cache
+    slot [B] (int64)."""
+
+    allowed: torch.Tensor
+    cos: Optional[torch.Tensor]
+    sin: Optional[torch.Tensor]
+    slots: torch.Tensor
+
+    def call(self, struct: LayerStruct, keys: torch.Tensor, values: torch.Tensor) -> LayerCall:
+        """The call of ``struct``'s layer writing ``keys`` and ``values``; every tensor must outlive it."""
+        tables = (None, None) if self.cos is None or self.sin is None else (self.cos.data_ptr(), self.sin.data_ptr())
+        # keys.shape[2]: the cache's slots (``KVCache.max_len``), fewer than the positions for a ring.
+        addresses = (self.allowed.data_ptr(), keys.data_ptr(), values.data_ptr())
+        return LayerCall(ctypes.addressof(struct), *tables, *addresses, keys.shape[2], self.slots.data_ptr())
+
+
+@functools.cache
+def layers_step(library: ctypes.CDLL) -> Callable[[Sequence[LayerCall], torch.Tensor, torch.Tensor, int], None]:
+    """``decode_layer.c``'s step of consecutive layers in ``library``, as a function of their
+    calls, ``x`` [B, 1, dim] (updated in place), the scratch and the thread count."""
+    step = library.axtorch_decode_layers
     pointer, long = ctypes.c_void_p, ctypes.c_long
-    step.argtypes = [ctypes.POINTER(LayerStruct), long, *[pointer] * 6, long, pointer, pointer, ctypes.c_int]
+    step.argtypes = [ctypes.POINTER(LayerCall), long, long, pointer, pointer, ctypes.c_int]
     step.restype = None
-    return cast(Callable[..., None], step)
 
+    def run(calls: Sequence[LayerCall], x: torch.Tensor, scratch: torch.Tensor, threads: int) -> None:
+        array = (LayerCall * len(calls))(*calls)
+        step(array, len(calls), x.shape[0], x.data_ptr(), scratch.data_ptr(), threads)
 
-def _run_step(
-    step: Callable[..., None],
-    struct: LayerStruct,
-    x: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    scratch: torch.Tensor,
-    allowed: torch.Tensor,
-    cos: Optional[torch.Tensor],
-    sin: Optional[torch.Tensor],
-    slots: torch.Tensor,
-    threads: int,
-) -> None:
-    tables = (None, None) if cos is None or sin is None else (cos.data_ptr(), sin.data_ptr())
-    # keys.shape[2]: the cache's slots (``KVCache.max_len``), fewer than the positions for a ring.
-    pointers = (x.data_ptr(), *tables, allowed.data_ptr(), keys.data_ptr(), values.data_ptr())
-    step(ctypes.byref(struct), x.shape[0], *pointers, keys.shape[2], slots.data_ptr(), scratch.data_ptr(), threads)
+    return run
 
 
 @torch.library.custom_op("axtorch::decode_layer", mutates_args=("x", "keys", "values", "scratch"))
@@ -134,7 +153,8 @@ def decode_layer_operator(
     if library is None:
         raise RuntimeError(NO_KERNELS)
     struct = layer_struct(weights, sizes, constants)
-    _run_step(layer_step(library), struct, x, keys, values, scratch, allowed, cos, sin, slots, threads)
+    call = StepInputs(allowed, cos, sin, slots).call(struct, keys, values)
+    layers_step(library)([call], x, scratch, threads)
 
 
 @decode_layer_operator.register_fake
@@ -241,11 +261,14 @@ def native_layer(layer: nn.Module, stacks: Mapping[nn.Module, NativeLinear]) -> 
 class NativeLayerRunner:
     """A decoder's ``LayerRunner`` for decoding on a CPU: the layers ``native_layer`` recognised
     (``layers``, None for the others) as compiled steps, one token of each of 1 to ``MAX_ROWS``
-    rows at a time, in evaluation without gradients; any other forward runs ``run_layers_unrolled``."""
+    rows at a time, in evaluation without gradients; any other forward runs ``run_layers_unrolled``.
+
+    Eagerly, each run of consecutive recognised layers is one C call: their inputs (masks, tables,
+    slots) are computed first, then the layers run in one parallel region."""
 
     def __init__(self, library: ctypes.CDLL, layers: Sequence[Optional[NativeLayer]]):
         self.layers = list(layers)
-        self.step = layer_step(library)
+        self.run_steps = layers_step(library)
         self.scratch_floats = library.axtorch_decode_layer_scratch
         self.scratch_floats.argtypes = [ctypes.POINTER(LayerStruct), ctypes.c_long, ctypes.c_long]
         self.scratch_floats.restype = ctypes.c_long
@@ -284,9 +307,13 @@ class NativeLayerRunner:
         scratch, shared, threads = self._scratch(caches, rows), SharedValues(), torch.get_num_threads()
         written: set[int] = set()  # ring caches share their slot positions (``allocate_kv_caches``)
         slots_by_layout: dict[tuple[Optional[int], int], torch.Tensor] = {}  # full caches, and rings of one size
+        eager = not tracing(x)
+        pending: list[LayerCall] = []  # the run of recognised layers not yet called
+        held: list[StepInputs] = []  # what their calls point into
         aux_loss = None
         for layer, native, cache in zip(decoder.layers, self.layers, caches):
             if native is None:
+                self._run(pending, x, scratch, threads, caches)
                 out = decoder.run_layer(layer, TransformerLayerInput(x, inputs.positions, cache, None, shared))
                 x, aux_loss = out.hidden_states.contiguous(), add_aux_loss(aux_loss, out.aux_loss)
                 continue
@@ -301,17 +328,33 @@ class NativeLayerRunner:
             cos = sin = None
             if native.rotary is not None:
                 cos, sin = (t.contiguous() for t in native.rotary.tables(row_positions, x.device, shared))
-            if tracing(x):
+            step = StepInputs(allowed, cos, sin, slots)
+            if eager:
+                pending.append(step.call(native.struct, cache.keys, cache.values))
+                held.append(step)
+            else:
                 torch.ops.axtorch.decode_layer(
                     x, cache.keys, cache.values, scratch, allowed, cos, sin,
                     native.weights, native.sizes, native.constants, slots, threads,
                 )  # fmt: skip
-            else:
-                _run_step(
-                    self.step, native.struct, x, cache.keys, cache.values, scratch, allowed, cos, sin, slots, threads
-                )
-                torch.autograd.graph.increment_version((x, cache.keys, cache.values))  # as the operator would
+        self._run(pending, x, scratch, threads, caches)
         return x, aux_loss
+
+    def _run(
+        self,
+        pending: list[LayerCall],
+        x: torch.Tensor,
+        scratch: torch.Tensor,
+        threads: int,
+        caches: Sequence[KVCache],
+    ) -> None:
+        """Run the ``pending`` layers' steps in one call (none if empty), then empty it; bump the
+        versions of what they wrote, as the operator would."""
+        if not pending:
+            return
+        self.run_steps(pending, x, scratch, threads)
+        pending.clear()
+        torch.autograd.graph.increment_version((x, *(t for cache in caches for t in (cache.keys, cache.values))))
 
 
 def fill_native_runners(

@@ -1,5 +1,5 @@
 """The compiled layer step (``native_layers``): with axtorch's own kernel, decoding one to eight rows
-runs each recognised layer as one C call and gives the modules' logits and tokens, for every
+runs each run of recognised layers as one C call and gives the modules' logits and tokens, for every
 composition it recognises (pre- and sandwich norms, query/key norms, sliding-window rings,
 soft-capping, biases, grouped heads, no rotation) and for rows of different lengths; layers it
 does not recognise, larger batches and training mode run the modules."""
@@ -149,7 +149,7 @@ def test_more_rows_than_a_step_takes_and_training_mode_run_the_modules(monkeypat
         runner = model.decoder.layer_runner
         assert isinstance(runner, NativeLayerRunner)
         compiled = []
-        monkeypatch.setattr(native_layers, "_run_step", lambda *arguments: compiled.append(arguments))
+        monkeypatch.setattr(runner, "run_steps", lambda *arguments: compiled.append(arguments))
         assert generate_ids(model, prompts, 12) == greedy
         with torch.no_grad():
             model.train()  # dropout, were any configured: the modules apply it
