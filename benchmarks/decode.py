@@ -225,7 +225,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, nargs="+", default=[torch.get_num_threads()])
     parser.add_argument("--bandwidth-mib", type=int, default=2048)
-    parser.add_argument("--bandwidth-trials", type=int, default=3)
+    parser.add_argument("--bandwidth-trials", type=int, default=5)
     parser.add_argument("--text", type=Path, default=Path(sysconfig.get_path("stdlib")) / "LICENSE.txt")
     parser.add_argument("--text-tokens", type=int, default=1024)
     parser.add_argument(
