@@ -71,3 +71,40 @@ def test_a_big_parameter_no_rule_covers_and_an_uneven_activation_split_fail_by_n
     uneven = "it does not split evenly (dim 1 of size 66 over 4)"
     assert f"activation decoder.layers.0 output.hidden_states [8, 66, 64]: {uneven}" in out
     assert "decoder.layers.0.attention_norm" not in out  # small, uncovered, replicated: allowed
+
+
+SECOND_DRY_RUN = """
+import torch, torch_xla
+from axtorch.config.errors import ConfigError
+from axtorch.parallel.xla import local_shard_shapes, program_split
+from axtorch.plan import load_plan_inputs
+from axtorch.train.xla_dry_run import xla_dry_run
+
+first = xla_dry_run(*load_plan_inputs(["experiment=debug", "backend=xla", "mesh.fsdp=4"]))
+assert first.devices == 4 and not first.problems, first.problems
+plain = torch.zeros(8, 4, device=torch_xla.device())  # no annotation: every device holds it whole
+assert program_split(plain) is None, program_split(plain)
+assert local_shard_shapes(plain) == [(8, 4)] * 4, local_shard_shapes(plain)
+try:
+    xla_dry_run(*load_plan_inputs(["experiment=debug", "backend=xla", "mesh.fsdp=8"]))
+except ConfigError as error:
+    print(error)
+"""
+
+
+def test_a_second_dry_run_in_one_process_on_other_devices_is_refused_by_name():
+    """torch_xla's runtime keeps the devices it started with: a library caller's second dry run on
+    another device count would trace on the wrong devices, so it is refused, saying why."""
+    env = {key: value for key, value in os.environ.items() if key not in ("PJRT_DEVICE", "CPU_NUM_DEVICES")}
+    result = subprocess.run(
+        [str(XLA_PYTHON), "-c", SECOND_DRY_RUN],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env | {"TF_CPP_MIN_LOG_LEVEL": "2"},
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert "invalid config devices=8" in result.stdout, result.stdout
+    assert "4, the CPU devices this process's XLA runtime already has" in result.stdout
+    assert "run it in a fresh process" in result.stdout
