@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from axtorch.config.errors import ConfigError
 
@@ -49,15 +50,8 @@ class MeshConfig:
 
     def with_sizes(self, sizes: dict[str, int]) -> MeshConfig:
         """A copy with every axis set to its resolved size (``resolve``'s: no -1 left)."""
-        return replace(
-            self,
-            pipe=sizes["pipe"],
-            data=sizes["data"],
-            fsdp=sizes["fsdp"],
-            seq=sizes["seq"],
-            expert=sizes["expert"],
-            model=sizes["model"],
-        )
+        axes: dict[str, Any] = {axis: sizes[axis] for axis in MESH_AXES}
+        return replace(self, **axes)
 
     def resolve(self, num_devices: int, key: str = "mesh") -> dict[str, int]:
         """Axis sizes whose product is ``num_devices``, or a ConfigError naming the mismatch."""
