@@ -66,8 +66,12 @@ class DecodeKernel(enum.Enum):
     transposed = "torch, [in, out]"
     #: oneDNN's kernel on copies in its blocked layout (``PackedLinear``).
     packed = "oneDNN packed"
-    #: axtorch's own, compiled on this machine (``native_kernels``), on the weights as stored (``NativeLinear``).
+    #: axtorch's own, compiled on this machine (``native_kernels``), on the weights as stored
+    #: (``NativeLinear``), read as their block codes where they have them (``weight_codes``).
     native = "axtorch's own (C)"
+    #: axtorch's own on the float32 weights only, never their codes: the same weights, several
+    #: times the bytes where codes exist (to compare with, or where memory for the codes is short).
+    native_float32 = "axtorch's own (C), float32"
 
 
 class TransposedLinear(nn.Module):
@@ -187,14 +191,16 @@ _KERNEL_MODULES: dict[DecodeKernel, Callable[[torch.Tensor, Optional[torch.Tenso
     DecodeKernel.transposed: TransposedLinear,
     DecodeKernel.packed: PackedLinear,
     DecodeKernel.native: NativeLinear,
+    DecodeKernel.native_float32: functools.partial(NativeLinear, encoded=False),
 }
+#: The kernels that are axtorch's own, with its layer step.
+NATIVE = (DecodeKernel.native, DecodeKernel.native_float32)
 
 
 def _module_maker(kernel: DecodeKernel) -> Callable[[torch.Tensor, Optional[torch.Tensor]], nn.Module]:
-    """The kernel's module for a weight and bias; a kernel's copies are made once and reused (``_reused``)."""
+    """The kernel's module for a weight and bias; a kernel's copies (axtorch's own: the weight's
+    block codes) are made once and reused (``_reused``)."""
     make = _KERNEL_MODULES[kernel]
-    if kernel is DecodeKernel.native:
-        return make  # it reads the weight itself
     return lambda weight, bias: _reused(kernel.name, (weight, bias), lambda: make(weight, bias))
 
 
@@ -203,6 +209,7 @@ def available_kernels() -> list[DecodeKernel]:
     unavailable = {
         DecodeKernel.packed: not torch.backends.mkldnn.is_available(),
         DecodeKernel.native: load_matvec() is None,
+        DecodeKernel.native_float32: load_matvec() is None,
     }
     return [kernel for kernel in DecodeKernel if not unavailable.get(kernel, False)]
 
@@ -225,8 +232,8 @@ class StackedProjection:
         self.product: Callable[[torch.Tensor], torch.Tensor]
         if kernel is DecodeKernel.packed:
             self.product = PackedLinear(weight, bias)
-        elif kernel is DecodeKernel.native:
-            self.product = NativeLinear(weight, bias)
+        elif kernel in NATIVE:
+            self.product = _KERNEL_MODULES[kernel](weight, bias)
         else:
             transposed = weight.t().contiguous()
             self.product = (lambda x: x @ transposed) if bias is None else (lambda x: x @ transposed + bias)
@@ -335,7 +342,7 @@ def decode_weights(model: CausalLM, kernel: Optional[DecodeKernel] = None) -> It
                 if isinstance(projection.product, NativeLinear):
                     native_stacks[owner] = projection.product
         replaced = [] if kernel is DecodeKernel.linear else _replace_linears(model, _module_maker(kernel), keep=stacked)
-        if kernel is DecodeKernel.native:
+        if kernel in NATIVE:
             seams += fill_native_runners(model, native_stacks)
     try:
         yield model

@@ -23,8 +23,8 @@ typedef struct {
   const float *attention_norm, *attention_post_norm; /* post norms: NULL for pre-norm */
   const float *feed_forward_norm, *feed_forward_post_norm;
   const float *query_norm, *key_norm; /* NULL: none */
-  const float *qkv, *qkv_bias, *output, *output_bias;
-  const float *gate_up, *gate_up_bias, *down, *down_bias;
+  const float *qkv_bias, *output_bias, *gate_up_bias, *down_bias; /* NULL: none */
+  matrix_t qkv, output, gate_up, down;
 } layer_t;
 
 /* The scratch floats a step of `rows` sequences needs: the caller allocates them. */
@@ -108,13 +108,17 @@ static void attend(const layer_t *l, long rows, const float *q, long stride, con
  * x, so the activation needs no pass of its own. */
 static void gated(const layer_t *l, long rows, const float *x, float *out) {
   const long hidden = l->hidden, dim = l->dim;
-  const float *gate = l->gate_up, *up = l->gate_up + hidden * dim, *bias = l->gate_up_bias;
+  const matrix_t *m = &l->gate_up;
+  const float *gate = m->weight, *up = m->weight + hidden * dim, *bias = l->gate_up_bias;
   const dot_rows_t dot_rows = DOT_ROWS_OF[rows];
   const dot_two_rows_t dot_two_rows = DOT_TWO_ROWS_OF[rows];
 #pragma omp for schedule(static)
   for (long i = 0; i < hidden; ++i) {
     float g[MAX_ROWS], u[MAX_ROWS];
-    if (dot_two_rows) {
+    if (m->bits != 32) {
+      coded_row_products(m, i, x, dim, rows, g);
+      coded_row_products(m, hidden + i, x, dim, rows, u);
+    } else if (dot_two_rows) {
       dot_two_rows(gate + i * dim, up + i * dim, x, dim, g, u);
     } else {
       dot_rows(gate + i * dim, x, dim, g);
@@ -156,7 +160,7 @@ static void layer_step(const layer_call_t *call, long rows, float *x, float *scr
   float *hidden = sub + rows * dim, *scores = hidden + rows * l->hidden;
 #pragma omp single
   for (long r = 0; r < rows; ++r) rms_norm(x + r * dim, l->attention_norm, dim, l->norm_eps, normed + r * dim);
-  products(l->qkv, normed, l->qkv_bias, qkv, width, dim, rows);
+  products(&l->qkv, normed, l->qkv_bias, qkv, width, dim, rows);
 #pragma omp single
   for (long r = 0; r < rows; ++r) {
     float *q = qkv + r * width, *k = q + heads * d;
@@ -165,14 +169,14 @@ static void layer_step(const layer_call_t *call, long rows, float *x, float *scr
     place_keys(l, q, k, k + kv * d, c, s, call->keys + cache, call->values + cache, slots, call->slot[r]);
   }
   attend(l, rows, qkv, width, call->keys, call->values, call->allowed, slots, scores, context);
-  products(l->output, context, l->output_bias, sub, dim, heads * d, rows);
+  products(&l->output, context, l->output_bias, sub, dim, heads * d, rows);
 #pragma omp single
   for (long r = 0; r < rows; ++r) {
     add_sublayer(l, l->attention_post_norm, sub + r * dim, x + r * dim);
     rms_norm(x + r * dim, l->feed_forward_norm, dim, l->norm_eps, normed + r * dim);
   }
   gated(l, rows, normed, hidden);
-  products(l->down, hidden, l->down_bias, sub, dim, l->hidden, rows);
+  products(&l->down, hidden, l->down_bias, sub, dim, l->hidden, rows);
 #pragma omp single
   for (long r = 0; r < rows; ++r) add_sublayer(l, l->feed_forward_post_norm, sub + r * dim, x + r * dim);
 }

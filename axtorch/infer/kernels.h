@@ -4,6 +4,9 @@
 #define AXTORCH_KERNELS_H
 
 #include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 /* The functions Python calls by name (ctypes): C names, also where torch's extension builder
  * compiles these files as C++. */
@@ -198,13 +201,144 @@ static const dot_two_rows_t DOT_TWO_ROWS_OF[MAX_ROWS + 1] = {
     dot_two_rows_8_or_none,
 };
 
+/* A weight matrix [rows, cols] as the products read it: float32 rows (bits 32), or blocks of
+ * BLOCK consecutive weights of a row, each weight stored as a code and each block as a scale and
+ * an offset, w = scale * code + offset, exactly the float32 weight (weight_codes.py finds them,
+ * for weights that a 4- or 8-bit format was expanded from). Codes: 4 bits (0 to 15, byte j of a
+ * block holds weight j in its low half and weight j + 16 in its high half) or 8 bits (-128 to 127). */
+typedef struct {
+  const float *weight;         /* [rows, cols], bits 32 */
+  const unsigned char *codes;  /* [rows, cols * bits / 8] */
+  const float *scales;         /* [rows, cols / BLOCK, 2]: each block's scale and offset */
+  long bits;                   /* 32, 8 or 4 */
+} matrix_t;
+
+#define BLOCK 32
+typedef float sixteen __attribute__((vector_size(16 * sizeof(float))));
+typedef int sixteen_ints __attribute__((vector_size(16 * sizeof(int))));
+typedef short sixteen_shorts __attribute__((vector_size(16 * sizeof(short))));
+typedef unsigned char unsigned_bytes __attribute__((vector_size(16)));
+typedef signed char signed_bytes __attribute__((vector_size(16)));
+
+static inline sixteen load_sixteen(const float *p) {
+  sixteen v;
+  memcpy(&v, p, sizeof v);
+  return v;
+}
+
+static inline float sixteen_sum(sixteen v) {
+  vector parts[16 / WIDTH];
+  memcpy(parts, &v, sizeof v);
+#if WIDTH == 8
+  parts[0] += parts[1];
+#endif
+  return lane_sum(parts[0]);
+}
+
+/* 16 signed bytes at p as 32-bit integers: one instruction with AVX-512 (vpmovsxbd); elsewhere
+ * through 16-bit integers, since GCC 12 widens a loaded vector of signed bytes straight to 32 bits
+ * one byte at a time (and through 16 bits with a dozen shuffles where AVX-512 has the one). */
+static inline sixteen_ints widen_signed(const unsigned char *p) {
+#ifdef __AVX512F__
+  return (sixteen_ints)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
+#else
+  signed_bytes bytes;
+  memcpy(&bytes, p, sizeof bytes);
+  return __builtin_convertvector(__builtin_convertvector(bytes, sixteen_shorts), sixteen_ints);
+#endif
+}
+
+/* Block `b`'s 32 weights of a row, as two vectors of 16: the codes widened to floats, times the
+ * scale, plus the offset. Whether the compiler fuses the two into one rounding does not matter:
+ * weight_codes.py takes only blocks where both give the weight. */
+static inline void block_weights(const unsigned char *codes, const float *scales, long bits, long b, sixteen w[2]) {
+  /* Bytes to 32-bit integers, then to floats: vector instructions (vpmovzxbd, vcvtdq2ps), where
+   * GCC 12 would convert bytes to floats one at a time. */
+  sixteen_ints low, high;
+  if (bits == 4) {
+    unsigned_bytes c;
+    memcpy(&c, codes + b * BLOCK / 2, sizeof c);
+    low = __builtin_convertvector(c & 15, sixteen_ints);
+    high = __builtin_convertvector(c >> 4, sixteen_ints);
+  } else {
+    low = widen_signed(codes + b * BLOCK);
+    high = widen_signed(codes + b * BLOCK + 16);
+  }
+  const float scale = scales[2 * b], offset = scales[2 * b + 1];
+  w[0] = __builtin_convertvector(low, sixteen) * scale + offset;
+  w[1] = __builtin_convertvector(high, sixteen) * scale + offset;
+}
+
+/* y[i] = w . x[i] for `count` rows of x (row stride `cols`), w one coded row: its codes and block
+ * scales. Inlined where `bits` and `count` are constants (``dot_codes_BITS_N``), so that the 2 x
+ * count accumulators stay in registers and the code width's branch folds away. */
+static inline __attribute__((always_inline)) void dot_codes(const unsigned char *codes, const float *scales,
+                                                            long bits, const float *x, long cols, long count,
+                                                            float *y) {
+  sixteen acc[MAX_ROWS][2] = {{{0}}};
+  const long bytes = BLOCK * bits / 8;
+  for (long b = 0; b < cols / BLOCK; ++b) {
+    /* Each stream PREFETCH_AHEAD floats' bytes ahead, a line at a time. */
+    if (b * bytes % 64 == 0) __builtin_prefetch(codes + b * bytes + PREFETCH_AHEAD * sizeof(float), 0, PREFETCH_LOCALITY);
+    if (b % 8 == 0) __builtin_prefetch(scales + 2 * b + PREFETCH_AHEAD, 0, PREFETCH_LOCALITY);
+    sixteen w[2];
+    block_weights(codes, scales, bits, b, w);
+    for (long i = 0; i < count; ++i) {
+      acc[i][0] += w[0] * load_sixteen(x + i * cols + b * BLOCK);
+      acc[i][1] += w[1] * load_sixteen(x + i * cols + b * BLOCK + 16);
+    }
+  }
+  for (long i = 0; i < count; ++i) y[i] = sixteen_sum(acc[i][0] + acc[i][1]);
+}
+
+#define DOT_CODES(BITS, N)                                                                                  \
+  static void dot_codes_##BITS##_##N(const unsigned char *codes, const float *scales, const float *x, long cols, \
+                                     float *y) {                                                          \
+    dot_codes(codes, scales, BITS, x, cols, N, y);                                                        \
+  }
+#define DOT_CODES_ROWS(BITS) \
+  DOT_CODES(BITS, 1)         \
+  DOT_CODES(BITS, 2)         \
+  DOT_CODES(BITS, 3)         \
+  DOT_CODES(BITS, 4)         \
+  DOT_CODES(BITS, 5)         \
+  DOT_CODES(BITS, 6)         \
+  DOT_CODES(BITS, 7)         \
+  DOT_CODES(BITS, 8)
+DOT_CODES_ROWS(4)
+DOT_CODES_ROWS(8)
+
+typedef void (*dot_codes_t)(const unsigned char *, const float *, const float *, long, float *);
+/* The product of one coded row with 1 to MAX_ROWS rows of x, by code width (4, 8) and row count. */
+static const dot_codes_t DOT_CODES_OF[2][MAX_ROWS + 1] = {
+    {0, dot_codes_4_1, dot_codes_4_2, dot_codes_4_3, dot_codes_4_4, dot_codes_4_5, dot_codes_4_6, dot_codes_4_7,
+     dot_codes_4_8},
+    {0, dot_codes_8_1, dot_codes_8_2, dot_codes_8_3, dot_codes_8_4, dot_codes_8_5, dot_codes_8_6, dot_codes_8_7,
+     dot_codes_8_8},
+};
+
+/* ys[i] = row r of m . x[i] for `count` rows of x, m coded (bits 4 or 8). */
+static inline void coded_row_products(const matrix_t *m, long r, const float *x, long cols, long count, float *ys) {
+  DOT_CODES_OF[m->bits == 8][count](m->codes + r * cols * m->bits / 8, m->scales + r * cols / BLOCK * 2, x, cols, ys);
+}
+
 /* Y = X W^T (+ b) for `count` (1 to MAX_ROWS) rows of X [count, cols], Y [count, rows]: each weight
- * row read once against all rows of X, two weight rows at a time where ``DOT_TWO_ROWS_OF`` has
- * them. Inside an OpenMP parallel region the threads split the weight rows (an orphaned `omp for`,
- * which ends in a barrier); outside one, or built without OpenMP, the calling thread computes them
- * all. */
-static inline void products(const float *w, const float *x, const float *b, float *y, long rows, long cols,
+ * row read once against all rows of X, two float32 weight rows at a time where ``DOT_TWO_ROWS_OF``
+ * has them. Inside an OpenMP parallel region the threads split the weight rows (an orphaned `omp
+ * for`, which ends in a barrier); outside one, or built without OpenMP, the calling thread computes
+ * them all. */
+static inline void products(const matrix_t *m, const float *x, const float *b, float *y, long rows, long cols,
                             long count) {
+  if (m->bits != 32) {
+#pragma omp for schedule(static)
+    for (long r = 0; r < rows; ++r) {
+      float sums[MAX_ROWS];
+      coded_row_products(m, r, x, cols, count, sums);
+      for (long i = 0; i < count; ++i) y[i * rows + r] = b ? sums[i] + b[r] : sums[i];
+    }
+    return;
+  }
+  const float *w = m->weight;
   const dot_rows_t dot_rows = DOT_ROWS_OF[count];
   const dot_two_rows_t dot_two_rows = DOT_TWO_ROWS_OF[count];
   const long step = dot_two_rows ? 2 : 1;
@@ -224,7 +358,7 @@ static inline void products(const float *w, const float *x, const float *b, floa
 
 /* y = x W^T (+ b) for `count` (1 to MAX_ROWS) rows of x [count, cols], y [count, rows]: W's rows split
  * over `threads`. */
-AXTORCH_EXPORT void axtorch_matvec(const float *w, const float *x, const float *b, float *y, long rows, long cols,
-                                   long count, int threads);
+AXTORCH_EXPORT void axtorch_matvec(const matrix_t *w, const float *x, const float *b, float *y, long rows,
+                                   long cols, long count, int threads);
 
 #endif

@@ -1,4 +1,5 @@
-/* The products of a decode step, Y = X W^T (+ b), for a row-major float32 W and a few rows of X:
+/* The products of a decode step, Y = X W^T (+ b), for a row-major float32 or coded W (``matrix_t``)
+ * and a few rows of X:
  * what a decode step of 1 to MAX_ROWS sequences does with each weight matrix. axtorch builds this
  * file on the machine that runs it (axtorch/infer/native_kernels.py).
  *
@@ -11,9 +12,20 @@
  * torch's already loaded copy), so they share one pool of threads. */
 #include "kernels.h"
 
-AXTORCH_EXPORT void axtorch_matvec(const float *w, const float *x, const float *b, float *y, long rows, long cols,
-                                   long count, int threads) {
+AXTORCH_EXPORT void axtorch_matvec(const matrix_t *w, const float *x, const float *b, float *y, long rows,
+                                   long cols, long count, int threads) {
   (void)threads; /* without OpenMP */
 #pragma omp parallel num_threads(threads) if (threads > 1 && rows >= 64)
   products(w, x, b, y, rows, cols, count);
+}
+
+/* Whether this build reads block codes (``matrix_t``) at speed: with AVX-512, a pass over a model's
+ * 4-bit codes ran 4-5x the rate of its float32 weights, and 8-bit 3x; a build for AVX2 alone
+ * widened codes at a tenth of the float32 rate, so there Python keeps the float32 weights. */
+AXTORCH_EXPORT int axtorch_reads_codes(void) {
+#ifdef __AVX512F__
+  return 1;
+#else
+  return 0;
+#endif
 }

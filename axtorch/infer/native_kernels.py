@@ -40,6 +40,7 @@ from torch.utils import cpp_extension
 
 from axtorch.host.cache import axtorch_cache
 from axtorch.host.cpu import cpu_identity, cpu_vendor
+from axtorch.infer.weight_codes import encode
 
 logger = logging.getLogger(__name__)
 
@@ -55,9 +56,11 @@ OPENMP = ("-fopenmp",)
 #: The most rows of ``x`` the compiled product takes (``MAX_ROWS`` in ``kernels.h``): a decode step
 #: of up to 8 sequences.
 MAX_ROWS = 8
-#: ``matvec(weight, x, bias)``: ``x @ weight.T + bias`` for a contiguous float32 ``[rows, cols]``
-#: weight and 1 to ``MAX_ROWS`` contiguous float32 rows ``x [..., cols]``, on torch's thread count.
-MatVec = Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
+#: ``matvec(weight, x, bias, matrix=None)``: ``x @ weight.T + bias`` for a contiguous float32
+#: ``[rows, cols]`` weight, read as ``matrix`` says where given (``matrix_struct``: its block codes,
+#: ``weight_codes``), and 1 to ``MAX_ROWS`` contiguous float32 rows ``x [..., cols]``, on torch's
+#: thread count.
+MatVec = Callable[..., torch.Tensor]
 NO_KERNELS = "no compiled decode kernels on this machine (see axtorch.infer.native_kernels)"
 
 
@@ -136,21 +139,53 @@ def load_matvec() -> Optional[MatVec]:
     return None if library is None else matvec_of(library)
 
 
+@functools.cache
+def reads_codes() -> bool:
+    """Whether this machine's kernels read block codes at speed (``axtorch_reads_codes``: built for AVX-512)."""
+    library = load_library()
+    return library is not None and bool(library.axtorch_reads_codes())
+
+
+class MatrixStruct(ctypes.Structure):
+    """``kernels.h``'s ``matrix_t``: a weight matrix as float32 rows or as block codes."""
+
+    _fields_ = [*((name, ctypes.c_void_p) for name in ("weight", "codes", "scales")), ("bits", ctypes.c_long)]
+
+
+def code_bits(weight: torch.Tensor, codes: Optional[torch.Tensor]) -> int:
+    """The width of ``weight``'s codes (``WeightCodes.bits``, read from the codes' shape), 32 without codes."""
+    return 32 if codes is None else codes.shape[1] * 8 // weight.shape[1]
+
+
+def matrix_struct(weight: torch.Tensor, codes: Optional[torch.Tensor], scales: Optional[torch.Tensor]) -> MatrixStruct:
+    """The ``matrix_t`` of ``weight``, read as its ``codes`` and ``scales`` where it has them."""
+    address = None if codes is None or scales is None else (codes.data_ptr(), scales.data_ptr())
+    addresses = (None, None) if address is None else address
+    return MatrixStruct(weight.data_ptr(), *addresses, code_bits(weight, codes))
+
+
 def matvec_of(library: ctypes.CDLL) -> MatVec:
     """The product a built library holds, as a function of tensors."""
     function = library.axtorch_matvec
-    function.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
+    function.argtypes = [ctypes.POINTER(MatrixStruct)] + [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + [ctypes.c_int]
     function.restype = None
 
-    def matvec(weight: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    def matvec(
+        weight: torch.Tensor,
+        x: torch.Tensor,
+        bias: Optional[torch.Tensor],
+        matrix: Optional[MatrixStruct] = None,
+    ) -> torch.Tensor:
         rows, cols = weight.shape
         out = x.new_empty(*x.shape[:-1], rows)
         bias_address = None if bias is None else bias.data_ptr()
         count = x.numel() // cols
         if x.shape[-1] != cols or not 1 <= count <= MAX_ROWS:  # the kernel would read past x
             raise ValueError(f"the compiled product takes 1 to {MAX_ROWS} rows of {cols} features, got {list(x.shape)}")
+        if matrix is None:
+            matrix = matrix_struct(weight, None, None)
         function(
-            weight.data_ptr(), x.data_ptr(), bias_address, out.data_ptr(), rows, cols, count, torch.get_num_threads()
+            ctypes.byref(matrix), x.data_ptr(), bias_address, out.data_ptr(), rows, cols, count, torch.get_num_threads()
         )
         return out
 
@@ -164,25 +199,40 @@ def tracing(x: torch.Tensor) -> bool:
 
 
 @torch.library.custom_op("axtorch::matvec", mutates_args=())
-def matvec_operator(weight: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """``load_matvec``'s product as a torch operator."""
+def matvec_operator(
+    weight: torch.Tensor,
+    x: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    codes: Optional[torch.Tensor] = None,
+    scales: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """``load_matvec``'s product as a torch operator: ``weight`` read as its ``codes`` and
+    ``scales`` (``WeightCodes``) where given."""
     matvec = load_matvec()
     if matvec is None:
         raise RuntimeError(NO_KERNELS)
-    return matvec(weight, x.contiguous(), bias)
+    return matvec(weight, x.contiguous(), bias, matrix=matrix_struct(weight, codes, scales))
 
 
 @matvec_operator.register_fake
-def _(weight: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+def _(
+    weight: torch.Tensor,
+    x: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    codes: Optional[torch.Tensor] = None,
+    scales: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
 class NativeLinear(nn.Module):
     """``x @ W.T + b`` in float32 by this machine's compiled product (``load_matvec``) for up to
     ``MAX_ROWS`` rows of ``x`` (a decode step), by torch's ``linear`` for more rows (a prefill) or
-    where gradients are wanted. It holds the weight itself, not a copy."""
+    where gradients are wanted. It holds the weight itself, not a copy, and unless not ``encoded``
+    the product reads it as its block codes where it has them (``weight_codes.encode``: the same
+    weights in fewer bytes)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, encoded: bool = True):
         super().__init__()
         matvec = load_matvec()
         if matvec is None:
@@ -191,6 +241,14 @@ class NativeLinear(nn.Module):
         self.weight = weight.detach().contiguous()
         self.bias = None if bias is None else bias.detach().contiguous()
         self.in_features = weight.shape[1]
+        self.codes = encode(self.weight) if encoded and reads_codes() else None
+        #: What the eager product passes, built once: it points into the weight and codes held here.
+        self.matrix = matrix_struct(self.weight, *self.code_tensors)
+
+    @property
+    def code_tensors(self) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """The codes and block scales the product reads, (None, None) for the float32 weight."""
+        return (None, None) if self.codes is None else (self.codes.codes, self.codes.scales)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (
@@ -201,5 +259,5 @@ class NativeLinear(nn.Module):
         ):
             return F.linear(x, self.weight, self.bias)
         if tracing(x):
-            return torch.ops.axtorch.matvec(self.weight, x, self.bias)
-        return self.matvec(self.weight, x.contiguous(), self.bias)
+            return torch.ops.axtorch.matvec(self.weight, x, self.bias, *self.code_tensors)
+        return self.matvec(self.weight, x.contiguous(), self.bias, matrix=self.matrix)

@@ -25,7 +25,15 @@ from typing import Optional, cast
 import torch
 from torch import nn
 
-from axtorch.infer.native_kernels import MAX_ROWS, NO_KERNELS, NativeLinear, load_library, tracing
+from axtorch.infer.native_kernels import (
+    MAX_ROWS,
+    NO_KERNELS,
+    MatrixStruct,
+    NativeLinear,
+    load_library,
+    matrix_struct,
+    tracing,
+)
 from axtorch.layers.attention import GroupedQueryAttention
 from axtorch.layers.attention_kernel import SdpaKernel, SoftcappedKernel
 from axtorch.layers.feed_forward import Activation, GatedFeedForward
@@ -47,22 +55,19 @@ from axtorch.layers.transformer import (
 
 #: ``decode_layer.c``'s ``enum activation``.
 ACTIVATIONS = {Activation.silu: 0, Activation.gelu: 1, Activation.gelu_tanh: 2, Activation.relu: 3}
-WEIGHTS = (
+NORMS = (
     "attention_norm",
     "attention_post_norm",
     "feed_forward_norm",
     "feed_forward_post_norm",
     "query_norm",
     "key_norm",
-    "qkv",
-    "qkv_bias",
-    "output",
-    "output_bias",
-    "gate_up",
-    "gate_up_bias",
-    "down",
-    "down_bias",
 )
+#: The products' weights, each float32 and, where ``weight_codes`` found them, block codes and scales.
+MATRICES = ("qkv", "output", "gate_up", "down")
+BIASES = tuple(f"{matrix}_bias" for matrix in MATRICES)
+#: A layer's tensors as the step and its operator take them (None where the layer has no such part).
+WEIGHTS = (*NORMS, *BIASES, *(f"{matrix}{part}" for matrix in MATRICES for part in ("", "_codes", "_scales")))
 
 
 class LayerStruct(ctypes.Structure):
@@ -72,7 +77,8 @@ class LayerStruct(ctypes.Structure):
         *((name, ctypes.c_long) for name in ("dim", "heads", "kv_heads", "head_dim", "hidden")),
         *((name, ctypes.c_float) for name in ("norm_eps", "head_norm_eps", "scale", "softcap")),
         ("activation", ctypes.c_int),
-        *((name, ctypes.c_void_p) for name in WEIGHTS),
+        *((name, ctypes.c_void_p) for name in NORMS + BIASES),
+        *((name, MatrixStruct) for name in MATRICES),
     ]
 
 
@@ -82,8 +88,15 @@ def layer_struct(
     """The step's ``layer_t``: ``sizes`` (dim, heads, kv_heads, head_dim, hidden, activation),
     ``constants`` (norm_eps, head_norm_eps, scale, softcap) and the ``weights`` in ``WEIGHTS``' order."""
     *shape, activation = sizes
-    addresses = (None if weight is None else weight.data_ptr() for weight in weights)
-    return LayerStruct(*shape, *constants, activation, *addresses)
+    named = dict(zip(WEIGHTS, weights))
+    parts = (named[name] for name in NORMS + BIASES)
+    addresses = (None if part is None else part.data_ptr() for part in parts)
+    matrices = []
+    for matrix in MATRICES:
+        weight = named[matrix]
+        assert weight is not None  # every recognised layer has its four products
+        matrices.append(matrix_struct(weight, named[f"{matrix}_codes"], named[f"{matrix}_scales"]))
+    return LayerStruct(*shape, *constants, activation, *addresses, *matrices)
 
 
 class LayerCall(ctypes.Structure):
@@ -239,6 +252,7 @@ def native_layer(layer: nn.Module, stacks: Mapping[nn.Module, NativeLinear]) -> 
     tensors = {name: None if norm is None else norm.weight.detach().contiguous() for name, norm in weights.items()}
     for name, product in (("qkv", qkv), ("output", output), ("gate_up", gate_up), ("down", down)):
         tensors[name], tensors[f"{name}_bias"] = product.weight, product.bias
+        tensors[f"{name}_codes"], tensors[f"{name}_scales"] = product.code_tensors
     head_dim = attention.head_dim
     sizes = [
         output.weight.shape[0],

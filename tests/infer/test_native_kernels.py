@@ -19,6 +19,7 @@ from axtorch.infer import cpu_weights, generate_ids, native_kernels
 from axtorch.infer.cpu_weights import DecodeKernel, NativeLinear
 from axtorch.infer.native_kernels import compiler, load_matvec
 from axtorch.train.trainer import build_model
+from tests.gguf_blocks import expanded
 
 pytestmark = pytest.mark.skipif(compiler() is None, reason="no C++ compiler on this machine")
 
@@ -39,6 +40,26 @@ def test_the_product_is_torch_linear_on_any_shape_and_thread_count(rows, cols, t
     try:
         for b in (None, bias):
             torch.testing.assert_close(matvec(weight, x, b), F.linear(x, weight, b), rtol=1e-5, atol=1e-5 * cols**0.5)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("count", [1, 2, 3, 8])
+@pytest.mark.parametrize(("kind", "bits"), [("Q4_1", 4), ("Q8_0", 8)])
+def test_weights_with_block_codes_are_read_as_codes_and_multiply_as_torch_linear(kind, bits, count, threads):
+    generator = torch.Generator().manual_seed(count)
+    weight = expanded(torch.randn(67, 576, generator=generator), kind)
+    x, bias = torch.randn(count, 1, 576, generator=generator), torch.randn(67, generator=generator)
+    if not native_kernels.reads_codes():
+        pytest.skip("this machine's kernels read float32 weights only (no AVX-512)")
+    linear = NativeLinear(weight, bias)
+    assert linear.codes is not None and linear.codes.bits == bits
+    assert NativeLinear(weight, bias, encoded=False).codes is None
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.testing.assert_close(linear(x), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5 * 576**0.5)
     finally:
         torch.set_num_threads(before)
 

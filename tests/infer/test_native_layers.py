@@ -18,6 +18,7 @@ from axtorch.layers.transformer import run_layers_unrolled
 from axtorch.models import CausalLMInput
 from axtorch.models.lora import LoRA, LoRAConfig
 from axtorch.train.trainer import build_model
+from tests.gguf_blocks import expanded
 
 pytestmark = pytest.mark.skipif(compiler() is None, reason="no C++ compiler on this machine")
 
@@ -117,6 +118,39 @@ def test_every_layer_runs_compiled_and_gives_the_modules_logits_and_tokens(kind,
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     assert tokens == greedy
     assert model.decoder.layer_runner is run_layers_unrolled
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("kind", ["llama", "gemma 3"])
+@torch.no_grad()
+def test_weights_expanded_from_gguf_blocks_run_as_codes_and_give_the_modules_logits_and_tokens(kind, rows):
+    """Every matrix expanded from a 4-bit format but the k projections (8-bit): the q/k/v stacks
+    are coded in 8 bits, the rest in 4; the head (tied) stays float32 where its width is no multiple of 32."""
+    if not native_kernels.reads_codes():
+        pytest.skip("this machine's kernels read float32 weights only (no AVX-512)")
+    model = _model(RECOGNISED[kind])
+    for name, parameter in model.named_parameters():
+        if parameter.dim() == 2 and parameter.shape[1] % 32 == 0 and "embedding" not in name:
+            parameter.copy_(expanded(parameter, "Q8_0" if "k_proj" in name else "Q4_1"))
+    prompts = BATCH[:rows]
+    expected = _step_logits(model, 12, prompts)
+    greedy = generate_ids(model, prompts, 12, pack=False)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with decode_weights(model):
+            runner = model.decoder.layer_runner
+            assert isinstance(runner, NativeLayerRunner)
+            for native in runner.layers:
+                named = dict(zip(native_layers.WEIGHTS, native.weights))
+                bits = [native_kernels.code_bits(named[m], named[f"{m}_codes"]) for m in native_layers.MATRICES]
+                assert bits == [8, 4, 4, 4]
+            got = _step_logits(model, 12, prompts)
+        tokens = generate_ids(model, prompts, 12)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    assert tokens == greedy
 
 
 @torch.no_grad()

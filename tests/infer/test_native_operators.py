@@ -6,42 +6,60 @@ import pytest
 import torch
 
 from axtorch.compose.experiment_loader import load_experiment_config
-from axtorch.infer import decode_weights
-from axtorch.infer.native_kernels import NativeLinear, compiler
+from axtorch.infer import decode_weights, native_layers
+from axtorch.infer.native_kernels import NativeLinear, compiler, reads_codes
 from axtorch.infer.native_layers import NativeLayerRunner
 from axtorch.models import CausalLMInput
 from axtorch.train.trainer import build_model
+from tests.gguf_blocks import expanded
 
 pytestmark = pytest.mark.skipif(compiler() is None, reason="no C++ compiler on this machine")
 
 
-def _linear() -> tuple[NativeLinear, torch.Tensor]:
+def _linear(coded: bool = False) -> tuple[NativeLinear, torch.Tensor]:
+    """A product of float32 weights, or of weights expanded from GGUF blocks (read as their codes)."""
     generator = torch.Generator().manual_seed(0)
-    weight, bias, x = (torch.randn(shape, generator=generator) for shape in ((24, 16), (24,), (1, 1, 16)))
-    return NativeLinear(weight, bias), x
+    weight, bias, x = (torch.randn(shape, generator=generator) for shape in ((24, 64), (24,), (1, 1, 64)))
+    if coded:
+        if not reads_codes():
+            pytest.skip("this machine's kernels read float32 weights only (no AVX-512)")
+        weight = expanded(weight, "Q4_1")
+    linear = NativeLinear(weight, bias)
+    assert (linear.codes is not None) == coded
+    return linear, x
 
 
+@pytest.mark.parametrize("coded", [False, True])
 @torch.no_grad()
-def test_compile_traces_the_product_as_one_graph():
-    linear, x = _linear()
+def test_compile_traces_the_product_as_one_graph(coded):
+    linear, x = _linear(coded)
     compiled = torch.compile(linear, backend="aot_eager", fullgraph=True)  # fullgraph: a break fails
     torch.testing.assert_close(compiled(x), linear(x), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("coded", [False, True])
 @torch.no_grad()
-def test_export_records_the_product_and_the_program_computes_it():
-    linear, x = _linear()
+def test_export_records_the_product_and_the_program_computes_it(coded):
+    linear, x = _linear(coded)
     program = torch.export.export(linear, (x,))
     targets = {str(node.target) for node in program.graph.nodes if node.op == "call_function"}
     assert "axtorch.matvec.default" in targets, targets
     torch.testing.assert_close(program.module()(x), linear(x), rtol=0, atol=0)
 
 
-@pytest.fixture
-def layer_arguments():
-    """One recognised layer's step inputs: the model's first layer, a fresh cache, position 0."""
+@pytest.fixture(params=[False, True], ids=["float32", "coded"])
+def layer_arguments(request):
+    """One recognised layer's step inputs: the model's first layer, a fresh cache, position 0; its
+    weights float32, or expanded from GGUF blocks and read as their codes."""
     torch.manual_seed(0)
     model = build_model(load_experiment_config(["experiment=debug"]), torch.device("cpu")).eval()
+    if request.param:
+        if not reads_codes():
+            pytest.skip("this machine's kernels read float32 weights only (no AVX-512)")
+        with torch.no_grad():
+            for parameter in model.decoder.layers[0].parameters():
+                if parameter.dim() == 2:
+                    parameter.copy_(expanded(parameter, "Q4_1"))
     with decode_weights(model):
         runner = model.decoder.layer_runner
         assert isinstance(runner, NativeLayerRunner)
@@ -59,6 +77,7 @@ def layer_arguments():
             "cos": cos.contiguous(),
             "sin": sin.contiguous(),
         }
+        assert (native.weights[native_layers.WEIGHTS.index("qkv_codes")] is not None) == request.param
         constants = {"weights": native.weights, "sizes": native.sizes, "constants": native.constants}
         yield inputs, constants
 
