@@ -4,7 +4,7 @@
 #define AXTORCH_KERNELS_H
 
 #include <string.h>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -214,59 +214,48 @@ typedef struct {
 } matrix_t;
 
 #define BLOCK 32
-typedef float sixteen __attribute__((vector_size(16 * sizeof(float))));
-typedef int sixteen_ints __attribute__((vector_size(16 * sizeof(int))));
-typedef short sixteen_shorts __attribute__((vector_size(16 * sizeof(short))));
-typedef unsigned char unsigned_bytes __attribute__((vector_size(16)));
-typedef signed char signed_bytes __attribute__((vector_size(16)));
+/* WIDTH 32-bit integers, as the codes widen to before they become floats. */
+typedef int ints __attribute__((vector_size(WIDTH * sizeof(int))));
 
-static inline sixteen load_sixteen(const float *p) {
-  sixteen v;
-  memcpy(&v, p, sizeof v);
-  return v;
-}
-
-static inline float sixteen_sum(sixteen v) {
-  vector parts[16 / WIDTH];
-  memcpy(parts, &v, sizeof v);
-#if WIDTH == 8
-  parts[0] += parts[1];
-#endif
-  return lane_sum(parts[0]);
-}
-
-/* 16 signed bytes at p as 32-bit integers: one instruction with AVX-512 (vpmovsxbd); elsewhere
- * through 16-bit integers, since GCC 12 widens a loaded vector of signed bytes straight to 32 bits
- * one byte at a time (and through 16 bits with a dozen shuffles where AVX-512 has the one). */
-static inline sixteen_ints widen_signed(const unsigned char *p) {
-#ifdef __AVX512F__
-  return (sixteen_ints)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
+/* WIDTH bytes at p as 32-bit integers, zero- or sign-extended: one instruction with AVX-512 or
+ * AVX2 (vpmovzxbd, vpmovsxbd). Elsewhere through 16-bit integers: GCC 12 widens a loaded vector of
+ * bytes straight to 32 bits one byte at a time. */
+static inline ints widen(const unsigned char *p, int is_signed) {
+#if defined(__AVX512F__)
+  const __m128i bytes = _mm_loadu_si128((const __m128i *)p);
+  return is_signed ? (ints)_mm512_cvtepi8_epi32(bytes) : (ints)_mm512_cvtepu8_epi32(bytes);
+#elif defined(__AVX2__)
+  const __m128i bytes = _mm_loadl_epi64((const __m128i *)p);
+  return is_signed ? (ints)_mm256_cvtepi8_epi32(bytes) : (ints)_mm256_cvtepu8_epi32(bytes);
 #else
-  signed_bytes bytes;
-  memcpy(&bytes, p, sizeof bytes);
-  return __builtin_convertvector(__builtin_convertvector(bytes, sixteen_shorts), sixteen_ints);
+  typedef short shorts __attribute__((vector_size(WIDTH * sizeof(short))));
+  typedef signed char signed_bytes __attribute__((vector_size(WIDTH)));
+  typedef unsigned char unsigned_bytes __attribute__((vector_size(WIDTH)));
+  signed_bytes s;
+  unsigned_bytes u;
+  memcpy(&s, p, sizeof s);
+  memcpy(&u, p, sizeof u);
+  return is_signed ? __builtin_convertvector(__builtin_convertvector(s, shorts), ints)
+                   : __builtin_convertvector(__builtin_convertvector(u, shorts), ints);
 #endif
 }
 
-/* Block `b`'s 32 weights of a row, as two vectors of 16: the codes widened to floats, times the
- * scale, plus the offset. Whether the compiler fuses the two into one rounding does not matter:
- * weight_codes.py takes only blocks where both give the weight. */
-static inline void block_weights(const unsigned char *codes, const float *scales, long bits, long b, sixteen w[2]) {
-  /* Bytes to 32-bit integers, then to floats: vector instructions (vpmovzxbd, vcvtdq2ps), where
-   * GCC 12 would convert bytes to floats one at a time. */
-  sixteen_ints low, high;
-  if (bits == 4) {
-    unsigned_bytes c;
-    memcpy(&c, codes + b * BLOCK / 2, sizeof c);
-    low = __builtin_convertvector(c & 15, sixteen_ints);
-    high = __builtin_convertvector(c >> 4, sixteen_ints);
-  } else {
-    low = widen_signed(codes + b * BLOCK);
-    high = widen_signed(codes + b * BLOCK + 16);
-  }
+/* Block `b`'s 32 weights of a coded row, WIDTH at a time in order: the codes widened to floats,
+ * times the scale, plus the offset. Whether the compiler fuses the two into one rounding does not
+ * matter: weight_codes.py takes only blocks where both give the weight. */
+static inline void block_weights(const unsigned char *codes, const float *scales, long bits, long b,
+                                 vector w[BLOCK / WIDTH]) {
   const float scale = scales[2 * b], offset = scales[2 * b + 1];
-  w[0] = __builtin_convertvector(low, sixteen) * scale + offset;
-  w[1] = __builtin_convertvector(high, sixteen) * scale + offset;
+  if (bits == 4) {
+    for (int h = 0; h < BLOCK / 2 / WIDTH; ++h) { /* byte j: weight j low, weight j + 16 high */
+      const ints pair = widen(codes + b * BLOCK / 2 + h * WIDTH, 0);
+      w[h] = __builtin_convertvector(pair & 15, vector) * scale + offset;
+      w[h + BLOCK / 2 / WIDTH] = __builtin_convertvector(pair >> 4, vector) * scale + offset;
+    }
+  } else {
+    for (int k = 0; k < BLOCK / WIDTH; ++k)
+      w[k] = __builtin_convertvector(widen(codes + b * BLOCK + k * WIDTH, 1), vector) * scale + offset;
+  }
 }
 
 /* y[i] = w . x[i] for `count` rows of x (row stride `cols`), w one coded row: its codes and block
@@ -275,20 +264,18 @@ static inline void block_weights(const unsigned char *codes, const float *scales
 static inline __attribute__((always_inline)) void dot_codes(const unsigned char *codes, const float *scales,
                                                             long bits, const float *x, long cols, long count,
                                                             float *y) {
-  sixteen acc[MAX_ROWS][2] = {{{0}}};
+  vector acc[MAX_ROWS][2] = {{{0}}};
   const long bytes = BLOCK * bits / 8;
   for (long b = 0; b < cols / BLOCK; ++b) {
     /* Each stream PREFETCH_AHEAD floats' bytes ahead, a line at a time. */
     if (b * bytes % 64 == 0) __builtin_prefetch(codes + b * bytes + PREFETCH_AHEAD * sizeof(float), 0, PREFETCH_LOCALITY);
     if (b % 8 == 0) __builtin_prefetch(scales + 2 * b + PREFETCH_AHEAD, 0, PREFETCH_LOCALITY);
-    sixteen w[2];
+    vector w[BLOCK / WIDTH];
     block_weights(codes, scales, bits, b, w);
-    for (long i = 0; i < count; ++i) {
-      acc[i][0] += w[0] * load_sixteen(x + i * cols + b * BLOCK);
-      acc[i][1] += w[1] * load_sixteen(x + i * cols + b * BLOCK + 16);
-    }
+    for (long i = 0; i < count; ++i)
+      for (int k = 0; k < BLOCK / WIDTH; ++k) acc[i][k & 1] += w[k] * load(x + i * cols + b * BLOCK + k * WIDTH);
   }
-  for (long i = 0; i < count; ++i) y[i] = sixteen_sum(acc[i][0] + acc[i][1]);
+  for (long i = 0; i < count; ++i) y[i] = lane_sum(acc[i][0] + acc[i][1]);
 }
 
 #define DOT_CODES(BITS, N)                                                                                  \

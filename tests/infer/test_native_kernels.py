@@ -5,6 +5,7 @@ runtime, and decoding without it where no compiler is."""
 import ctypes
 import json
 import logging
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ from axtorch.host.cpu import cpu_identity
 from axtorch.infer import cpu_weights, generate_ids, native_kernels
 from axtorch.infer.cpu_weights import DecodeKernel, NativeLinear
 from axtorch.infer.native_kernels import compiler, load_matvec
+from axtorch.infer.weight_codes import encode
 from axtorch.train.trainer import build_model
 from tests.gguf_blocks import expanded
 
@@ -175,10 +177,30 @@ def test_the_avx2_build_multiplies_as_torch_linear_at_every_row_count(tmp_path, 
     library = native_kernels._build(compiler(), tmp_path / "avx2")
     assert library is not None and native is not None
     assert library.read_bytes() != native.read_bytes(), "the flag left the AVX-512 build unchanged"
-    matvec = native_kernels.matvec_of(ctypes.CDLL(str(library)))
+    avx2 = ctypes.CDLL(str(library))
+    assert avx2.axtorch_reads_codes() == 1
+    matvec = native_kernels.matvec_of(avx2)
     generator = torch.Generator().manual_seed(0)
     for rows, cols in ((1, 7), (5, 65), (67, 576)):
         weight, bias = torch.randn(rows, cols, generator=generator), torch.randn(rows, generator=generator)
         for count in range(1, native_kernels.MAX_ROWS + 1):
             x = torch.randn(count, 1, cols, generator=generator)
             torch.testing.assert_close(matvec(weight, x, bias), F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
+    for kind in ("Q4_1", "Q8_0"):  # block codes, 8 floats at a time
+        weight = expanded(torch.randn(67, 576, generator=generator), kind)
+        codes = encode(weight)
+        assert codes is not None
+        matrix = native_kernels.matrix_struct(weight, codes.codes, codes.scales)
+        for count in range(1, native_kernels.MAX_ROWS + 1):
+            x = torch.randn(count, 1, 576, generator=generator)
+            torch.testing.assert_close(matvec(weight, x, None, matrix), F.linear(x, weight), rtol=1e-5, atol=1e-4)
+
+
+def test_a_build_without_avx2_keeps_the_float32_weights(tmp_path, monkeypatch):
+    """Without AVX2 the codes widen at half the float32 rate (kernels.h): that build says it does not read them."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("an x86 flag")
+    monkeypatch.setattr(native_kernels, "FLAGS", (*native_kernels.FLAGS, "-mno-avx512f", "-mno-avx2"))
+    library = native_kernels._build(compiler(), tmp_path)
+    assert library is not None
+    assert ctypes.CDLL(str(library)).axtorch_reads_codes() == 0
