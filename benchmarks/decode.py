@@ -12,10 +12,13 @@ Both decode exactly ``--new-tokens`` tokens per row (no stop token) from the sam
 with ``axtorch.infer.generate_ids`` (right-padded batch, KV cache), transformers with ``generate``
 (left-padded batch with an attention mask, its default dynamic cache). Tokens/s counts new tokens
 only, and the time includes the prompt's prefill. "same tokens" counts rows whose tokens agree with
-transformers'. axtorch runs four ways: "default", ``generate_ids(model, ...)`` as a library caller
+transformers'. axtorch runs five ways: "default", ``generate_ids(model, ...)`` as a library caller
 calls it on the loaded model (its decode weight formats, ``cpu_weights.decode_weights``: q/k/v and
 gate/up stacked, the rule's kernel, ``default_kernel``: axtorch's own with its layer step where it
-compiled, prepared on the first call and reused after); "compiled",
+compiled, which reads a matrix as its block codes where the weights were expanded from a 4- or
+8-bit GGUF format, ``weight_codes``: the same weights in a third to a fifth of the bytes; prepared
+on the first call and reused after); "float32 weights", the same kernels on the float32 weights
+only (``kernel=DecodeKernel.native_float32``, where axtorch's kernels built); "compiled",
 the same with ``compile=True`` (``torch.compile`` of the decode step, inductor's C++ wrapper,
 the KV cache's length rounded up to a multiple of 256); "torch linears" (``pack=False``: the
 model's own modules); and int8 (``quantize_int8``, then the layers it skips packed:
@@ -31,7 +34,8 @@ which memory is read. Each repeat first measures that rate, STREAM-style: the be
 bytes) over a ``--bandwidth-mib`` float32 buffer, far larger than the caches, at the same thread
 count. Then the four runs take turns (their order reversing each repeat). "% of bandwidth" is
 the bytes a run read per second (per forward, prefill included: every weight in the format it
-is read in, int8 one byte per weight plus a float32 scale per output channel, the norms, and the
+is read in, block codes one or half a byte a weight plus two floats a block of 32, int8 one byte
+per weight plus a float32 scale per output channel, the norms, and the
 whole KV cache, which attention reads at every step) over that repeat's bandwidth. The table
 gives medians over the repeats.
 
@@ -67,9 +71,11 @@ import transformers
 from axtorch.infer.cpu_weights import (
     DEFAULT_SKIP,
     STACKED_SEAMS,
+    DecodeKernel,
     PackedLinear,
     StackedProjection,
     TransposedLinear,
+    available_kernels,
     decode_weights,
     pack_linears,
     product_weights,
@@ -143,7 +149,10 @@ def kernel_rates(model, trials: int) -> dict[str, float]:
 def print_kernel_table(model, buffer: torch.Tensor, threads: list[int], trials: int) -> None:
     """What bounds a batch-1 step before anything else runs: each probe kernel's and each product
     kernel's rate, and the products' share of the best probe."""
-    print("batch-1 products of every weight matrix alone, and the probe's kernels (GB/s; % of the best probe):")
+    print(
+        "batch-1 products of every weight matrix alone, and the probe's kernels (GB/s of float32 weights; % of the"
+        " best probe; axtorch's own reads a matrix's block codes where it has them, a third to a fifth of the bytes):"
+    )
     rows = []
     for count in threads:
         torch.set_num_threads(count)
@@ -158,16 +167,36 @@ def print_kernel_table(model, buffer: torch.Tensor, threads: list[int], trials: 
         print(f"| {count} | {probe_cells} | " + " | ".join(kernels.values()) + " |", flush=True)
 
 
-def bytes_per_forward(model, int8_skip: list[str] | None, batch: int, cache_slots: int, max_write: int) -> int:
+@torch.no_grad()
+def bytes_saved_by_codes(model) -> int:
+    """How many fewer bytes than their float32 weights the default path's products read: the
+    matrices axtorch's own kernel reads as block codes (``weight_codes``), as ``decode_weights``
+    prepares them (the q/k/v and gate/up stacks, the other linears, the head)."""
+    with decode_weights(model):
+        products = {id(m): m for m in model.modules() if isinstance(m, NativeLinear)}
+        for protocol in STACKED_SEAMS:
+            for _, owner, slot in modules_with_seam(model, protocol):
+                product = getattr(getattr(owner, slot), "product", None)
+                if isinstance(product, NativeLinear):
+                    products[id(product)] = product
+        if isinstance(model.lm_head, NativeLinear):
+            products[id(model.lm_head)] = model.lm_head
+        return sum(m.weight.nbytes - m.codes.nbytes for m in products.values() if m.codes is not None)
+
+
+def bytes_per_forward(
+    model, int8_skip: list[str] | None, batch: int, cache_slots: int, max_write: int, saved_by_codes: int = 0
+) -> int:
     """The bytes one forward of ``batch`` tokens reads: weights in their decode format, the KV cache.
 
     A tied head reads the embedding table whole; an untied one its own matrix, and the lookup
-    ``batch`` rows of the table. ``int8_skip`` None: every linear in float32; else the int8
-    mode's: the linears and the head in int8 (one byte a weight and a float32 scale a row),
-    except those matching a pattern of ``int8_skip``. The KV cache counts whole, as the model
-    allocates it for ``cache_slots`` positions (sliding-window layers: their rings).
+    ``batch`` rows of the table. ``int8_skip`` None: every linear in float32, less
+    ``saved_by_codes`` (``bytes_saved_by_codes``, for the default path); else the int8 mode's:
+    the linears and the head in int8 (one byte a weight and a float32 scale a row), except those
+    matching a pattern of ``int8_skip``. The KV cache counts whole, as the model allocates it for
+    ``cache_slots`` positions (sliding-window layers: their rings).
     """
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    total = sum(p.numel() * p.element_size() for p in model.parameters()) - saved_by_codes
     if model.lm_head is not None:
         table = model.embedding.weight
         total -= (table.shape[0] - batch) * table.shape[1] * table.element_size()
@@ -248,9 +277,11 @@ def main() -> None:
     new = args.new_tokens
     int8 = pack_linears(quantize_int8(from_gguf(args.gguf)[0], skip=args.int8_skip))
 
-    def runner(model, pack: bool = True, compile: bool = False):
+    def runner(model, pack: bool = True, compile: bool = False, kernel: DecodeKernel | None = None):
         encode = tokenizer.encode
-        return lambda prompts: generate_ids(model, [encode(p) for p in prompts], new, compile=compile, pack=pack)
+        return lambda prompts: generate_ids(
+            model, [encode(p) for p in prompts], new, compile=compile, pack=pack, kernel=kernel
+        )
 
     runs = {
         "default": runner(ours),
@@ -258,6 +289,8 @@ def main() -> None:
         "torch linears": runner(ours, pack=False),
         "int8": runner(int8, pack=False),
     }
+    if DecodeKernel.native_float32 in available_kernels():
+        runs["float32 weights"] = runner(ours, kernel=DecodeKernel.native_float32)
     text_ids = torch.tensor([tokenizer.encode(args.text.read_text())[: args.text_tokens]])
     perplexities = {"fp32": perplexity(ours, text_ids), "int8": perplexity(int8, text_ids)}
 
@@ -286,7 +319,10 @@ def main() -> None:
         + " | products alone % | default / transformers | compiled / transformers | same tokens |"
     )
     print("|---|---|---|" + "---|" * (2 * len(names) + 4))
-    weight_bytes = bytes_per_forward(ours, None, 1, cache_slots=0, max_write=1)  # every weight, no cache
+    saved = bytes_saved_by_codes(ours)
+    # every weight as the default path reads it, no cache
+    weight_bytes = bytes_per_forward(ours, None, 1, cache_slots=0, max_write=1, saved_by_codes=saved)
+    print(f"the default path reads {weight_bytes / 1e6:.0f} MB of weights a step, {saved / 1e6:.0f} MB fewer as codes")
     for threads in args.threads:
         torch.set_num_threads(threads)
         for batch in args.batches:
@@ -299,6 +335,7 @@ def main() -> None:
                 )
             longest = max(len(tokenizer.encode(p)) for p in prompts)
             read = {name: bytes_per_forward(ours, None, batch, longest + new, longest) for name in runs}
+            read["default"] = bytes_per_forward(ours, None, batch, longest + new, longest, saved_by_codes=saved)
             compiled_slots = compiled_cache_length(longest + new, ours.config.max_seq_len)
             read["compiled"] = bytes_per_forward(ours, None, batch, compiled_slots, longest)
             read["int8"] = bytes_per_forward(ours, args.int8_skip, batch, longest + new, longest)
@@ -324,7 +361,8 @@ def main() -> None:
             floor = f"{100 * statistics.median(floor_fractions):.0f}%" if floor_fractions else "-"
             same = "; ".join(
                 f"{name} {sum(a == b for a, b in zip(outputs[name], outputs['transformers']))}/{batch}"
-                for name in ("default", "compiled")
+                for name in ("default", "compiled", "float32 weights")
+                if name in outputs
             )
             print(
                 f"| {threads} | {batch} | {statistics.median(bandwidths) / 1e9:.1f} | "

@@ -36,7 +36,8 @@ from axtorch.train.trained_model import load_trained_model
 class DecodeOptions:
     #: The CPU decode kernel of float32 weights (``cpu_weights.DecodeKernel``): auto, the rule's
     #: (axtorch's own where it compiled here, else torch's linear), or linear, transposed, packed,
-    #: native. Chosen, never timed: the same prompt gives the same tokens on every run.
+    #: native, native_float32 (axtorch's own, never reading block codes). Chosen, never timed: the
+    #: same prompt gives the same tokens on every run.
     kernel: str = "auto"
 
     def validate(self, compile: bool) -> None:

@@ -47,8 +47,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from axtorch.infer.native_kernels import NativeLinear, load_matvec
+from axtorch.infer.native_kernels import NativeLinear, load_matvec, reads_codes
 from axtorch.infer.native_layers import fill_native_runners
+from axtorch.infer.weight_codes import WeightCodes, codes_of, stacked
 from axtorch.layers.attention import QKVProjection
 from axtorch.layers.feed_forward import GateUpProjection
 from axtorch.layers.int8_linear import quantize_per_channel_int8
@@ -186,12 +187,23 @@ def _reused(kind: str, tensors: Sequence[Optional[torch.Tensor]], make: Callable
     return prepared
 
 
+def native_codes(weights: Sequence[torch.Tensor]) -> Optional[WeightCodes]:
+    """The block codes axtorch's own kernel reads for ``weights`` stacked (one weight: its own),
+    where this machine's kernels read codes and every weight has them (``weight_codes``)."""
+    return stacked([codes_of(weight) for weight in weights]) if reads_codes() else None
+
+
+def _native_linear(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> NativeLinear:
+    """axtorch's own product of ``weight``, reading its block codes where it has them."""
+    return NativeLinear(weight, bias, native_codes([weight]))
+
+
 #: The module each kernel but torch's ``linear`` multiplies through.
 _KERNEL_MODULES: dict[DecodeKernel, Callable[[torch.Tensor, Optional[torch.Tensor]], nn.Module]] = {
     DecodeKernel.transposed: TransposedLinear,
     DecodeKernel.packed: PackedLinear,
-    DecodeKernel.native: NativeLinear,
-    DecodeKernel.native_float32: functools.partial(NativeLinear, encoded=False),
+    DecodeKernel.native: _native_linear,
+    DecodeKernel.native_float32: NativeLinear,
 }
 #: The kernels that are axtorch's own, with its layer step.
 NATIVE = (DecodeKernel.native, DecodeKernel.native_float32)
@@ -233,7 +245,8 @@ class StackedProjection:
         if kernel is DecodeKernel.packed:
             self.product = PackedLinear(weight, bias)
         elif kernel in NATIVE:
-            self.product = _KERNEL_MODULES[kernel](weight, bias)
+            codes = native_codes([linear.weight for linear in linears]) if kernel is DecodeKernel.native else None
+            self.product = NativeLinear(weight, bias, codes)
         else:
             transposed = weight.t().contiguous()
             self.product = (lambda x: x @ transposed) if bias is None else (lambda x: x @ transposed + bias)

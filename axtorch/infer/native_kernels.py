@@ -40,7 +40,7 @@ from torch.utils import cpp_extension
 
 from axtorch.host.cache import axtorch_cache
 from axtorch.host.cpu import cpu_identity, cpu_vendor
-from axtorch.infer.weight_codes import encode
+from axtorch.infer.weight_codes import WeightCodes
 
 logger = logging.getLogger(__name__)
 
@@ -228,11 +228,11 @@ def _(
 class NativeLinear(nn.Module):
     """``x @ W.T + b`` in float32 by this machine's compiled product (``load_matvec``) for up to
     ``MAX_ROWS`` rows of ``x`` (a decode step), by torch's ``linear`` for more rows (a prefill) or
-    where gradients are wanted. It holds the weight itself, not a copy, and unless not ``encoded``
-    the product reads it as its block codes where it has them (``weight_codes.encode``: the same
-    weights in fewer bytes)."""
+    where gradients are wanted. It holds the weight itself, not a copy; the product reads it as
+    its block ``codes`` where given (``weight_codes``: the same weights in fewer bytes; only where
+    ``reads_codes``)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, encoded: bool = True):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, codes: Optional[WeightCodes] = None):
         super().__init__()
         matvec = load_matvec()
         if matvec is None:
@@ -241,7 +241,7 @@ class NativeLinear(nn.Module):
         self.weight = weight.detach().contiguous()
         self.bias = None if bias is None else bias.detach().contiguous()
         self.in_features = weight.shape[1]
-        self.codes = encode(self.weight) if encoded and reads_codes() else None
+        self.codes = codes
         #: What the eager product passes, built once: it points into the weight and codes held here.
         self.matrix = matrix_struct(self.weight, *self.code_tensors)
 

@@ -19,11 +19,12 @@ rule on the weights, and the products are the float32 ones up to summation order
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 #: Weights a block's scale and offset cover (``BLOCK`` in ``kernels.h``).
 BLOCK = 32
@@ -175,3 +176,36 @@ def encode(weight: torch.Tensor) -> Optional[WeightCodes]:
         return None
     weight = weight.detach().contiguous()
     return _encode_as(weight, 4) or _encode_as(weight, 8)
+
+
+#: ``codes_of``'s findings: a weight -> (its address and version when found, its codes or None).
+_FOUND = WeakIdKeyDictionary()
+
+
+def codes_of(weight: torch.Tensor) -> Optional[WeightCodes]:
+    """``encode(weight)``, found once while ``weight`` is the same tensor, unmodified (an optimizer
+    step or a load bumps its version): finding them reads the weights several times over."""
+    stamp = (weight.data_ptr(), weight._version)
+    found = _FOUND.get(weight)
+    if found is None or found[0] != stamp:
+        found = (stamp, encode(weight))
+        _FOUND[weight] = found
+    return found[1]
+
+
+def _as_8_bit(codes: WeightCodes) -> WeightCodes:
+    if codes.bits == 8:
+        return codes
+    wide = _unpack_nibbles(codes.codes).to(torch.int8).view(torch.uint8)
+    return WeightCodes(wide, codes.scales, 8)
+
+
+def stacked(parts: Sequence[Optional[WeightCodes]]) -> Optional[WeightCodes]:
+    """The codes of the parts' rows stacked (as ``torch.cat`` stacks their weights: q/k/v, gate/up),
+    in 8 bits if any part's are; None if a part has none."""
+    if any(part is None for part in parts):
+        return None
+    present = [part for part in parts if part is not None]
+    if len({part.bits for part in present}) > 1:
+        present = [_as_8_bit(part) for part in present]
+    return WeightCodes(torch.cat([p.codes for p in present]), torch.cat([p.scales for p in present]), present[0].bits)

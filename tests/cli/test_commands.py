@@ -133,7 +133,7 @@ def test_every_command_config_documents_every_key():
 @pytest.mark.parametrize(
     ("arguments", "allowed"),
     [
-        (["decode.kernel=fastest"], "one of ['auto', 'linear', 'transposed', 'packed', 'native']"),
+        (["decode.kernel=fastest"], "one of ['auto', 'linear', 'transposed', 'packed', 'native', 'native_float32']"),
         (["decode.kernel=packed", "compile=true"], "auto or linear with compile=true"),
     ],
 )

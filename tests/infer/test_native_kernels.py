@@ -53,11 +53,9 @@ def test_weights_with_block_codes_are_read_as_codes_and_multiply_as_torch_linear
     generator = torch.Generator().manual_seed(count)
     weight = expanded(torch.randn(67, 576, generator=generator), kind)
     x, bias = torch.randn(count, 1, 576, generator=generator), torch.randn(67, generator=generator)
-    if not native_kernels.reads_codes():
-        pytest.skip("this machine's kernels read float32 weights only (no AVX-512)")
-    linear = NativeLinear(weight, bias)
-    assert linear.codes is not None and linear.codes.bits == bits
-    assert NativeLinear(weight, bias, encoded=False).codes is None
+    codes = encode(weight)
+    assert codes is not None and codes.bits == bits
+    linear = NativeLinear(weight, bias, codes)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

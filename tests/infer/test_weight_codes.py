@@ -6,7 +6,8 @@ a fused multiply-add would widen differently keep the float32 weights."""
 import pytest
 import torch
 
-from axtorch.infer.weight_codes import BLOCK, SAMPLE_BLOCKS, encode
+from axtorch.infer import weight_codes
+from axtorch.infer.weight_codes import BLOCK, SAMPLE_BLOCKS, codes_of, encode, stacked
 from tests.gguf_blocks import expanded
 
 
@@ -36,8 +37,6 @@ def test_rows_of_a_4_bit_and_an_8_bit_format_are_coded_in_8_bits():
 
 
 def test_many_blocks_are_coded_in_chunks(monkeypatch):
-    from axtorch.infer import weight_codes
-
     monkeypatch.setattr(weight_codes, "CHUNK_BLOCKS", 7)
     weight = expanded(_weight(rows=40), "Q4_1")
     codes = encode(weight)
@@ -75,3 +74,24 @@ def test_codes_that_a_fused_multiply_add_would_widen_differently_are_refused():
     fused = (scale.double() * codes.double() + offset).float()
     assert not torch.equal(weight[0], fused)  # the two widenings differ on this block
     assert encode(weight) is None
+
+
+def test_stacked_codes_are_the_codes_of_the_stacked_weights_in_the_widest_width():
+    parts = [expanded(_weight(seed=1), "Q4_1"), expanded(_weight(seed=2), "Q8_0"), expanded(_weight(seed=3), "Q4_K")]
+    codes = stacked([encode(part) for part in parts])
+    assert codes is not None and codes.bits == 8
+    assert torch.equal(codes.weights(), torch.cat(parts))
+    four = stacked([encode(parts[0]), encode(parts[2])])
+    assert four is not None and four.bits == 4 and torch.equal(four.weights(), torch.cat([parts[0], parts[2]]))
+    assert stacked([encode(parts[0]), encode(_weight())]) is None  # a part without codes
+
+
+def test_codes_are_found_once_per_weight_and_again_after_it_changes(monkeypatch):
+    weight = expanded(_weight(), "Q4_1")
+    calls = []
+    monkeypatch.setattr(weight_codes, "encode", lambda w: calls.append(w) or encode(w))
+    first = codes_of(weight)
+    assert codes_of(weight) is first and len(calls) == 1
+    weight.mul_(0.5)  # an optimizer step, a load: the version moves
+    again = codes_of(weight)
+    assert len(calls) == 2 and again is not None and torch.equal(again.weights(), weight)
