@@ -5,8 +5,10 @@ kernel streams weights from memory. The candidates (``DecodeKernel``): torch's o
 (MKL's matrix-vector product) on the weights as stored; torch's matmul on copies stored
 ``[in, out]`` (``TransposedLinear``); oneDNN's kernel on copies reordered into its blocked layout
 (``PackedLinear``); and axtorch's own product, compiled on this machine where it has a C compiler
-(``native_kernels``), on the weights as stored (``NativeLinear``), with its layer step
-(``native_layers``: a whole layer of a one-row step in one call). The kernels round differently,
+(``native_kernels``), on the weights as stored (``NativeLinear``), or as their block codes where
+they were expanded from a 4- or 8-bit GGUF format (``weight_codes``: the same weights in a third
+to a fifth of the bytes), with its layer step (``native_layers``: the layers of a step of one to
+eight rows in one call). The kernels round differently,
 so the choice is a rule (``default_kernel``) or the caller's, never a timing: the same prompt gives
 the same tokens on every run. ``benchmarks/decode.py`` times them all on a machine.
 

@@ -1,7 +1,8 @@
 """axtorch's decode kernels, built on the machine that runs them: the weight products of a decode
 step of 1 to 8 rows (``matvec.c``) and a whole transformer layer's step for one token of each row
 (``decode_layer.c``), registered as torch operators (``axtorch::matvec`` here,
-``axtorch::decode_layer`` in ``native_layers``).
+``axtorch::decode_layer`` in ``native_layers``). Both read a weight matrix as float32 rows or as
+block codes (``MatrixStruct``, ``weight_codes``).
 
 BLAS libraries tune their matrix-vector products per CPU vendor and model, and on some CPUs they
 read weights well below the memory's rate (docs/benchmarks.md: 35-60% on an AMD EPYC). The sources

@@ -11,15 +11,16 @@ and widens them back to the float32 weights as it multiplies.
 ``encode`` finds the codes from the weights alone, so it holds whatever route the weights took
 (a GGUF import, an HF directory written from one, a checkpoint): a few candidate scales and offsets
 per block from its extremes, each kept only where widening its codes gives every weight of the
-block exactly (and a fused multiply-add would too: the scale times the code is exact in float32, or
-the offset is zero). A matrix with one block that no candidate reproduces (trained weights, a
-format like Q6_K whose scales change every 16 weights) keeps its float32 weights: the choice is a
-rule on the weights, and the products are the float32 ones up to summation order either way.
+block exactly (and a fused multiply-add would too: the scale's significant bits and the largest
+code's fit float32's 24, so their product is exact, or the offset is zero). A matrix with one
+block that no candidate reproduces (trained weights, a format like Q6_K whose scales change every
+16 weights) keeps its float32 weights: the choice is a rule on the weights, and the products are
+the float32 ones up to summation order either way.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
 
@@ -33,8 +34,10 @@ CODE_RANGES = {4: (0, 15), 8: (-128, 127)}
 #: Significant bits of the scales tried besides float32's: a float16 scale (Q4_0, Q4_1, Q5_0,
 #: Q8_0), and one times a 6-bit sub-scale (Q4_K, Q5_K).
 SCALE_BITS = (11, 17)
-#: Blocks encoded at a time: bounds the working tensors at a few tens of MB.
-CHUNK_BLOCKS = 1 << 18
+#: Blocks encoded at a time, and the trial codes of a group of candidates at most (elements):
+#: bounds the working tensors at a few tens of MB.
+CHUNK_BLOCKS = 1 << 16
+TRIAL_ELEMENTS = CHUNK_BLOCKS * BLOCK
 #: Blocks tried first: a matrix of trained weights is refused on them, in a fraction of the time
 #: that trying all its blocks with every candidate would take.
 SAMPLE_BLOCKS = 64
@@ -68,81 +71,93 @@ def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.cat([halves & 15, halves >> 4], dim=-1).reshape(packed.shape[0], -1)
 
 
-def _round_significand(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """``x`` rounded to ``bits`` significant bits (scaling by powers of two is exact)."""
+def _round_significand(x: torch.Tensor, bits: torch.Tensor | int) -> torch.Tensor:
+    """``x`` rounded to ``bits`` significant bits (scaling by powers of two is exact; 24: ``x``)."""
     mantissa, exponent = torch.frexp(x)
     return torch.ldexp(torch.round(mantissa * 2.0**bits), exponent - bits)
 
 
-def _rounded(scale: torch.Tensor) -> Iterator[tuple[torch.Tensor, Optional[int]]]:
-    """``scale``, then rounded to the significant bits of the formats' scales (``SCALE_BITS``)."""
-    yield scale, None
-    for significant in SCALE_BITS:
-        yield _round_significand(scale, significant), significant
+def _specs(bits: int) -> torch.Tensor:
+    """The candidate scales and offsets to try for a width, likeliest first, each a row of
+    (with a minimum, code a, code b, significant bits of the scale, of the offset); 24 bits: as
+    computed (float32's significand).
 
-
-def _without_minimum(blocks: torch.Tensor, bits: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """The formats without a minimum: the weight of greatest magnitude sets the scale. With 4-bit
-    codes it takes code 0 and the offset is -8 scales (Q4_0: d = max / -8); with signed 8-bit codes
-    it takes 127, 16 or 32 and there is no offset (Q8_0, Q5_0, Q6_K)."""
-    extreme = blocks.gather(1, blocks.abs().argmax(dim=1, keepdim=True))
-    for code in (127, 16, 32) if bits == 8 else (-8,):
-        for scale, _ in _rounded(extreme / code):
-            yield scale, torch.zeros_like(scale) if bits == 8 else -8 * scale
-
-
-def _with_minimum(blocks: torch.Tensor, bits: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """The formats with a minimum: the block's least and greatest weights take codes within 3 of
-    the ends (exactly 0 and the top where the format's scale is (max - min) / top, near them where
-    it was searched for, as in Q4_K's, or where a block lacks the end codes)."""
-    low, high = blocks.aminmax(dim=1, keepdim=True)
-    tops = (15,) if bits == 4 else (15, 31)  # 16 codes (Q4_1, Q4_K) or 32 (Q5_1, Q5_K)
+    With a minimum (Q4_1, Q4_K; Q5_1, Q5_K in 8 bits): the block's least and greatest weights take
+    codes a and b within 3 of the ends (exactly 0 and the top where the format's scale is
+    (max - min) / top, near them where it was searched for, as in Q4_K's, or where a block lacks
+    the end codes). Without one: the weight of greatest magnitude takes code a; with 4-bit codes
+    that is 0 and the offset is -8 scales (Q4_0: d = max / -8), with signed 8-bit codes 127, 16 or
+    32 and there is no offset (Q8_0, Q5_0, Q6_K). Each scale is also tried rounded to the formats'
+    significant bits (``SCALE_BITS``), with the offset as it comes and rounded alike."""
     near = [(a, b) for distance in range(7) for a in range(4) for b in range(4) if a + b == distance]
-    ends = [(a, top - b) for top in tops for a, b in near]
-    for low_code, high_code in ends:
-        for scale, significant in _rounded((high - low) / (high_code - low_code)):
-            offset = low - scale * low_code
-            yield scale, offset
-            if significant is not None and low_code:
-                yield scale, _round_significand(offset, significant)
+    tops = (15,) if bits == 4 else (15, 31)
+    with_minimum = [
+        (1, a, top - b, significant, offset_bits)
+        for top in tops
+        for a, b in near
+        for significant, offset_bits in ((24, 24), *((s, o) for s in SCALE_BITS for o in (24, s)))
+    ]
+    without = [
+        (0, code, code + 1, significant, 24)
+        for code in ((127, 16, 32) if bits == 8 else (-8,))
+        for significant in (24, *SCALE_BITS)
+    ]
+    rows = with_minimum + without if bits == 4 else without + with_minimum
+    return torch.tensor(rows, dtype=torch.float32)
 
 
-def _candidates(blocks: torch.Tensor, bits: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Scales and offsets ``[n, 1]`` to try for ``blocks`` ``[n, BLOCK]``, the likeliest formats
-    for the width first."""
-    if bits == 4:
-        yield from _with_minimum(blocks, bits)
-        yield from _without_minimum(blocks, bits)
-    else:
-        yield from _without_minimum(blocks, bits)
-        yield from _with_minimum(blocks, bits)
+SPECS = {bits: _specs(bits) for bits in CODE_RANGES}
+
+
+def _candidates(
+    specs: torch.Tensor, low: torch.Tensor, high: torch.Tensor, extreme: torch.Tensor, bits: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scales and offsets ``[len(specs), n, 1]`` of ``SPECS`` rows for blocks whose least, greatest
+    and greatest-magnitude weights are ``low``, ``high``, ``extreme`` ``[n, 1]``."""
+    with_minimum, a, b, significant, offset_bits = (specs[:, i, None, None] for i in range(5))
+    raw = torch.where(with_minimum.bool(), (high - low) / (b - a), extreme / a)
+    scale = _round_significand(raw, significant)
+    below = _round_significand(low - scale * a, offset_bits)
+    offset = torch.where(with_minimum.bool(), below, -8 * scale if bits == 4 else torch.zeros_like(scale))
+    return scale, offset
 
 
 def _encode_blocks(blocks: torch.Tensor, bits: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-    """Codes ``[n, BLOCK]`` (int16) and scales ``[n, 2]`` that give ``blocks`` exactly, or None."""
+    """Codes ``[n, BLOCK]`` (int16) and scales ``[n, 2]`` that give ``blocks`` exactly, or None.
+    The candidates are tried in groups as large as ``TRIAL_ELEMENTS`` allows for the blocks still
+    pending: on a matrix's sample (``SAMPLE_BLOCKS``) all of them at once, so that trained weights
+    are refused in a few operations rather than a round per candidate."""
     lowest, highest = CODE_RANGES[bits]
     codes = torch.zeros(blocks.shape, dtype=torch.int16)
     scales = torch.zeros(blocks.shape[0], 2)
     pending = torch.ones(blocks.shape[0], dtype=torch.bool)
-    constant = blocks.amin(dim=1) == blocks.amax(dim=1)  # scale 1, code 0, the value as offset
+    low, high = blocks.aminmax(dim=1, keepdim=True)
+    constant = (low == high).squeeze(1)  # scale 1, code 0, the value as offset
     scales[constant, 0], scales[constant, 1] = 1.0, blocks[constant, 0]
     pending &= ~constant
-    for scale, offset in _candidates(blocks, bits):
-        if not pending.any():
-            break
+    extreme = blocks.gather(1, blocks.abs().argmax(dim=1, keepdim=True))
+    specs, tried = SPECS[bits], 0
+    while pending.any() and tried < len(specs):
         rows = pending.nonzero().squeeze(1)
-        s, o, w = scale[rows], offset[rows], blocks[rows]
-        usable = torch.isfinite(s).squeeze(1) & (s != 0).squeeze(1)
-        trial = torch.round((w - o) / torch.where(s == 0, 1.0, s)).clamp(lowest, highest)
+        group = specs[tried : tried + max(1, TRIAL_ELEMENTS // (rows.numel() * BLOCK))]
+        tried += len(group)
+        s, o = _candidates(group, low[rows], high[rows], extreme[rows], bits)  # [candidates, rows, 1]
+        w = blocks[rows]
+        usable = torch.isfinite(s) & (s != 0)
+        trial = torch.round((w - o) / torch.where(usable, s, 1.0)).clamp(lowest, highest)
         product = s * trial
-        exact = (product + o == w).all(dim=1)
-        fusable = (o == 0).squeeze(1) | (product.double() == s.double() * trial.double()).all(dim=1)
-        found = rows[usable & exact & fusable]
-        if found.numel():
-            picked = usable & exact & fusable
-            codes[found] = trial[picked].to(torch.int16)
-            scales[found, 0], scales[found, 1] = s[picked, 0], o[picked, 0]
-            pending[found] = False
+        exact = (product + o == w).all(dim=-1) & usable.squeeze(-1)
+        # Fusable if the scale's products with the block's codes are exact: they are where the
+        # scale's significant bits and the largest code's fit float32's 24.
+        _, code_bits = torch.frexp(trial.abs().amax(dim=-1, keepdim=True))
+        fusable = ((o == 0) | (_round_significand(s, 24 - code_bits) == s)).squeeze(-1)
+        good = exact & fusable
+        found = good.any(dim=0)
+        if found.any():
+            which, first = found.nonzero().squeeze(1), good.int().argmax(dim=0)[found]
+            codes[rows[which]] = trial[first, which].to(torch.int16)
+            scales[rows[which], 0], scales[rows[which], 1] = s[first, which, 0], o[first, which, 0]
+            pending[rows[which]] = False
     return None if pending.any() else (codes, scales)
 
 
