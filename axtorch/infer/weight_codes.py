@@ -110,12 +110,15 @@ SPECS = {bits: _specs(bits) for bits in CODE_RANGES}
 
 
 def _candidates(
-    specs: torch.Tensor, low: torch.Tensor, high: torch.Tensor, extreme: torch.Tensor, bits: int
+    specs: torch.Tensor, low: torch.Tensor, high: torch.Tensor, extreme: Optional[torch.Tensor], bits: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scales and offsets ``[len(specs), n, 1]`` of ``SPECS`` rows for blocks whose least, greatest
-    and greatest-magnitude weights are ``low``, ``high``, ``extreme`` ``[n, 1]``."""
+    and greatest-magnitude weights are ``low``, ``high``, ``extreme`` ``[n, 1]`` (``extreme`` None
+    where every spec has a minimum)."""
     with_minimum, a, b, significant, offset_bits = (specs[:, i, None, None] for i in range(5))
-    raw = torch.where(with_minimum.bool(), (high - low) / (b - a), extreme / a)
+    raw = (high - low) / (b - a)
+    if extreme is not None:
+        raw = torch.where(with_minimum.bool(), raw, extreme / a)
     scale = _round_significand(raw, significant)
     below = _round_significand(low - scale * a, offset_bits)
     offset = torch.where(with_minimum.bool(), below, -8 * scale if bits == 4 else torch.zeros_like(scale))
@@ -135,14 +138,20 @@ def _encode_blocks(blocks: torch.Tensor, bits: int) -> Optional[tuple[torch.Tens
     constant = (low == high).squeeze(1)  # scale 1, code 0, the value as offset
     scales[constant, 0], scales[constant, 1] = 1.0, blocks[constant, 0]
     pending &= ~constant
-    extreme = blocks.gather(1, blocks.abs().argmax(dim=1, keepdim=True))
+    extreme: Optional[torch.Tensor] = None  # the greatest-magnitude weights, once a candidate needs them
     specs, tried = SPECS[bits], 0
     while pending.any() and tried < len(specs):
         rows = pending.nonzero().squeeze(1)
         group = specs[tried : tried + max(1, TRIAL_ELEMENTS // (rows.numel() * BLOCK))]
         tried += len(group)
-        s, o = _candidates(group, low[rows], high[rows], extreme[rows], bits)  # [candidates, rows, 1]
-        w = blocks[rows]
+        if extreme is None and not group[:, 0].all():
+            extreme = blocks.gather(1, blocks.abs().argmax(dim=1, keepdim=True))
+        if rows.numel() == len(blocks):  # the first group sees every block: no copies of them
+            w, least, greatest, farthest = blocks, low, high, extreme
+        else:
+            w, least, greatest = blocks[rows], low[rows], high[rows]
+            farthest = None if extreme is None else extreme[rows]
+        s, o = _candidates(group, least, greatest, farthest, bits)  # [candidates, rows, 1]
         usable = torch.isfinite(s) & (s != 0)
         trial = torch.round((w - o) / torch.where(usable, s, 1.0)).clamp(lowest, highest)
         product = s * trial
