@@ -78,15 +78,22 @@ def _losses_by_step(run_dir: Path) -> dict[int, float]:
     return {m["step"]: m["train/loss"] for m in read_metrics(path) if "train/loss" in m} if path.exists() else {}
 
 
+def _whole_checkpoint(run_dir: Path, step: int) -> bool:
+    path = run_dir / "checkpoints" / f"step_{step:08d}"
+    return path.is_dir() and not checkpoint_problems(path)
+
+
 def _lose_a_node_then_rerun(run_dir: Path, cache: Path, start: Callable[..., list[Node]]) -> LostNode:
-    """2 nodes under FSDP: node 1 killed whole once step 3 is logged (a checkpoint of step 2 behind
-    it, or of step 4 when that step completes as the kill lands), node 0's end timed; then both nodes
-    started again, with the launcher's default timeout."""
+    """2 nodes under FSDP: node 1 killed whole once step 3 is logged and the checkpoint of step 2 is
+    whole (saves are asynchronous: in a fresh clone's coverage run step 3 was logged while step 2's
+    save was still writing), node 0's end timed; then both nodes started again, with the launcher's
+    default timeout. A checkpoint of step 4 may be whole too, when that step completes as the kill
+    lands."""
     extra = (*FSDP4, "trainer.checkpoint_every=2")
     # store_first (the default): node 0 hosts the rendezvous store, so losing node 1 is a join timeout.
     nodes = start(2, 2, run_dir, cache, *extra, env={"RDZV_JOIN_TIMEOUT": str(JOIN_TIMEOUT_S)})
     deadline = time.monotonic() + RUN_TIMEOUT_S
-    while max(_losses_by_step(run_dir), default=0) < 3:
+    while max(_losses_by_step(run_dir), default=0) < 3 or not _whole_checkpoint(run_dir, 2):
         assert nodes[1].process.poll() is None and time.monotonic() < deadline, nodes[0].tail() + nodes[1].tail()
         time.sleep(0.01)
     kill_node(nodes[1])
