@@ -216,13 +216,7 @@ def matvec_operator(
 
 
 @matvec_operator.register_fake
-def _(
-    weight: torch.Tensor,
-    x: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    codes: Optional[torch.Tensor] = None,
-    scales: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
+def _(weight: torch.Tensor, x: torch.Tensor, *rest: object) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
