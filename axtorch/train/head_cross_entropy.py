@@ -6,6 +6,12 @@ gradients with respect to the hidden states and the head are computed at once, a
 logits are dropped: memory holds one chunk's logits, never all of them, and no matmul is
 recomputed in the backward pass (which only scales the stored gradients).
 
+A chunk is a few positions of every row, not a run of one row's tokens: where the rows are split
+over devices (the xla backend's one SPMD program), every device then works on every chunk. A chunk
+of consecutive flattened tokens would lie on one device's rows, and the compiler would move it: a
+Llama 3 8B step on 64 TPU v5p devices compiled to 4.5 GiB of HBM a chip in 225 s (14.6 GB of the
+host's memory) that way, against 2.3 GiB in 35 s (3.7 GB) either way without chunks.
+
 A head split over its vocabulary by tensor parallelism stays split: each process projects onto
 its own rows, the softmax's maximum and sum are reduced over the processes (with the target's
 logit, which one of them holds), and each keeps the gradient of its own rows only
@@ -26,10 +32,10 @@ class _HeadCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx: Any,
-        hidden: torch.Tensor,  # [N, D]
+        hidden: torch.Tensor,  # [B, T, D]
         weight: torch.Tensor,  # [V, D]
         bias: Optional[torch.Tensor],  # [V]
-        labels: torch.Tensor,  # [N]
+        labels: torch.Tensor,  # [B, T]
         ignore_index: int,
         z_loss_weight: float,
         normalizer: torch.Tensor,  # scalar: the losses are sums divided by it
@@ -48,9 +54,11 @@ class _HeadCrossEntropy(torch.autograd.Function):
         # In-place accumulation needs one dtype; under autocast the chunk's matmuls run in lower precision.
         accumulate_in_place = hidden.dtype == torch.float32 and not torch.is_autocast_enabled(hidden.device.type)
         scale = 1.0 / normalizer.float()
-        for start in range(0, hidden.shape[0], chunk_size):
-            rows = hidden[start : start + chunk_size]
-            targets = labels[start : start + chunk_size]
+        num_rows, positions, dim = hidden.shape
+        step = max(1, chunk_size // num_rows)  # positions a chunk takes of every row
+        for start in range(0, positions, step):
+            rows = hidden[:, start : start + step].reshape(-1, dim)
+            targets = labels[:, start : start + step].reshape(-1)
             logits = torch.nn.functional.linear(rows, weight, bias).float()
             valid = targets != ignore_index
             local_targets = targets if shard is None else targets - shard.offset
@@ -79,7 +87,7 @@ class _HeadCrossEntropy(torch.autograd.Function):
             probs.scatter_add_(1, safe_targets.unsqueeze(1), -here.to(probs.dtype).unsqueeze(1))
             grad_logits = probs.mul_((valid * scale).unsqueeze(1)).to(rows.dtype)
             if grad_hidden is not None:
-                grad_hidden[start : start + chunk_size] = grad_logits @ weight.to(rows.dtype)
+                grad_hidden[:, start : start + step] = (grad_logits @ weight.to(rows.dtype)).view(num_rows, -1, dim)
             if grad_weight is not None and accumulate_in_place:
                 grad_weight.addmm_(grad_logits.t(), rows)
             elif grad_weight is not None:
@@ -124,7 +132,9 @@ def head_cross_entropy(
 
     Each is a sum over the valid tokens divided by ``normalizer``.
 
-    ``hidden`` is ``[N, D]`` and ``labels`` ``[N]``. Only ``loss`` is differentiable, and only
+    ``hidden`` is ``[..., T, D]`` (rows of ``T`` positions) and ``labels`` ``[..., T]``; a chunk of
+    ``chunk_size`` tokens takes ``chunk_size // rows`` positions of every row (``[N, D]`` is one
+    row of ``N`` tokens). Only ``loss`` is differentiable, and only
     the inputs that require a gradient get one (a frozen head's is never computed). A head split
     over its vocabulary rows (tensor parallelism) stays split; one sharded any other way (a
     DTensor) is gathered whole here, and its gradient returns through the gather, sharded again.
@@ -142,6 +152,17 @@ def head_cross_entropy(
         grad_enabled and weight.requires_grad,
         grad_enabled and bias is not None and bias.requires_grad,
     )
-    return _HeadCrossEntropy.apply(
-        hidden, weight, bias, labels, ignore_index, z_loss_weight, normalizer, chunk_size, wanted, shard
+    rows = hidden.reshape(-1, *hidden.shape[-2:]) if hidden.dim() > 2 else hidden.unsqueeze(0)
+    loss, cross_entropy, z_loss = _HeadCrossEntropy.apply(
+        rows,
+        weight,
+        bias,
+        labels.reshape(rows.shape[:2]),
+        ignore_index,
+        z_loss_weight,
+        normalizer,
+        chunk_size,
+        wanted,
+        shard,
     )
+    return loss, cross_entropy, z_loss

@@ -76,7 +76,6 @@ class CrossEntropyLoss(nn.Module):
         """
         if self.config.chunk_size is None:
             return None
-        labels = labels.flatten()
         normalizer = num_target_tokens if num_target_tokens is not None else (labels != self.config.ignore_index).sum()
         return functools.partial(
             self._fused,
@@ -95,7 +94,7 @@ class CrossEntropyLoss(nn.Module):
     ) -> tuple[torch.Tensor, ...]:
         assert self.config.chunk_size is not None
         return head_cross_entropy(
-            hidden_states.flatten(0, -2),
+            hidden_states,
             weight,
             bias,
             labels,
