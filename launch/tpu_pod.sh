@@ -25,6 +25,10 @@
 #   PROJECT       the Google Cloud project (default: gcloud's configured project)
 #   AXTORCH_DIR   the checkout on every host (default: ~/axtorch)
 #   PYTHON        the interpreter on the hosts (default: python3)
+#   CHECK_ON      a TPU hardware id (tpu-v5p-128): first compile the step here, on this machine,
+#                 for that slice with the TPU compiler (axtorch-train dry_run=true ... hardware=...,
+#                 the "tpu" extra installed here), and start nothing on the pod unless it fits
+#   LOCAL_PYTHON  the interpreter here for that check (default: python3)
 #
 # Every host needs the same checkout at AXTORCH_DIR with axtorch installed with the xla extra
 # (pip install -e ".[xla]") and libtpu (torch_xla's "tpu" extra), e.g. once with
@@ -47,6 +51,14 @@ if (( $# > 0 )); then
   overrides=$(printf ' %q' "$@")
 fi
 remote="cd $AXTORCH_DIR && PJRT_DEVICE=TPU $PYTHON -m axtorch.train backend=xla$overrides"
+
+if [[ -n "${CHECK_ON:-}" ]]; then
+  echo "before the pod: the step compiled for $CHECK_ON by the TPU compiler, here"
+  if ! "${LOCAL_PYTHON:-python3}" -m axtorch.train dry_run=true backend=xla "hardware=$CHECK_ON" "$@"; then
+    echo "tpu_pod.sh: the dry run for $CHECK_ON failed (exit 4: the step does not fit a chip); nothing started" >&2
+    exit 1
+  fi
+fi
 
 echo "on every host of $TPU_NAME: $remote"
 exec gcloud compute tpus tpu-vm ssh "$TPU_NAME" --zone "$ZONE" ${project[@]+"${project[@]}"} \

@@ -20,6 +20,7 @@ Trainium, from the AWS Neuron documentation (awsdocs-neuron.readthedocs-hosted.c
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Optional
@@ -67,6 +68,12 @@ class Chip:
     cores_variable: Optional[str] = None
     #: What the vendor calls a core.
     core_name: str = "core"
+    #: A TPU generation's name in the TPU compiler's topologies (``v5p`` in ``v5p:4x4x4``); None elsewhere.
+    topology_generation: Optional[str] = None
+    #: The slice shapes the compiler is asked for, smallest first (2-D tori for v5e/v6e, 3-D for v4/v5p).
+    slice_shapes: tuple[tuple[int, ...], ...] = ()
+    #: HBM bandwidth per chip, GB/s: what prices the compiler's bytes accessed (TPUs; None elsewhere).
+    hbm_gbs: Optional[float] = None
 
     def peak_flops(self, dtype: torch.dtype) -> float:
         """The chip's peak FLOP/s for matmuls in ``dtype`` (fp8 falls back to bf16 where it has none)."""
@@ -140,10 +147,31 @@ def _gpu(
     )
 
 
-def _tpu(name: str, runtime_name: str, id_name: str, tflops: float, memory_gib: float, ici: float, cores: int) -> Chip:
+#: Google's slice shapes (chips along each torus axis): v5e and v6e are 2-D, v4 and v5p 3-D.
+_SLICES_2D = ((2, 2), (2, 4), (4, 4), (4, 8), (8, 8), (8, 16), (16, 16))
+_SLICES_3D = (
+    (2, 2, 1), (2, 2, 2), (2, 2, 4), (2, 4, 4), (4, 4, 4), (4, 4, 8), (4, 8, 8), (8, 8, 8), (8, 8, 16), (8, 16, 16),
+)  # fmt: skip
+
+
+def _tpu(
+    name: str,
+    runtime_name: str,
+    id_name: str,
+    tflops: float,
+    memory_gib: float,
+    ici: float,
+    cores: int,
+    generation: str,
+    hbm: float,
+) -> Chip:
     """A TPU chip: one device (a v4/v5p megacore is both TensorCores), fp32 at the bf16 rate, a slice all ICI."""
     flops = tflops * TERA
-    return Chip(name, runtime_name, id_name, flops, flops, None, memory_gib, None, ici, 25, "xla", cores, (cores,))
+    shapes = _SLICES_3D if cores == 2 else _SLICES_2D
+    return Chip(
+        name, runtime_name, id_name, flops, flops, None, memory_gib, None, ici, 25, "xla", cores, (cores,),
+        topology_generation=generation, slice_shapes=shapes, hbm_gbs=hbm,
+    )  # fmt: skip
 
 
 #: First match wins, so more specific names come first.
@@ -155,10 +183,13 @@ CHIPS: tuple[Chip, ...] = (
     _gpu("NVIDIA H100 SXM", r"\bH100\b", "H100", (66.9, 989.4, 1978.9), 80, nvlink=450, network=50),
     _gpu("NVIDIA A100", r"\bA100\b", "A100", (19.5, 312, None), 80, nvlink=300, network=25),
     _gpu("AMD Instinct MI300X", r"\bMI300X\b", "MI300X", (163.4, 1307.4, 2614.9), 192, nvlink=448, network=50),
-    _tpu("TPU v6e", r"\bTPU v6 ?(lite|e)\b|\bv6e\b", "v6e", 918, 32, ici=448, cores=1),
-    _tpu("TPU v5e", r"\bTPU v5 ?(lite|e)\b|\bv5(litepod|e)\b", "v5e|v5litepod", 197, 16, ici=200, cores=1),
-    _tpu("TPU v5p", r"\bTPU v5p?$|\bTPU v5p\b|\bv5p\b", "v5p", 459, 95, ici=600, cores=2),
-    _tpu("TPU v4", r"\bTPU v4\b|\bv4\b", "v4", 275, 32, ici=300, cores=2),
+    _tpu("TPU v6e", r"\bTPU v6 ?(lite|e)\b|\bv6e\b", "v6e", 918, 32, ici=448, cores=1, generation="v6e", hbm=1640),
+    _tpu(
+        "TPU v5e", r"\bTPU v5 ?(lite|e)\b|\bv5(litepod|e)\b", "v5e|v5litepod", 197, 16,
+        ici=200, cores=1, generation="v5e", hbm=819,
+    ),
+    _tpu("TPU v5p", r"\bTPU v5p?$|\bTPU v5p\b|\bv5p\b", "v5p", 459, 95, ici=600, cores=2, generation="v5p", hbm=2765),
+    _tpu("TPU v4", r"\bTPU v4\b|\bv4\b", "v4", 275, 32, ici=300, cores=2, generation="v4", hbm=1200),
     Chip(
         "AWS Trainium2", r"\btrn2u?\b|\bTrainium ?2\b", "trn2u?", 181 * TERA, 667 * TERA, 1299 * TERA, 96,
         fast_domain=16, fast_gbs=640, network_gbs=25, backend="xla",
@@ -188,3 +219,50 @@ def device_of_hardware_id(hardware_id: str) -> Optional[Device]:
         return None
     lnc = re.search(r"-lnc(\d+)-", f"-{hardware_id}-")
     return chip.device(int(lnc.group(1)) if lnc else None, key=f"hardware={hardware_id!r}: lnc")
+
+
+@dataclass(frozen=True)
+class TpuTopology:
+    """A TPU slice the TPU compiler can target from any host (``v5p:4x4x4``, Google's ``v5p-128``)."""
+
+    chip: Chip
+    #: Chips along each torus axis.
+    shape: tuple[int, ...]
+
+    @property
+    def name(self) -> str:
+        """The compiler's topology name: ``v5p:4x4x4``."""
+        return f"{self.chip.topology_generation}:{'x'.join(map(str, self.shape))}"
+
+    @property
+    def chips(self) -> int:
+        return math.prod(self.shape)
+
+
+def tpu_topology(hardware: str, key: str = "hardware") -> TpuTopology:
+    """The TPU slice ``hardware`` names: a compiler topology (``v5p:4x4x4``) or a TPU hardware id
+    (``tpu-v5p-128``, which counts TensorCores: 64 v5p chips), refused by name when it is neither."""
+    tpus = [chip for chip in CHIPS if chip.topology_generation]
+    examples = "; ".join(
+        f"{chip.topology_generation}:{'x'.join(map(str, chip.slice_shapes[0]))} .. "
+        f"{'x'.join(map(str, chip.slice_shapes[-1]))} or tpu-{chip.topology_generation}-N"
+        for chip in tpus
+    )
+    allowed = f"a TPU topology of the compiler's ({examples})"
+    if named := re.fullmatch(r"(\w+):(\d+(?:x\d+)+)", hardware):
+        chip = next((c for c in tpus if c.topology_generation == named.group(1)), None)
+        shape = tuple(int(n) for n in named.group(2).split("x"))
+        if chip is None or len(shape) != len(chip.slice_shapes[0]) or min(shape) < 1:
+            raise ConfigError(key, hardware, allowed, reason=f"no TPU generation {named.group(1)!r} of that shape")
+        return TpuTopology(chip, shape)
+    device = device_of_hardware_id(hardware)
+    counted = re.fullmatch(r"tpu-\w+-(\d+)", hardware)
+    if device is None or counted is None or not device.chip.topology_generation:
+        raise ConfigError(key, hardware, allowed)
+    chip = device.chip
+    chips = int(counted.group(1)) // chip.cores
+    slice_shape: Optional[tuple[int, ...]] = next((s for s in chip.slice_shapes if math.prod(s) == chips), None)
+    if slice_shape is None:
+        sizes = ", ".join(f"tpu-{chip.topology_generation}-{math.prod(s) * chip.cores}" for s in chip.slice_shapes)
+        raise ConfigError(key, hardware, sizes, reason=f"no {chip.name} slice of {chips} chips")
+    return TpuTopology(chip, slice_shape)

@@ -14,11 +14,14 @@ the installed torch (2.9.0 for torch_xla 2.9.0: the ``xla`` extra).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
 import os
 import re
+import types
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
@@ -38,10 +41,11 @@ from axtorch.parallel.optimizer_state import create_adamw_state
 from axtorch.parallel.sharding import PartitionSpec, ShardingConfig, resolve_activation_specs, resolve_parameter_specs
 from axtorch.parallel.side_channel import Coordinator, GlooSideChannel
 from axtorch.parallel.tensor_shards import Piece
-from axtorch.parallel.xla_hosts import xla_hosts
+from axtorch.parallel.xla_hosts import XlaHosts, xla_hosts
 
 try:
     import torch_xla
+    import torch_xla.core.xla_builder as xb
     import torch_xla.core.xla_model as xm
     import torch_xla.distributed.spmd as xs
     import torch_xla.runtime as xr
@@ -66,22 +70,38 @@ class XlaBackend:
     gradient_divisor = 1  # one global program: the loss is already the global mean
     runner: StepRunner = WholeModel()  # no stages: the config refuses mesh.pipe > 1 with backend=xla
 
-    def __init__(self, mesh: MeshConfig, sharding: ShardingConfig, execution: ExecutionConfig):
+    def __init__(
+        self,
+        mesh: MeshConfig,
+        sharding: ShardingConfig,
+        execution: ExecutionConfig,
+        traced_devices: Optional[int] = None,
+    ):
+        """``traced_devices``: a dry run's backend, which traces the step for that many devices and
+        runs nothing: every parameter, moment and batch a placeholder that holds no data (see
+        ``place_without_values``), on whatever devices this process's runtime has (one suffices)."""
         xr.use_spmd()
         self.device = torch_xla.device()
-        num_devices = xr.global_runtime_device_count()
+        _register_rng_module()
+        self.holds_values = traced_devices is None
+        num_devices = traced_devices or xr.global_runtime_device_count()
         self.sizes = mesh.resolve(num_devices, "mesh")
         self.sharding = sharding
         self.execution = execution
         axis_names = tuple(self.sizes)
         dcn = mesh.resolve_dcn(self.sizes)
-        if any(size > 1 for size in dcn.values()):
+        #: HLO sharding text of each placeholder a dry run traces, by torch_xla's tensor id.
+        self.placeholder_shardings: dict[int, str] = {}
+        if not self.holds_values:
+            self.mesh = _virtual_mesh(num_devices, tuple(self.sizes.values()), axis_names)
+        elif any(size > 1 for size in dcn.values()):
             # Multi-slice: each axis spans ICI within a slice times DCN across slices.
             ici = tuple(self.sizes[axis] // dcn[axis] for axis in axis_names)
             self.mesh = xs.HybridMesh(ici_mesh_shape=ici, dcn_mesh_shape=tuple(dcn.values()), axis_names=axis_names)
         else:
             self.mesh = xs.Mesh(np.arange(num_devices), tuple(self.sizes.values()), axis_names)
-        self.hosts = xla_hosts(lambda: (xr.process_index(), xr.process_count()))
+        one_host = XlaHosts(0, 1)  # a dry run's: it traces the whole program, as one host would compile it
+        self.hosts = xla_hosts(lambda: (xr.process_index(), xr.process_count())) if self.holds_values else one_host
         self.rank = self.hosts.index
         self.world_size = self.hosts.count
         self.num_devices = num_devices
@@ -110,7 +130,7 @@ class XlaBackend:
         for (module_name, io, field), spec in activation_specs.items():
             self._hook_activation(modules[module_name], io, field, _xla_spec(spec))
         if self.execution.layer_runner is LayerRunnerKind.scan:
-            runner = LayerScan()
+            runner = LayerScan(cut=self.run_traced)
             self.layer_scan = runner if fill_seams(model, LayerRunner, runner) else None
         return model
 
@@ -119,12 +139,20 @@ class XlaBackend:
         self._place(model, name, self._send_sharded(value, _xla_spec(self.parameter_specs[name])))
 
     def place_without_values(self, model: nn.Module) -> None:
-        """Every parameter a lazy tensor of its shape, annotated with its spec, that holds no values
-        until a program runs: the XLA dry run traces the step on them and never runs it."""
+        """Every parameter a placeholder of its shape, annotated with its spec: an argument of the
+        traced program that holds no data (a dry run traces the step on them and never runs it)."""
         for name, param in list(model.named_parameters()):
-            data = torch.empty(param.shape, dtype=param.dtype, device=self.device)
-            xs.mark_sharding(data, self.mesh, _xla_spec(self.parameter_specs[name]))
-            self._place(model, name, data)
+            self._place(model, name, self._placeholder(param.shape, param.dtype, self.parameter_specs[name]))
+
+    def _placeholder(self, shape: torch.Size, dtype: torch.dtype, spec: PartitionSpec | tuple) -> torch.Tensor:
+        """A tensor the traced program takes as an argument, split by ``spec``, with no buffer behind it."""
+        data = xb.create_placeholder_tensor(tuple(shape), dtype)
+        # A placeholder has no data to reshard: the annotation is the program's, as on an activation.
+        torch_xla._XLAC._xla_annotate_custom_sharding(data, self.mesh.get_op_sharding(_xla_spec(tuple(spec))))
+        self.placeholder_shardings[torch_xla._XLAC._xla_get_tensor_id(data)] = torch_xla._XLAC._get_xla_sharding_spec(
+            data
+        )
+        return data
 
     def _place(self, model: nn.Module, name: str, data: torch.Tensor) -> None:
         module_name, _, param_name = name.rpartition(".")
@@ -172,7 +200,7 @@ class XlaBackend:
         self.annotate_optimizer_state(optimizer)
         # Zeros on the device now, not traced into the first update: its program is then the
         # same as every later step's, compiled once.
-        torch_xla.sync()
+        self.run_traced()
 
     def annotate_optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
         """AdamW's moments, made lazily and annotated with their parameters' specs."""
@@ -182,7 +210,10 @@ class XlaBackend:
                 specs_by_param[param] = self.parameter_specs[name]
         for param in create_adamw_state(optimizer):
             for key in MOMENTS:
-                xs.mark_sharding(optimizer.state[param][key], self.mesh, _xla_spec(specs_by_param[param]))
+                if self.holds_values:
+                    xs.mark_sharding(optimizer.state[param][key], self.mesh, _xla_spec(specs_by_param[param]))
+                else:  # arguments of the traced program, as in every step after the first
+                    optimizer.state[param][key] = self._placeholder(param.shape, param.dtype, specs_by_param[param])
 
     def step_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         if self.layer_scan is not None:
@@ -203,6 +234,11 @@ class XlaBackend:
         data_axes = tuple(axis for axis in ("data", "fsdp") if self.sizes[axis] > 1) or None
         seq_axis = "seq" if self.sizes["seq"] > 1 else None
         minibatch = self.world_size > 1 and not self.hosts.simulated
+        if not self.holds_values:
+            return {
+                key: self._placeholder(tensor.shape, tensor.dtype, (data_axes, seq_axis) + (None,) * (tensor.dim() - 2))
+                for key, tensor in batch.items()
+            }
         if self.hosts.simulated:
             batch = {key: torch.cat(self.all_gather_object(tensor)) for key, tensor in batch.items()}
         return {
@@ -219,7 +255,20 @@ class XlaBackend:
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm if max_norm is not None else math.inf)
 
     def run_traced(self) -> None:
-        torch_xla.sync()
+        """Compile and run what was traced; a dry run's backend (``traced_devices``) runs nothing."""
+        if self.holds_values:
+            torch_xla.sync()
+
+    def traced_program(self, results: list[torch.Tensor]) -> TracedProgram:
+        """The StableHLO of the pending graph with ``results`` as its outputs, and each of its
+        arguments' origin: the id of the placeholder it is (None: a scalar or constant the trace made)."""
+        ids, _ = torch_xla._XLAC._get_tensors_xla_device_data_node(results)
+        text = torch_xla._XLAC._get_stablehlo(results, torch_xla._XLAC._xla_get_default_device(), [], False)
+        return TracedProgram(text.decode(), [None if tensor_id < 0 else tensor_id for tensor_id in ids])
+
+    @staticmethod
+    def tensor_id(tensor: torch.Tensor) -> int:
+        return int(torch_xla._XLAC._xla_get_tensor_id(tensor))
 
     def barrier(self) -> None:
         if self.world_size > 1:
@@ -262,21 +311,53 @@ class XlaBackend:
             dist.destroy_process_group()
 
 
-def use_virtual_cpu_devices(devices: int) -> None:
-    """torch_xla's CPU client with ``devices`` virtual devices, set before its runtime starts (importing
-    torch_xla does not start it), or refused when this process's runtime already runs with others."""
-    if torch_xla._XLAC._xla_runtime_is_initialized():
-        have = xr.global_runtime_device_count()
-        if have != devices or xr.device_type() != "CPU":
-            raise ConfigError(
-                "devices",
-                devices,
-                f"{have}, the {xr.device_type()} devices this process's XLA runtime already has",
-                reason="an XLA dry run sets up virtual CPU devices before torch_xla starts: run it in a fresh process",
-            )
+def _register_rng_module() -> None:
+    """Give torch the ``torch.xla`` module that ``torch.utils.checkpoint`` looks up to save and restore
+    the device's RNG around a recomputed layer (``model/remat``): torch_xla 2.9 registers none, and
+    without one every remat policy but the scan's failed (``module 'torch' has no attribute 'xla'``)."""
+    if hasattr(torch, "xla"):  # registered once a process
         return
-    os.environ["PJRT_DEVICE"] = "CPU"
-    os.environ["CPU_NUM_DEVICES"] = str(devices)
+    module = types.ModuleType("torch.xla")
+    module._initialized = True  # type: ignore[attr-defined]
+    module.device = lambda device: contextlib.nullcontext()  # type: ignore[attr-defined]
+    # Under SPMD torch sees one XLA device, whatever index it names; its seed is the program's.
+    module.device_count = lambda: 1  # type: ignore[attr-defined]
+    module.get_rng_state = lambda device=None: xm.get_rng_state()  # type: ignore[attr-defined]
+    module.set_rng_state = lambda state, device=None: xm.set_rng_state(state)  # type: ignore[attr-defined]
+    torch._register_device_module("xla", module)
+
+
+@dataclass
+class TracedProgram:
+    """One traced SPMD program as torch_xla lowers it, and where each of its arguments comes from."""
+
+    stablehlo: str
+    #: Per argument: the tensor id of the placeholder it stands for; None for what the trace made
+    #: itself (a scalar such as the learning rate, a constant index).
+    argument_ids: list[Optional[int]]
+
+
+def start_tracing_runtime() -> None:
+    """Start torch_xla on one virtual CPU device unless its runtime already runs: a dry run's
+    backend (``traced_devices``) traces for any device count on a runtime of any size.
+
+    One device, not the mesh's: torch's autograd engine keeps a queue per device of a kind, indexed
+    by an 8-bit ``c10::DeviceIndex``, and fails an internal assert on 128 XLA devices or more.
+    """
+    if not torch_xla._XLAC._xla_runtime_is_initialized():
+        os.environ["PJRT_DEVICE"] = "CPU"
+        os.environ["CPU_NUM_DEVICES"] = "1"
+
+
+def _virtual_mesh(devices: int, shape: tuple[int, ...], axis_names: tuple[str, ...]) -> xs.Mesh:
+    """A mesh of ``devices`` device ids that the runtime need not hold: a dry run's annotations only.
+
+    ``xs.Mesh`` asserts that its ids are the runtime's own; every other use of the mesh (its
+    partition specs' HLO shardings) reads only the ids and the shape set here.
+    """
+    mesh = xs.Mesh.__new__(xs.Mesh)
+    mesh.device_ids, mesh.mesh_shape, mesh.axis_names = np.arange(devices), shape, axis_names
+    return mesh
 
 
 def program_split(tensor: torch.Tensor) -> Optional[tuple[int, ...]]:

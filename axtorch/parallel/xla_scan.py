@@ -82,7 +82,9 @@ class LayerScan:
     the step's micro-batches, they are the groups' gradients, stacked.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, cut: Callable[[], None] = torch_xla.sync) -> None:
+        """``cut``: what ends one update's program and runs it (the backend's ``run_traced``)."""
+        self.cut = cut
         self.stacks: list[dict[StackKey, torch.Tensor]] = []  # this step's training forwards
         self.slots: dict[nn.Parameter, Slot] = {}  # the scanned layers' parameters
         self._templates: dict[int, _ScanStep] = {}  # per decoder: the layer the scan traces
@@ -197,7 +199,7 @@ class LayerScan:
                         if param in self.slots:
                             param.grad = self._layer_gradient(self.slots[param])
                 optimizer.step()
-                torch_xla.sync()
+                self.cut()
         finally:
             for group, (params, names) in zip(groups, whole):
                 group["params"], group["names"] = params, names

@@ -1,20 +1,27 @@
-"""The dry run of the xla backend: the real step traced by torch_xla and never run, its shardings checked.
+"""The dry run of the xla backend: the real step traced by torch_xla and never run, its shardings
+checked, and for a TPU slice compiled by the TPU compiler.
 
 torch_xla records a step as a lazy graph and compiles and runs it only when a value is needed. The
-dry run builds the model with every parameter a lazy tensor of its shape (no values, so no
-memory), placed with the backend's own annotation (``XlaBackend.place_without_values``), makes
-AdamW's moments as the backend does, and traces the real training step (forward, loss, backward,
-clipping, AdamW) into the graph on virtual CPU devices as many as the mesh's, at the real layer
-count and shapes. It then reads back the sharding each parameter, each moment and each annotated
-activation carries in the traced program and holds it to what the rules ask. It never compiles
-the program: memory beyond the weights and optimizer state, the compiler's own choices for
-unannotated tensors (gradients, a scan's stacked weights) and the collectives are not seen.
+dry run builds the model with every parameter a placeholder of its shape (an argument of the
+program with no data behind it), annotated with the backend's own spec
+(``XlaBackend.place_without_values``), makes AdamW's moments and the batch alike, and traces the
+real training step (forward, loss, backward, clipping, AdamW) at the real layer count and shapes,
+for the mesh's devices on a runtime of one virtual CPU device (so 128 devices or more trace as 8
+do). It reads back the sharding each parameter, each moment and each annotated activation
+carries in the traced program and holds it to what the rules ask.
+
+Given a TPU topology it then hands the traced step, as one program, to the TPU compiler
+(``axtorch.parallel.tpu_compiler``): the state and the batch are sharded arguments, the updated
+state donated to the results. The trainer runs the same work as two programs (the gradients, whose
+loss and norm it reads, then the update); in both the gradients live whole before the update, since
+clipping needs their norm, so the one program's memory is the step's.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib.metadata
 import math
 import re
 from collections.abc import Mapping
@@ -25,13 +32,17 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
-from axtorch.parallel.chips import GIB
+from axtorch.config.errors import ConfigError
+from axtorch.layers.mixture_of_experts import routed_evenly
+from axtorch.parallel.chips import GIB, TpuTopology
+from axtorch.parallel.execution import LayerRunnerKind
 from axtorch.parallel.sharding import PartitionSpec, resolve_activation_specs
-from axtorch.parallel.xla import MOMENTS, program_split, use_virtual_cpu_devices  # needs torch_xla
+from axtorch.parallel.tpu_compiler import CompiledStep, compile_program, topology_devices
+from axtorch.parallel.xla import MOMENTS, XlaBackend, program_split, start_tracing_runtime  # needs torch_xla
 from axtorch.train.experiment import ExperimentConfig
 from axtorch.train.optimizer import build_optimizer
 from axtorch.train.step import TrainStep
-from axtorch.train.trainer import build_parallel_model, build_run_backend, rows_per_replica
+from axtorch.train.trainer import build_parallel_model, rows_per_replica
 
 #: A parameter no rule covers is replicated (``sharding.require_full_coverage=false``); above this
 #: many bytes that is a finding: every device would hold it whole without anyone having asked.
@@ -64,6 +75,8 @@ class XlaDryRunReport:
     #: (``execution.layer_runner=scan``) the compiler propagates shardings from the stacked weights
     #: and the carry instead; elsewhere, a rule for a module the step does not call.
     unplaced: list[str] = dataclasses.field(default_factory=list)
+    #: The step compiled by the TPU compiler for a topology (``hardware=v5p:4x4x4``); None: not compiled.
+    compiled: Optional[CompiledStep] = None
 
     @property
     def problems(self) -> list[TracedSharding]:
@@ -73,14 +86,38 @@ class XlaDryRunReport:
         return sum(tensor.device_bytes for tensor in self.tensors if tensor.kind == kind)
 
 
-def xla_dry_run(config: ExperimentConfig, mesh: dict[str, int]) -> XlaDryRunReport:
-    """Trace one training step of ``config`` on the xla backend over ``mesh``'s devices (virtual
-    CPU devices), without running it, and check the shardings it carries against the rules."""
-    use_virtual_cpu_devices(math.prod(mesh.values()))
+def xla_dry_run(
+    config: ExperimentConfig, mesh: dict[str, int], topology: Optional[TpuTopology] = None
+) -> XlaDryRunReport:
+    """Trace one training step of ``config`` on the xla backend over ``mesh``'s devices, without
+    running it, and check the shardings it carries against the rules; given a TPU ``topology``,
+    compile the traced step for it with the TPU compiler (``axtorch.parallel.tpu_compiler``).
 
+    The step is traced on placeholders (no data) on a one-device runtime, annotated for the mesh's
+    devices (``XlaBackend(traced_devices=...)``), so any device count traces in the same memory.
+    """
+    devices = math.prod(mesh.values())
+    if topology is not None and config.execution.layer_runner is LayerRunnerKind.scan:
+        raise ConfigError(
+            "execution.layer_runner",
+            "scan",
+            "unrolled with hardware=<a TPU topology>",
+            reason="libtpu 0.0.21's compiler aborts the process on torch_xla's scanned step (a failed check in "
+            "its windowing pass); the unrolled step compiles",
+        )
+    if topology is not None:  # before tracing: a mesh the slice cannot hold is refused at once
+        chips = len(topology_devices(topology))
+        if chips != devices:
+            raise ConfigError(
+                "mesh",
+                " x ".join(f"{axis}={size}" for axis, size in mesh.items() if size > 1) or "one device",
+                f"axes whose product is {chips}, the devices of {topology.name}",
+                reason=f"the mesh has {devices} devices",
+            )
+    start_tracing_runtime()
     traced = copy.copy(config)
     traced.mesh = config.mesh.with_sizes(mesh)
-    backend: Any = build_run_backend(traced)
+    backend = XlaBackend(traced.mesh, traced.sharding, traced.execution, traced_devices=devices)
     model = build_parallel_model(traced, backend, fill=False)
     backend.place_without_values(model)
     specs, sizes = backend.parameter_specs, backend.sizes
@@ -90,23 +127,50 @@ def xla_dry_run(config: ExperimentConfig, mesh: dict[str, int]) -> XlaDryRunRepo
     ]
     optimizer = build_optimizer(model, config.optim)
     backend.annotate_optimizer_state(optimizer)
+    state: list[torch.Tensor] = []  # what the step updates in place: trained parameters and their moments
     for name, param in model.named_parameters():
         for key in MOMENTS if param in optimizer.state else ():
             tensors.append(_checked("AdamW moment", f"{name}.{key}", optimizer.state[param][key], specs[name], sizes))
+            state.append(optimizer.state[param][key])
+        if param in optimizer.state:
+            state.append(param)
+    origins = [backend.tensor_id(tensor) for tensor in state]  # the placeholders they start as
     seen = _watch_activations(model, config, sizes)
     rows = rows_per_replica(config.trainer, backend.data_parallel_size)
     work = TrainStep(config, backend, model, config.loss.build(), optimizer, rows // config.trainer.grad_accum_steps)
     backend.runner.prepare(rows)
     tokens = torch.zeros(rows, config.data.seq_len, dtype=torch.long)
-    work.gradients({"input_ids": tokens, "labels": tokens.clone()})
-    work.update(config.optim.lr)  # traced into the graph, which is dropped unrun
+    with routed_evenly():  # a placeholder has no values for a router's counts to be read from
+        loss, grad_norm = work.gradients({"input_ids": tokens, "labels": tokens.clone()})
+    work.update(config.optim.lr)  # traced into the graph, which is never run
     unplaced = []
     for (module, io, field), (spec, calls) in seen.items():
         if not calls:
             unplaced.append(f"{module} {io}.{field}")
         for shape, ways, itemsize in calls[:1]:  # every call of a module annotates alike
             tensors.append(_activation(f"{module} {io}.{field}", shape, ways, itemsize, spec, sizes))
-    return XlaDryRunReport(math.prod(mesh.values()), mesh, tensors, unplaced)
+    report = XlaDryRunReport(devices, mesh, tensors, unplaced)
+    if topology is not None:
+        report.compiled = _compile(backend, topology, [*state, loss, grad_norm], origins)
+    return report
+
+
+def _compile(
+    backend: XlaBackend, topology: TpuTopology, results: list[torch.Tensor], origins: list[int]
+) -> CompiledStep:
+    """The traced step as one program for ``topology``: placeholders are sharded arguments, the
+    updated state (``results`` before the loss and norm, each from the placeholder in ``origins``)
+    sharded like them and donated to them, the loss and norm replicated."""
+    program = backend.traced_program(results)
+    arguments = {tensor_id: index for index, tensor_id in enumerate(program.argument_ids) if tensor_id is not None}
+    shardings = backend.placeholder_shardings
+    return compile_program(
+        program.stablehlo,
+        topology,
+        [shardings.get(tensor_id) for tensor_id in program.argument_ids],  # type: ignore[arg-type]
+        [shardings[origin] for origin in origins] + ["{replicated}"] * (len(results) - len(origins)),
+        {result: arguments[origin] for result, origin in enumerate(origins) if origin in arguments},
+    )
 
 
 def _ways(spec: PartitionSpec, sizes: Mapping[str, int]) -> tuple[int, ...]:
@@ -196,8 +260,8 @@ def format_xla_report(
     state = report.device_bytes("parameter") + report.device_bytes("AdamW moment")
     unit, scale = ("GiB", GIB) if state >= GIB else ("MiB", 2**20)
     lines = [
-        f"dry run (xla): {report.devices} virtual CPU devices (mesh {split}), one step traced by torch_xla "
-        "and never run; no weights held, no data read, no checkpoint written",
+        f"dry run (xla): one step traced by torch_xla for {report.devices} devices (mesh {split}) and never "
+        "run; no weights held, no data read, no checkpoint written",
         f"  parameters:     {len(kinds['parameter'])} in the program, "
         f"{report.device_bytes('parameter') / scale:.3f} {unit} a device as it splits them",
         f"  AdamW moments:  {len(kinds['AdamW moment'])}, "
@@ -231,15 +295,64 @@ def format_xla_report(
         lines.append(f"    {tensor.kind} {tensor.name} {list(tensor.shape)}: {tensor.problem}")
     if len(problems) > 20:
         lines.append(f"    ... and {len(problems) - 20} more")
-    lines.append(
-        "  not seen without compiling: activations' and temporaries' memory, the compiler's splits of "
-        "unannotated tensors (gradients, a scan's stacked weights), the collectives (docs/parallelism.md)"
-    )
-    if capacity_bytes is not None:
-        state = report.device_bytes("parameter") + report.device_bytes("AdamW moment")
+    if report.compiled is None:
+        lines.append(
+            "  not seen without compiling (hardware=<a TPU topology> compiles it): activations' and temporaries' "
+            "memory, the compiler's splits of unannotated tensors, the collectives (docs/parallelism.md)"
+        )
+    if report.compiled is not None:
+        lines += format_compiled(report.compiled, state, capacity_bytes)
+    elif capacity_bytes is not None:
         verdict = "fit" if state <= capacity_bytes else "do NOT fit"
         lines.append(
             f"the weights and AdamW state alone {verdict} {hardware or 'the device'}: {state / GIB:.2f} GiB "
             f"of {capacity_bytes / GIB:.2f} GiB a device (activations not counted)"
         )
     return "\n".join(lines)
+
+
+def format_compiled(compiled: CompiledStep, state_bytes: int, capacity_bytes: Optional[float]) -> list[str]:
+    """The TPU compiler's figures for the step, per chip, against the chip's memory."""
+
+    unit, scale = ("GiB", GIB) if compiled.hbm_bytes >= GIB else ("MiB", 2**20)
+
+    def gib(count: float) -> str:
+        return f"{count / scale:9.3f} {unit}"
+
+    lines = [
+        f"compiled by the TPU compiler (libtpu {_libtpu_version()}) for {compiled.topology}: {compiled.devices} "
+        f"{compiled.device_kind} devices, in {compiled.compile_seconds:.1f} s; per device:",
+        f"  arguments       {gib(compiled.argument_bytes)}  (parameters and AdamW moments as split, from their "
+        f"shapes: {state_bytes / scale:.3f} {unit}; the rest is the batch, scalars and TPU layout padding)",
+        f"  outputs         {gib(compiled.output_bytes)}  ({compiled.alias_bytes / scale:.3f} {unit} of them in the "
+        f"arguments' buffers: {len(compiled.aliased)} updated tensors donated)",
+        f"  temporaries     {gib(compiled.temporary_bytes)}",
+        f"  generated code  {gib(compiled.code_bytes)}",
+        f"  HBM the step needs {compiled.hbm_bytes / scale:.3f} {unit}"
+        + (
+            ""
+            if capacity_bytes is None
+            else f" of {capacity_bytes / GIB:.2f} GiB a device: "
+            + ("fits" if compiled.hbm_bytes <= capacity_bytes else "does NOT fit")
+        ),
+        f"  FLOPs {compiled.flops:.4g}, bytes accessed {compiled.bytes_accessed:.4g} (the compiler's cost analysis"
+        + (f"; it counts each of the {compiled.loops} loops' body once)" if compiled.loops else ")"),
+        "  collectives the partitioner inserted: "
+        + (
+            ", ".join(
+                f"{c.kind} x{c.count} ({c.bytes / GIB:.3f} GiB)"
+                for c in sorted(compiled.collectives.values(), key=lambda c: c.kind)
+            )
+            or "none"
+        )
+        + (" (in the program's text: a loop's run once per trip)" if compiled.loops else ""),
+        "  not checked by compiling: the step time, the network between hosts, the runtime (docs/parallelism.md)",
+    ]
+    return lines
+
+
+def _libtpu_version() -> str:
+    try:
+        return importlib.metadata.version("libtpu")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
