@@ -14,6 +14,7 @@ from typing import Optional
 
 from axtorch.config.errors import ConfigError
 from axtorch.data.config import DataConfig
+from axtorch.layers.remat import SelectiveRematConfig
 from axtorch.layers.transformer import TransformerLayerConfig
 from axtorch.models.causal_lm import CausalLMConfig
 from axtorch.parallel.backend_kind import BackendKind
@@ -113,6 +114,18 @@ class ExperimentConfig:
                 "scan",
                 "unrolled unless backend=xla",
                 reason=f"backend={self.backend.value} has no compiled loop over layers (torch_xla's scan)",
+            )
+        if (
+            self.backend is BackendKind.xla
+            and self.execution.layer_runner is LayerRunnerKind.unrolled
+            and isinstance(self.model.decoder.remat, SelectiveRematConfig)
+        ):
+            raise ConfigError(
+                "model/remat",
+                "selective",
+                "full or none with backend=xla (or execution.layer_runner=scan, whose remat is a min-cut)",
+                reason="torch's selective checkpointing finds torch_xla's aten.detach_copy in the backward but "
+                "not in what it saved, and stops",
             )
         if self.backend is BackendKind.single:
             self.mesh.resolve(1, "mesh")  # distributed backends check the mesh against their world size

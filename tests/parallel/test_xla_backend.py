@@ -39,11 +39,15 @@ def runs(tmp_path_factory, data_cache):
             STEPS,
             debug_overrides(root / "xla_fsdp4", cache, "mesh.fsdp=4", "sharding=fsdp"),
         ),
+        # With every layer recomputed in the backward (torch.utils.checkpoint, unrolled): the
+        # same losses, and torch's checkpoint finds the RNG module the backend registers for xla.
         "xla_fsdp2_tp2": _xla(
             4,
             root / "xla_fsdp2_tp2.json",
             STEPS,
-            debug_overrides(root / "xla_fsdp2_tp2", cache, "mesh.fsdp=2", "mesh.model=2", "sharding=fsdp_tp"),
+            debug_overrides(
+                root / "xla_fsdp2_tp2", cache, "mesh.fsdp=2", "mesh.model=2", "sharding=fsdp_tp", "model/remat=full"
+            ),
         ),
         # Context parallelism (rows over fsdp, each sequence over seq) with the layers scanned
         # over stacked weights and min-cut remat inside the scanned layer, over 2 accumulated
