@@ -23,6 +23,11 @@ best ``top=`` (5) printed, and the first as a mesh rule to save under ``mesh_rul
 
     axtorch-plan model=llama3_70b hardware=tpu-v5p-512 seq_len=8192 trainer.precision=bf16
     axtorch-plan model=llama3_8b hardware=trn2-64x4     # 4 trn2.48xlarge, a logical NeuronCore each
+    axtorch-plan model=llama3_1b hardware=tpu-v5p-16 compile=3   # the best 3 compiled by the TPU compiler
+
+With ``compile=N`` and a TPU ``hardware`` (in the ``tpu`` extra's environment) the best ``N`` are
+compiled for the slice and ranked again by the compiler's own figures
+(``axtorch.plan.compiled_ranking``); both rankings are printed.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from axtorch.cli.train import split_arguments
 from axtorch.config.errors import ConfigError
 from axtorch.plan import DeviceMemory, Planner, cluster_for, format_candidates, format_plan, load_plan_inputs, plan
 from axtorch.plan.check import check_plan, check_refusal, format_check, global_rows, runs_by_default
+from axtorch.plan.compiled_ranking import compile_candidates, format_compiled_ranking
 from axtorch.train.dry_run import DryRunReport
 from axtorch.train.experiment import ExperimentConfig
 
@@ -65,12 +71,20 @@ class PlanOptions:
     #: false, or null (default): when the model has at most 48 layers (under a minute; an 8B
     #: model's 32 take about 25 s on 2 CPU cores).
     check: Optional[bool] = None
+    #: With a TPU ``hardware``: compile the search's best this many with the TPU compiler (the ``tpu``
+    #: extra; each a few seconds for a small model, minutes for billions) and rank them by its HBM,
+    #: FLOPs and bytes beside the formula's ranking.
+    compile: int = 0
 
     def validate(self) -> None:
         for key in ("batch", "seq_len", "devices", "global_batch", "top"):
             value = getattr(self, key)
             if value is not None and value <= 0:
                 raise ConfigError(key, value, "a positive integer")
+        if self.compile < 0:
+            raise ConfigError("compile", self.compile, "a count of candidates to compile, 0 for none")
+        if self.compile and not (self.hardware or "").startswith("tpu-"):
+            raise ConfigError("compile", self.compile, "0 unless hardware= names a TPU slice (tpu-v5p-128)")
         if self.device_memory is not None and self.device_memory <= 0:
             raise ConfigError("device_memory", self.device_memory, "a positive size in GiB, e.g. 80GiB")
 
@@ -172,6 +186,9 @@ def search_report(overrides: Sequence[str], options: PlanOptions, config_dirs: S
     report = format_candidates(candidates, cluster, config.trainer.precision, options.top)
     if not candidates:
         return report
+    if options.compile:
+        compiled = compile_candidates(candidates[: options.compile], overrides, hardware, config_dirs)
+        report = f"{report}\n{format_compiled_ranking(compiled, hardware)}"
     best = candidates[0]
     with_best = [*overrides, *best.overrides()]
     best_config, _ = load_plan_inputs(with_best, cluster.devices, config_dirs)

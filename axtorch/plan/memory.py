@@ -126,12 +126,18 @@ def device_memory(
     pipeline: PipelineConfig,
     layer_costs: Sequence[int],
     microbatches: int = 1,
+    keeps_weights_gathered: bool = False,
 ) -> DeviceMemory:
     """What the busiest device holds: ``elements`` (``parameter_elements``) in fp32 state, and activations.
 
     ``batch`` is sequences per device in one micro-batch. Under ``mesh.pipe`` the first process
     holds the most micro-batches in flight (``pipeline.microbatches_in_flight``) of its layers'
     activations, the last its loss's whole logits (``STAGE_LOSS_BYTES``): the fuller of the two.
+
+    ``keeps_weights_gathered``: the xla backend's one SPMD program, where the TPU compiler gathers
+    each weight over ``fsdp`` once and keeps it whole until the backward has used it too, where
+    FSDP2 frees it after the forward and gathers it again (its buffer assignment holds 0.81 GiB
+    more a layer of Llama 3 8B at fsdp=64, one layer's fp32 weights; with or without remat).
     """
     pipe = mesh_sizes.get("pipe", 1)
     layers = model.decoder.num_layers
@@ -173,6 +179,8 @@ def device_memory(
     # at the first backward, the process's whole stage, over fsdp.
     fsdp = mesh_sizes.get("fsdp", 1)
     stage_gathered = elements * fsdp * precision.dtype.itemsize if pipe > 1 and fsdp > 1 else 0
+    if keeps_weights_gathered and fsdp > 1:  # every weight whole over fsdp, the embedding and head among them
+        gathered = max(gathered, elements * fsdp)
     return DeviceMemory(
         parameter_bytes=FP32_BYTES * elements,
         gradient_bytes=FP32_BYTES * elements,

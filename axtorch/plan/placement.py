@@ -108,6 +108,7 @@ def plan(
             pipeline,
             layer_costs,
             microbatches,
+            keeps_weights_gathered=config.backend is BackendKind.xla,
         ),
         batch_size=batch_size,
         seq_len=seq_len,

@@ -31,7 +31,7 @@ def format_plan(result: Plan) -> str:
         ("parameters (fp32)", memory.parameter_bytes),
         ("AdamW state (2x fp32)", memory.optimizer_bytes),
         (activations, memory.activation_bytes),
-        ("weights held gathered (embedding, head, local experts)", memory.gathered_bytes),
+        ("weights held gathered (embedding, head, local experts; every weight under xla)", memory.gathered_bytes),
         ("output head's gradient (fused loss)", memory.head_bytes),
         ("gradients (fp32): at the backward's end, for the three above", memory.gradient_bytes),
         (f"peak (at the backward's {'start' if at_start else 'end'})", memory.total_bytes),

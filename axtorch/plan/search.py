@@ -135,6 +135,8 @@ class Planner:
         for mesh in _meshes(self.cluster.devices, self.config, self.seq_len, stages):
             sharding = "fsdp_tp" if mesh["model"] > 1 else "fsdp_ep" if mesh["expert"] > 1 else "fsdp"
             for remat in RECOMPUTE:
+                if remat == "selective" and self.cluster.backend == "xla":  # refused there (ExperimentConfig)
+                    continue
                 candidate = self.score(mesh, sharding, remat)
                 if candidate is not None and candidate.memory_bytes <= self.headroom * self.cluster.memory_bytes:
                     found.append(candidate)
@@ -169,6 +171,7 @@ class Planner:
             pipeline,
             self.layer_costs,
             microbatches,
+            keeps_weights_gathered=self.cluster.device.chip.topology_generation is not None,  # measured on TPUs
         )
         bubble = pipeline.bubble(pipe, microbatches) if pipe > 1 else 0.0
         first_stage = len(stage_layers(self.layer_costs, pipe, pipeline)[0])

@@ -12,7 +12,9 @@ from axtorch.plan.placement import remat_name
 
 CASES = {
     "llama3_8b on 8 H100": (["model=llama3_8b"], "gpu-H100-8x1"),
-    "llama3_70b on 256 TPU v5p chips": (["model=llama3_70b"], "tpu-v5p-512"),
+    # A TPU step holds every weight gathered over fsdp (the TPU compiler's buffer assignment): at
+    # 8192 tokens a device, 70B fits no mesh of 256 v5p chips; 8B fits 64.
+    "llama3_8b on 64 TPU v5p chips": (["model=llama3_8b"], "tpu-v5p-128"),
     "llama3_405b on 2048 H100 in bf16": (["model=llama3_405b", "trainer.precision=bf16"], "gpu-H100-8x256"),
 }
 T = 1e12
@@ -33,7 +35,8 @@ def test_the_chosen_mesh_fits_the_memory_axtorch_plan_computes_for_it(case):
     assert others and all(other.mfu <= best.mfu for other in others)
     # axtorch-plan, run on the best candidate as a user would run it, agrees on the memory.
     mesh = [f"mesh.{axis}={size}" for axis, size in best.mesh.items()]
-    config, sizes = load_plan_inputs([*overrides, *mesh, f"sharding={best.sharding}", f"model/remat={best.remat}"])
+    chosen = [f"backend={best.backend}", *mesh, f"sharding={best.sharding}", f"model/remat={best.remat}"]
+    config, sizes = load_plan_inputs([*overrides, *chosen])
     assert sizes == best.mesh
     config.pipeline.microbatches = best.microbatches
     rows = cluster.devices // (best.mesh["data"] * best.mesh["fsdp"] * best.mesh["expert"])
