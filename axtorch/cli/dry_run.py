@@ -116,7 +116,7 @@ def _run_dry_xla(
     """The xla backend's dry run: its traced program's shardings against the rules (``xla_dry_run``),
     and, for a TPU slice, the step compiled for it by the TPU compiler."""
     try:
-        from axtorch.parallel.tpu_compiler import DoesNotFit
+        from axtorch.train.tpu_compiler import DoesNotFit
         from axtorch.train.xla_dry_run import format_xla_report, xla_dry_run
 
         report = xla_dry_run(config, mesh, topology)

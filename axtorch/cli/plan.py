@@ -187,7 +187,8 @@ def search_report(overrides: Sequence[str], options: PlanOptions, config_dirs: S
     if not candidates:
         return report
     if options.compile:
-        compiled = compile_candidates(candidates[: options.compile], overrides, hardware, config_dirs)
+        sized = [*overrides, f"data.seq_len={planner.seq_len}", f"trainer.batch_size={planner.global_batch}"]
+        compiled = compile_candidates(candidates[: options.compile], sized, hardware, config_dirs)
         report = f"{report}\n{format_compiled_ranking(compiled, hardware)}"
     best = candidates[0]
     with_best = [*overrides, *best.overrides()]

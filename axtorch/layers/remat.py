@@ -22,7 +22,7 @@ import functools
 from collections import Counter
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import torch
 from torch import nn
@@ -76,6 +76,10 @@ class activation_name:  # lower case: used as a function is, ``with activation_n
 class RematConfig:
     """Slot type for the per-layer remat policy; build with ``build()``."""
 
+    #: Whether it chooses what to keep with torch's selective-checkpoint policy contexts, which stop
+    #: under torch_xla (its functionalization's ``aten.detach_copy`` is not among what they saved).
+    uses_policy_contexts: ClassVar[bool] = False
+
     def validate(self, key: str, named: Collection[str]) -> None:
         """``named``: the activation names the model's layers declare (``activation_widths``)."""
 
@@ -91,6 +95,7 @@ class FullRematConfig(RematConfig):
 
 @dataclass
 class SelectiveRematConfig(RematConfig):
+    uses_policy_contexts: ClassVar[bool] = True
     #: Named activations to keep (names the model's layers declare); everything else is recomputed.
     #: The default suits every preset: dense feed-forwards and mixtures of experts both name
     #: their hidden activations ``feed_forward_hidden``.

@@ -19,7 +19,7 @@ import importlib
 import math
 import os
 import re
-import types
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -93,7 +93,7 @@ class XlaBackend:
         #: HLO sharding text of each placeholder a dry run traces, by torch_xla's tensor id.
         self.placeholder_shardings: dict[int, str] = {}
         if not self.holds_values:
-            self.mesh = _virtual_mesh(num_devices, tuple(self.sizes.values()), axis_names)
+            self.mesh = _TracedMesh(num_devices, tuple(self.sizes.values()), axis_names)
         elif any(size > 1 for size in dcn.values()):
             # Multi-slice: each axis spans ICI within a slice times DCN across slices.
             ici = tuple(self.sizes[axis] // dcn[axis] for axis in axis_names)
@@ -311,20 +311,34 @@ class XlaBackend:
             dist.destroy_process_group()
 
 
+class _XlaRandomState:
+    """What ``torch.utils.checkpoint`` looks up as ``torch.xla`` to save and restore the device's RNG
+    around a recomputed layer (``model/remat``): torch_xla 2.9 registers no such module, and without
+    one every remat policy but the scan's failed (``module 'torch' has no attribute 'xla'``). Under
+    SPMD torch sees one XLA device, whatever index it names; its seed is the program's."""
+
+    _initialized = True
+
+    @staticmethod
+    def device(device: Any) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def device_count() -> int:
+        return 1
+
+    @staticmethod
+    def get_rng_state(device: Any = None) -> int:
+        return xm.get_rng_state()
+
+    @staticmethod
+    def set_rng_state(state: int, device: Any = None) -> None:
+        xm.set_rng_state(state)
+
+
 def _register_rng_module() -> None:
-    """Give torch the ``torch.xla`` module that ``torch.utils.checkpoint`` looks up to save and restore
-    the device's RNG around a recomputed layer (``model/remat``): torch_xla 2.9 registers none, and
-    without one every remat policy but the scan's failed (``module 'torch' has no attribute 'xla'``)."""
-    if hasattr(torch, "xla"):  # registered once a process
-        return
-    module = types.ModuleType("torch.xla")
-    module._initialized = True  # type: ignore[attr-defined]
-    module.device = lambda device: contextlib.nullcontext()  # type: ignore[attr-defined]
-    # Under SPMD torch sees one XLA device, whatever index it names; its seed is the program's.
-    module.device_count = lambda: 1  # type: ignore[attr-defined]
-    module.get_rng_state = lambda device=None: xm.get_rng_state()  # type: ignore[attr-defined]
-    module.set_rng_state = lambda state, device=None: xm.set_rng_state(state)  # type: ignore[attr-defined]
-    torch._register_device_module("xla", module)
+    if "torch.xla" not in sys.modules:  # once a process
+        torch._register_device_module("xla", _XlaRandomState)
 
 
 @dataclass
@@ -349,15 +363,17 @@ def start_tracing_runtime() -> None:
         os.environ["CPU_NUM_DEVICES"] = "1"
 
 
-def _virtual_mesh(devices: int, shape: tuple[int, ...], axis_names: tuple[str, ...]) -> xs.Mesh:
+class _TracedMesh(xs.Mesh):
     """A mesh of ``devices`` device ids that the runtime need not hold: a dry run's annotations only.
 
-    ``xs.Mesh`` asserts that its ids are the runtime's own; every other use of the mesh (its
-    partition specs' HLO shardings) reads only the ids and the shape set here.
+    ``xs.Mesh`` asserts that its ids are the runtime's own; every other use of a mesh (its
+    partition specs' HLO shardings) reads only the ids, the shape and the axis names set here.
     """
-    mesh = xs.Mesh.__new__(xs.Mesh)
-    mesh.device_ids, mesh.mesh_shape, mesh.axis_names = np.arange(devices), shape, axis_names
-    return mesh
+
+    def __init__(self, devices: int, shape: tuple[int, ...], axis_names: tuple[str, ...]):  # no super(): its assert
+        self.device_ids = np.arange(devices)
+        self.mesh_shape = shape
+        self.axis_names = axis_names
 
 
 def program_split(tensor: torch.Tensor) -> Optional[tuple[int, ...]]:

@@ -88,7 +88,7 @@ def format_compiled_ranking(compiled: Sequence[CompiledCandidate], hardware: str
     lines = [
         f"the best {len(compiled)} compiled for {topology.name} by the TPU compiler, ranked by what it says "
         "(fits first, then its FLOPs at the chip's peak or its bytes at the HBM bandwidth, the longer):",
-        f"  rank  planner's  {'mesh, sharding, remat':<44}  HBM GiB  fits  step s  compile s",
+        f"  rank  planner's  {'mesh, sharding, remat':<44}  HBM GiB  fits     step s  compile s",
     ]
     for rank, (_, seconds, entry, capacity) in enumerate(ranked, 1):
         mesh = " ".join(f"{axis}={size}" for axis, size in entry.candidate.mesh.items() if size > 1) or "1 device"
@@ -98,19 +98,24 @@ def format_compiled_ranking(compiled: Sequence[CompiledCandidate], hardware: str
             lines.append(f"{start}  {entry.refusal}")
             continue
         fits = "yes" if entry.hbm_bytes <= capacity else "NO"
-        lines.append(f"{start}  {entry.hbm_bytes / GIB:7.3f}  {fits:>4}  {seconds:6.4f}  {entry.compile_seconds:9.1f}")
+        lines.append(f"{start}  {entry.hbm_bytes / GIB:7.3f}  {fits:>4}  {seconds:9.3g}  {entry.compile_seconds:9.1f}")
     return "\n".join(lines)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Compile one candidate (``HARDWARE [--config-dir DIR] OVERRIDE...``); print its figures as JSON."""
-    from axtorch.cli.train import split_arguments
     from axtorch.compose.registry import register_configs
-    from axtorch.parallel.tpu_compiler import DoesNotFit
     from axtorch.plan.inputs import load_plan_inputs
+    from axtorch.train.tpu_compiler import DoesNotFit
 
     hardware, *rest = sys.argv[1:] if argv is None else argv
-    overrides, config_dirs = split_arguments(rest)
+    overrides, config_dirs = [], []
+    arguments = iter(rest)
+    for argument in arguments:
+        if argument == "--config-dir":  # as compile_candidates passes them
+            config_dirs.append(next(arguments))
+        else:
+            overrides.append(argument)
     register_configs()
     try:
         from axtorch.train.xla_dry_run import xla_dry_run

@@ -14,7 +14,6 @@ from typing import Optional
 
 from axtorch.config.errors import ConfigError
 from axtorch.data.config import DataConfig
-from axtorch.layers.remat import SelectiveRematConfig
 from axtorch.layers.transformer import TransformerLayerConfig
 from axtorch.models.causal_lm import CausalLMConfig
 from axtorch.parallel.backend_kind import BackendKind
@@ -118,11 +117,12 @@ class ExperimentConfig:
         if (
             self.backend is BackendKind.xla
             and self.execution.layer_runner is LayerRunnerKind.unrolled
-            and isinstance(self.model.decoder.remat, SelectiveRematConfig)
+            and self.model.decoder.remat is not None
+            and self.model.decoder.remat.uses_policy_contexts
         ):
             raise ConfigError(
                 "model/remat",
-                "selective",
+                type(self.model.decoder.remat).__name__,
                 "full or none with backend=xla (or execution.layer_runner=scan, whose remat is a min-cut)",
                 reason="torch's selective checkpointing finds torch_xla's aten.detach_copy in the backward but "
                 "not in what it saved, and stops",

@@ -11,7 +11,7 @@ do). It reads back the sharding each parameter, each moment and each annotated a
 carries in the traced program and holds it to what the rules ask.
 
 Given a TPU topology it then hands the traced step, as one program, to the TPU compiler
-(``axtorch.parallel.tpu_compiler``): the state and the batch are sharded arguments, the updated
+(``axtorch.train.tpu_compiler``): the state and the batch are sharded arguments, the updated
 state donated to the results. The trainer runs the same work as two programs (the gradients, whose
 loss and norm it reads, then the update); in both the gradients live whole before the update, since
 clipping needs their norm, so the one program's memory is the step's.
@@ -37,11 +37,11 @@ from axtorch.layers.mixture_of_experts import routed_evenly
 from axtorch.parallel.chips import GIB, TpuTopology
 from axtorch.parallel.execution import LayerRunnerKind
 from axtorch.parallel.sharding import PartitionSpec, resolve_activation_specs
-from axtorch.parallel.tpu_compiler import CompiledStep, compile_program, topology_devices
 from axtorch.parallel.xla import MOMENTS, XlaBackend, program_split, start_tracing_runtime  # needs torch_xla
 from axtorch.train.experiment import ExperimentConfig
 from axtorch.train.optimizer import build_optimizer
 from axtorch.train.step import TrainStep
+from axtorch.train.tpu_compiler import CompiledStep, compile_program, topology_devices
 from axtorch.train.trainer import build_parallel_model, rows_per_replica
 
 #: A parameter no rule covers is replicated (``sharding.require_full_coverage=false``); above this
@@ -91,7 +91,7 @@ def xla_dry_run(
 ) -> XlaDryRunReport:
     """Trace one training step of ``config`` on the xla backend over ``mesh``'s devices, without
     running it, and check the shardings it carries against the rules; given a TPU ``topology``,
-    compile the traced step for it with the TPU compiler (``axtorch.parallel.tpu_compiler``).
+    compile the traced step for it with the TPU compiler (``axtorch.train.tpu_compiler``).
 
     The step is traced on placeholders (no data) on a one-device runtime, annotated for the mesh's
     devices (``XlaBackend(traced_devices=...)``), so any device count traces in the same memory.

@@ -163,3 +163,8 @@ def test_an_unknown_cluster_is_a_config_error_naming_it(capsys):
         cluster_for("gpu-Z9-8x1")
     assert main(["model=llama3_8b", "hardware=gpu-Z9-8x1"]) == 2
     assert "gpu-Z9-8x1" in capsys.readouterr().err
+
+
+def test_compiling_candidates_needs_a_tpu_slice():
+    assert main(["model=llama_debug", "hardware=gpu-H100-8x1", "compile=2"]) == 2
+    assert main(["model=llama_debug", "hardware=tpu-v5p-8", "compile=-1"]) == 2

@@ -185,3 +185,28 @@ def test_the_tpu_launcher_compiles_the_step_first_and_starts_nothing_on_the_pod_
     pod = (tmp_path / "gcloud.args").read_text()
     assert "tpu-vm ssh my-v5p-8 --zone us-east5-a --worker=all" in pod
     assert "backend=xla experiment=debug mesh.fsdp=4 sharding=fsdp" in pod
+
+
+def test_the_plans_best_candidates_compiled_and_ranked_by_the_compiler():
+    """``axtorch-plan hardware=<TPU slice> compile=2``: the formula's two best, each compiled in a
+    process of its own, ranked again by what the compiler says, both rankings printed."""
+    command = [
+        str(XLA_PYTHON),
+        "-m",
+        "axtorch.plan",
+        "experiment=debug",
+        "hardware=tpu-v5p-8",
+        "compile=2",
+        "check=false",
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=_env(), cwd=ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    out = result.stdout
+    assert "| rank | mesh | sharding | remat |" in out  # the formula's ranking
+    assert "the best 2 compiled for v5p:2x2x1 by the TPU compiler, ranked by what it says" in out
+    rows = out.split("ranked by what it says")[1].strip().splitlines()[2:]
+    assert len(rows) == 2, out
+    for row in rows:
+        hbm, fits, seconds = row.split()[-4:-1]
+        assert float(hbm) > 0 and fits == "yes" and float(seconds) > 0, row
+    assert sorted(int(row.split()[1]) for row in rows) == [1, 2]  # the planner's ranks, both there

@@ -10,7 +10,8 @@ The program is handed over as torch_xla lowers it, plus what the backend's own e
 each argument's sharding (parameters, AdamW moments and the batch), each result's, and which
 results reuse (alias) the buffers of the arguments they update.
 
-This module imports JAX, never torch_xla: ``axtorch.parallel.xla`` traces, this compiles.
+This module imports JAX, never torch_xla: ``axtorch.parallel.xla`` traces, this compiles (for the
+dry run, ``axtorch.train.xla_dry_run``, and the planner's compiled ranking).
 """
 
 from __future__ import annotations
@@ -135,6 +136,7 @@ def compile_program(
     Raises ``DoesNotFit`` when the compiler runs out of a chip's memory.
     """
     _load_jax()
+    import jax
     from jax._src import compiler
     from jax._src.interpreters import mlir
     from jax._src.lib import xla_client
@@ -161,10 +163,11 @@ def compile_program(
         )
         bytecode = mlir.module_to_bytecode(module)
     count = len(devices)
+    # torch_xla writes GSPMD's mhlo.sharding: the compile uses GSPMD's partitioner, not JAX's default Shardy.
+    jax.config.update("jax_use_shardy_partitioner", False)
     options = compiler.get_compile_options(
         num_replicas=1, num_partitions=count, device_assignment=np.array([d.id for d in devices]).reshape(1, count)
     )
-    options.executable_build_options.use_shardy_partitioner = False  # torch_xla writes GSPMD's mhlo.sharding
     started = time.perf_counter()
     try:
         with _quiet_libtpu():
@@ -217,7 +220,7 @@ def collectives_of(hlo: str) -> dict[str, Collective]:
     computation named ``all-reduce-scatter``) counts as a reduce-scatter.
     """
     shapes: dict[str, str] = {}
-    found: dict[str, Collective] = {}
+    instances: dict[str, list[int]] = {}  # kind -> each instance's bytes
     computation = ""
     for line in hlo.splitlines():
         if line and not line.startswith(" ") and "{" in line:
@@ -234,10 +237,8 @@ def collectives_of(hlo: str) -> dict[str, Collective]:
             kind = "reduce-scatter"
         references = re.findall(r"%([\w.-]+)", operands)
         operand_bytes = max((_array_bytes(shapes.get(ref, "")) for ref in references), default=0)
-        entry = found.setdefault(kind, Collective(kind))
-        entry.count += 1
-        entry.bytes += max(operand_bytes, _array_bytes(shape))
-    return found
+        instances.setdefault(kind, []).append(max(operand_bytes, _array_bytes(shape)))
+    return {kind: Collective(kind, len(sizes), sum(sizes)) for kind, sizes in instances.items()}
 
 
 def aliases_of(hlo: str) -> list[tuple[int, int]]:
