@@ -103,7 +103,8 @@ class DoesNotFit(Exception):
 @contextlib.contextmanager
 def _quiet_libtpu() -> Iterator[None]:
     """libtpu's start-up warnings about a TPU VM's environment this host lacks, which do not apply
-    to a compile-only client, kept off the report (its C++ writes straight to file descriptor 2)."""
+    to a compile-only client, kept off the report (its C++ writes straight to file descriptor 2)
+    while the topology is made."""
     saved = os.dup(2)
     with open(os.devnull, "w") as devnull:
         os.dup2(devnull.fileno(), 2)
@@ -169,9 +170,8 @@ def compile_program(
         num_replicas=1, num_partitions=count, device_assignment=np.array([d.id for d in devices]).reshape(1, count)
     )
     started = time.perf_counter()
-    try:
-        with _quiet_libtpu():
-            executable = devices[0].client.compile(bytecode, xla_client.DeviceList(tuple(devices)), options)
+    try:  # libtpu's own words reach the terminal here: a failed check in the compiler aborts the process
+        executable = devices[0].client.compile(bytecode, xla_client.DeviceList(tuple(devices)), options)
     except Exception as error:
         message = str(error)
         if "RESOURCE_EXHAUSTED" in message or ("memory" in message.lower() and "hbm" in message.lower()):
@@ -180,7 +180,7 @@ def compile_program(
     seconds = time.perf_counter() - started
     memory = executable.get_compiled_memory_stats()
     cost = _cost_analysis(executable)
-    hlo = "\n".join(module.to_string() for module in executable.hlo_modules())
+    hlo = "\n".join(hlo_module.to_string() for hlo_module in executable.hlo_modules())
     return CompiledStep(
         topology=topology.name,
         devices=count,

@@ -208,17 +208,34 @@ def _activation(
 ) -> TracedSharding:
     asked = _ways(spec, sizes)
     split = traced if traced is not None else (1,) * len(shape)
-    uneven = [
-        f"dim {dim} of size {size} over {ways}" for dim, (size, ways) in enumerate(zip(shape, asked)) if size % ways
-    ]
+    uneven = [(dim, size, ways) for dim, (size, ways) in enumerate(zip(shape, asked)) if size % ways]
     problem = None
     if split != asked:
         problem = f"the rules ask it split {_as_ways(asked)}, the program splits it {_as_ways(split)}"
     elif uneven:
-        problem = f"it does not split evenly ({', '.join(uneven)}): the compiler pads every device's piece"
+        problem = (
+            f"it does not split evenly ({', '.join(f'dim {d} of size {n} over {w}' for d, n, w in uneven)}): "
+            f"the compiler pads every device's piece; {'; '.join(_evenly(d, n, w) for d, n, w in uneven)}"
+        )
     return TracedSharding(
         "activation", name, shape, asked, traced, math.prod(shape) * itemsize // math.prod(split), problem
     )
+
+
+def _evenly(dim: int, size: int, ways: int) -> str:
+    """The change that splits an activation's ``dim`` evenly: its rows are a micro-batch's, its
+    positions the sequence's (the layers' inputs and outputs, ``[rows, positions, ...]``)."""
+    even = -(-size // ways) * ways
+    if dim == 0:
+        return f"{even} rows a micro-batch would (trainer.batch_size = {even} x trainer.grad_accum_steps)"
+    if dim == 1:
+        return f"data.seq_len={even} would"
+    return f"a size of {even} would"
+
+
+def _any_layer(name: str) -> str:
+    """``decoder.layers.N.attention...`` for every layer's ``decoder.layers.7.attention...``."""
+    return re.sub(r"\.\d+(\.|\s|$)", r".N\1", name)
 
 
 def _as_ways(ways: tuple[int, ...]) -> str:
@@ -277,7 +294,7 @@ def format_xla_report(
     # Modules that differ only in their index (every layer's output) annotate alike: one line for them.
     alike: dict[tuple[str, tuple[int, ...], str], int] = {}
     for tensor in kinds["activation"]:
-        key = (re.sub(r"\.\d+(\.|\s)", r".N\1", tensor.name), tensor.shape, _as_ways(tensor.traced or (1,)))
+        key = (_any_layer(tensor.name), tensor.shape, _as_ways(tensor.traced or (1,)))
         alike[key] = alike.get(key, 0) + 1
     for (name, shape, ways), count in alike.items():
         lines.append(f"    {name} {list(shape)} split {ways}" + (f" ({count} modules)" if count > 1 else ""))
@@ -291,10 +308,16 @@ def format_xla_report(
         if not problems
         else f"  {len(problems)} tensor{'s' * (len(problems) != 1)} split otherwise than the rules ask:"
     )
-    for tensor in problems[:20]:
-        lines.append(f"    {tensor.kind} {tensor.name} {list(tensor.shape)}: {tensor.problem}")
-    if len(problems) > 20:
-        lines.append(f"    ... and {len(problems) - 20} more")
+    # One rule's problem repeats in every layer: one line for the modules that differ only in their index.
+    grouped: dict[tuple[str, str, tuple[int, ...], str], int] = {}
+    for tensor in problems:
+        problem_key = (tensor.kind, _any_layer(tensor.name), tensor.shape, str(tensor.problem))
+        grouped[problem_key] = grouped.get(problem_key, 0) + 1
+    for (kind, name, shape, problem), count in list(grouped.items())[:20]:
+        repeated = f" ({count} {'modules' if kind == 'activation' else 'tensors'})" if count > 1 else ""
+        lines.append(f"    {kind} {name} {list(shape)}{repeated}: {problem}")
+    if len(grouped) > 20:
+        lines.append(f"    ... and {len(grouped) - 20} more")
     if report.compiled is None:
         lines.append(
             "  not seen without compiling (hardware=<a TPU topology> compiles it): activations' and temporaries' "

@@ -69,8 +69,10 @@ def test_a_big_parameter_no_rule_covers_and_an_uneven_activation_split_fail_by_n
     assert result.returncode == ExitCode.MISSHARDED, result.stdout + result.stderr[-3000:]
     out = result.stdout
     assert "parameter embedding.weight [8192, 64]: no rule covers it, so every device holds it whole (2.0 MiB)" in out
-    uneven = "it does not split evenly (dim 1 of size 66 over 4)"
-    assert f"activation decoder.layers.0 output.hidden_states [8, 66, 64]: {uneven}" in out
+    uneven = "it does not split evenly (dim 1 of size 66 over 4): the compiler pads every device's piece"
+    # One line for both layers' outputs, naming the fix.
+    assert f"activation decoder.layers.N output.hidden_states [8, 66, 64] (2 modules): {uneven}; " in out
+    assert out.count("data.seq_len=68 would") == 1
     assert "decoder.layers.0.attention_norm" not in out  # small, uncovered, replicated: allowed
 
 
@@ -83,6 +85,14 @@ def test_a_pod_of_128_devices_or_more_traces_and_splits_as_its_rules_ask():
     assert "for 128 devices (mesh fsdp=16 model=8)" in result.stdout
     assert "every parameter, moment and annotated activation is split as the rules ask" in result.stdout
     assert "INTERNAL ASSERT" not in result.stderr
+    # A batch of 16 rows over fsdp=128's devices: one line for the rule's 64 activations, naming the fix.
+    rows = _dry_run("model=llama3_8b", "mesh.fsdp=128", "sharding=fsdp", "trainer.batch_size=16")
+    assert rows.returncode == ExitCode.MISSHARDED, rows.stdout + rows.stderr[-3000:]
+    uneven = [line for line in rows.stdout.splitlines() if "does not split evenly" in line]
+    assert len(uneven) == 2, rows.stdout  # layers' inputs and outputs
+    for line in uneven:
+        assert "(32 modules): it does not split evenly (dim 0 of size 16 over 128)" in line
+        assert "128 rows a micro-batch would (trainer.batch_size = 128 x trainer.grad_accum_steps)" in line
 
 
 SECOND_DRY_RUN = """
