@@ -30,7 +30,7 @@ from typing import Optional
 from axtorch.cli.key_values import parse_key_values, split_own_keys
 from axtorch.config.errors import ConfigError
 from axtorch.parallel.backend_kind import BackendKind
-from axtorch.parallel.chips import GIB, TpuTopology, tpu_topology
+from axtorch.parallel.chips import TpuTopology, tpu_topology
 from axtorch.plan import cluster_for, load_plan_inputs
 from axtorch.train.dry_run import dry_run, format_report
 from axtorch.train.exit_codes import ExitCode
@@ -133,13 +133,10 @@ def _run_dry_xla(
         if len(shown) < len(said):
             print(f"  ... ({len(said) - len(shown)} more lines of the compiler's: the next largest allocations)")
         return int(ExitCode.DOES_NOT_FIT)
-    if topology is not None:
-        capacity = topology.chip.memory_gib * GIB * topology.chips / report.compiled.devices  # type: ignore[union-attr]
+    needed: float = report.device_bytes("parameter") + report.device_bytes("AdamW moment")
+    if topology is not None and report.compiled is not None:
+        capacity, needed = topology.device_memory_bytes(report.compiled.devices), report.compiled.hbm_bytes
     print(format_xla_report(report, capacity, hardware))
     if report.problems:
         return int(ExitCode.MISSHARDED)
-    if report.compiled is not None:
-        needed: float = report.compiled.hbm_bytes
-    else:
-        needed = report.device_bytes("parameter") + report.device_bytes("AdamW moment")
     return int(ExitCode.DOES_NOT_FIT if capacity is not None and needed > capacity else ExitCode.FINISHED)

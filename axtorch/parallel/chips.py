@@ -238,6 +238,11 @@ class TpuTopology:
     def chips(self) -> int:
         return math.prod(self.shape)
 
+    def device_memory_bytes(self, devices: int) -> float:
+        """HBM of one of the compiler's ``devices`` of this slice (libtpu's compile-only v4 makes each
+        TensorCore a device: half a chip)."""
+        return self.chip.memory_gib * GIB * self.chips / devices
+
 
 def tpu_topology(hardware: str, key: str = "hardware") -> TpuTopology:
     """The TPU slice ``hardware`` names: a compiler topology (``v5p:4x4x4``) or a TPU hardware id

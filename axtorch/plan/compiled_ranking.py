@@ -80,8 +80,9 @@ def format_compiled_ranking(compiled: Sequence[CompiledCandidate], hardware: str
     chip = topology.chip
     ranked = []
     for entry in compiled:
-        per_chip = max(1, math.prod(entry.candidate.mesh.values()) // topology.chips)  # libtpu's v4: a device a core
-        capacity = chip.memory_gib * GIB / per_chip
+        devices = math.prod(entry.candidate.mesh.values())
+        per_chip = max(1, devices // topology.chips)  # libtpu's compile-only v4: a device a TensorCore
+        capacity = topology.device_memory_bytes(devices)
         ranked.append((not entry.fits(capacity), entry.roofline_seconds(chip, per_chip), entry, capacity))
     ranked.sort(key=lambda item: (item[0], item[1]))
     planner_rank = {id(entry): index for index, entry in enumerate(compiled, 1)}
@@ -97,7 +98,7 @@ def format_compiled_ranking(compiled: Sequence[CompiledCandidate], hardware: str
         if entry.hbm_bytes is None:
             lines.append(f"{start}  {entry.refusal}")
             continue
-        fits = "yes" if entry.hbm_bytes <= capacity else "NO"
+        fits = "yes" if entry.fits(capacity) else "NO"
         lines.append(f"{start}  {entry.hbm_bytes / GIB:7.3f}  {fits:>4}  {seconds:9.3g}  {entry.compile_seconds:9.1f}")
     return "\n".join(lines)
 

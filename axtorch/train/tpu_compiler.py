@@ -58,10 +58,10 @@ def _load_jax() -> Any:
 @dataclass
 class Collective:
     kind: str
-    count: int = 0
+    count: int
     #: Bytes of the larger of each instance's operand and result, summed (a gather's whole result,
     #: a reduce-scatter's whole input), per chip.
-    bytes: int = 0
+    bytes: int
 
 
 @dataclass
@@ -80,8 +80,6 @@ class CompiledStep:
     bytes_accessed: float
     collectives: dict[str, Collective]
     compile_seconds: float
-    #: Loops in the program (a layer scan's): the cost analysis counts a loop's body once.
-    loops: int
     #: Results the executable aliases to arguments, as (result, argument) indices.
     aliased: list[tuple[int, int]] = field(default_factory=list)
 
@@ -136,14 +134,13 @@ def compile_program(
     each result's; ``aliases``: result index -> the argument whose buffer it reuses (donation).
     Raises ``DoesNotFit`` when the compiler runs out of a chip's memory.
     """
-    _load_jax()
+    devices = topology_devices(topology)  # and with them JAX and libtpu, or the extra to install
     import jax
     from jax._src import compiler
     from jax._src.interpreters import mlir
     from jax._src.lib import xla_client
     from jax._src.lib.mlir import ir
 
-    devices = topology_devices(topology)
     with mlir.make_ir_context():
         module = ir.Module.parse(stablehlo)
         main = next(op for op in module.body.operations if ir.StringAttr(op.attributes["sym_name"]).value == "main")
@@ -194,7 +191,6 @@ def compile_program(
         bytes_accessed=float(cost.get("bytes accessed", 0.0)),
         collectives=collectives_of(hlo),
         compile_seconds=seconds,
-        loops=len(re.findall(r"= [^=]*? while\(", hlo)),
         aliased=aliases_of(hlo),
     )
 

@@ -167,7 +167,7 @@ def _compile(
     return compile_program(
         program.stablehlo,
         topology,
-        [shardings.get(tensor_id) for tensor_id in program.argument_ids],  # type: ignore[arg-type]
+        [None if tensor_id is None else shardings.get(tensor_id) for tensor_id in program.argument_ids],
         [shardings[origin] for origin in origins] + ["{replicated}"] * (len(results) - len(origins)),
         {result: arguments[origin] for result, origin in enumerate(origins) if origin in arguments},
     )
@@ -318,14 +318,14 @@ def format_xla_report(
         lines.append(f"    {kind} {name} {list(shape)}{repeated}: {problem}")
     if len(grouped) > 20:
         lines.append(f"    ... and {len(grouped) - 20} more")
-    if report.compiled is None:
-        lines.append(
-            "  not seen without compiling (hardware=<a TPU topology> compiles it): activations' and temporaries' "
-            "memory, the compiler's splits of unannotated tensors, the collectives (docs/parallelism.md)"
-        )
     if report.compiled is not None:
         lines += format_compiled(report.compiled, state, capacity_bytes)
-    elif capacity_bytes is not None:
+        return "\n".join(lines)
+    lines.append(
+        "  not seen without compiling (hardware=<a TPU topology> compiles it): activations' and temporaries' "
+        "memory, the compiler's splits of unannotated tensors, the collectives (docs/parallelism.md)"
+    )
+    if capacity_bytes is not None:
         verdict = "fit" if state <= capacity_bytes else "do NOT fit"
         lines.append(
             f"the weights and AdamW state alone {verdict} {hardware or 'the device'}: {state / GIB:.2f} GiB "
@@ -358,8 +358,7 @@ def format_compiled(compiled: CompiledStep, state_bytes: int, capacity_bytes: Op
             else f" of {capacity_bytes / GIB:.2f} GiB a device: "
             + ("fits" if compiled.hbm_bytes <= capacity_bytes else "does NOT fit")
         ),
-        f"  FLOPs {compiled.flops:.4g}, bytes accessed {compiled.bytes_accessed:.4g} (the compiler's cost analysis"
-        + (f"; it counts each of the {compiled.loops} loops' body once)" if compiled.loops else ")"),
+        f"  FLOPs {compiled.flops:.4g}, bytes accessed {compiled.bytes_accessed:.4g} (the compiler's cost analysis)",
         "  collectives the partitioner inserted: "
         + (
             ", ".join(
@@ -367,8 +366,7 @@ def format_compiled(compiled: CompiledStep, state_bytes: int, capacity_bytes: Op
                 for c in sorted(compiled.collectives.values(), key=lambda c: c.kind)
             )
             or "none"
-        )
-        + (" (in the program's text: a loop's run once per trip)" if compiled.loops else ""),
+        ),
         "  not checked by compiling: the step time, the network between hosts, the runtime (docs/parallelism.md)",
     ]
     return lines
