@@ -1,6 +1,6 @@
 """Three views of one step's memory per chip: the planner, the native dry run and the TPU compiler.
 
-    .venv-xla/bin/python benchmarks/tpu_compile.py [--rows 1b 8b gemma3 moe 8b_fsdp64 70b]
+    .venv-xla/bin/python benchmarks/tpu_compile.py [--rows 1b 8b gemma3 moe 8b_fsdp64 70b] [--compile-effort -1]
 
 For each row (a model, a TPU slice, its mesh and batch) it prints, per device:
 
@@ -49,7 +49,8 @@ ROWS = {
         ["model=llama3_8b", "mesh.fsdp=8", "mesh.model=8", "sharding=fsdp_tp", "trainer.batch_size=8"],
     ),
     # Unrolled over fsdp alone, 8B's compile needs more of the host's memory than this 24 GiB
-    # machine has (docs/parallelism.md, "The TPU compiler's view"): a row for a bigger host.
+    # machine has at the compiler's default effort, 20 GB at --compile-effort -1
+    # (docs/parallelism.md, "The TPU compiler's view").
     "8b_fsdp64": ("tpu-v5p-128", ["model=llama3_8b", "mesh.fsdp=64", "sharding=fsdp", "trainer.batch_size=64"]),
     "70b": (
         "tpu-v5p-512",
@@ -64,7 +65,7 @@ import json, sys
 from axtorch.compose.registry import register_configs
 from axtorch.plan import load_plan_inputs
 register_configs()
-view, hardware, overrides = sys.argv[1], sys.argv[2], sys.argv[3:]
+view, hardware, effort, overrides = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4:]
 if view == "planner":
     from axtorch.plan.placement import plan
     config, mesh = load_plan_inputs([*overrides, "backend=xla"])
@@ -78,17 +79,17 @@ else:
     from axtorch.parallel.chips import tpu_topology
     from axtorch.train.xla_dry_run import xla_dry_run
     config, mesh = load_plan_inputs([*overrides, "backend=xla"])
-    compiled = xla_dry_run(config, mesh, tpu_topology(hardware)).compiled
+    compiled = xla_dry_run(config, mesh, tpu_topology(hardware), effort).compiled
     print(json.dumps({"bytes": compiled.hbm_bytes, "temporary": compiled.temporary_bytes,
                       "arguments": compiled.argument_bytes, "seconds": compiled.compile_seconds}))
 """
 
 
-def measure(view: str, hardware: str, overrides: list[str]) -> tuple[dict, float]:
+def measure(view: str, hardware: str, effort: float, overrides: list[str]) -> tuple[dict, float]:
     env = {key: value for key, value in os.environ.items() if key not in ("PJRT_DEVICE", "CPU_NUM_DEVICES")}
     started = time.perf_counter()
     result = subprocess.run(
-        [sys.executable, "-c", VIEWS, view, hardware, *overrides],
+        [sys.executable, "-c", VIEWS, view, hardware, str(effort), *overrides],
         capture_output=True,
         text=True,
         env=env | {"TF_CPP_MIN_LOG_LEVEL": "2"},
@@ -99,10 +100,10 @@ def measure(view: str, hardware: str, overrides: list[str]) -> tuple[dict, float
     return json.loads(result.stdout.strip().splitlines()[-1]), took
 
 
-def row(name: str) -> str:
+def row(name: str, effort: float) -> str:
     """One row of the table: each view's bytes per device, their ratios to the compiler's, the seconds."""
     hardware, overrides = ROWS[name]
-    figures = {view: measure(view, hardware, overrides) for view in ("planner", "native", "compiler")}
+    figures = {view: measure(view, hardware, effort, overrides) for view in ("planner", "native", "compiler")}
     values = {view: figure.get("bytes") for view, (figure, _) in figures.items()}
     shown = {
         view: f"{figure['bytes'] / GIB:.2f}" if "bytes" in figure else figure["error"]
@@ -125,6 +126,9 @@ def row(name: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", nargs="+", choices=list(ROWS), default=DEFAULT_ROWS)
+    parser.add_argument(
+        "--compile-effort", type=float, default=0.0, help="the TPU compiler's optimization effort, -1 to 1 (0: a TPU's)"
+    )
     args = parser.parse_args()
     print(
         "| row | slice | overrides | planner GiB | native dry run GiB | TPU compiler GiB (temporaries) "
@@ -132,7 +136,7 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for name in args.rows:
-        print(row(name), flush=True)
+        print(row(name, args.compile_effort), flush=True)
 
 
 if __name__ == "__main__":

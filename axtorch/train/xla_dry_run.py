@@ -87,7 +87,10 @@ class XlaDryRunReport:
 
 
 def xla_dry_run(
-    config: ExperimentConfig, mesh: dict[str, int], topology: Optional[TpuTopology] = None
+    config: ExperimentConfig,
+    mesh: dict[str, int],
+    topology: Optional[TpuTopology] = None,
+    compile_effort: float = 0.0,
 ) -> XlaDryRunReport:
     """Trace one training step of ``config`` on the xla backend over ``mesh``'s devices, without
     running it, and check the shardings it carries against the rules; given a TPU ``topology``,
@@ -95,6 +98,7 @@ def xla_dry_run(
 
     The step is traced on placeholders (no data) on a one-device runtime, annotated for the mesh's
     devices (``XlaBackend(traced_devices=...)``), so any device count traces in the same memory.
+    ``compile_effort``: the TPU compiler's optimization effort (``compile_program``).
     """
     devices = math.prod(mesh.values())
     if topology is not None and config.execution.layer_runner is LayerRunnerKind.scan:
@@ -151,12 +155,12 @@ def xla_dry_run(
             tensors.append(_activation(f"{module} {io}.{field}", shape, ways, itemsize, spec, sizes))
     report = XlaDryRunReport(devices, mesh, tensors, unplaced)
     if topology is not None:
-        report.compiled = _compile(backend, topology, [*state, loss, grad_norm], origins)
+        report.compiled = _compile(backend, topology, [*state, loss, grad_norm], origins, compile_effort)
     return report
 
 
 def _compile(
-    backend: XlaBackend, topology: TpuTopology, results: list[torch.Tensor], origins: list[int]
+    backend: XlaBackend, topology: TpuTopology, results: list[torch.Tensor], origins: list[int], effort: float
 ) -> CompiledStep:
     """The traced step as one program for ``topology``: placeholders are sharded arguments, the
     updated state (``results`` before the loss and norm, each from the placeholder in ``origins``)
@@ -170,6 +174,7 @@ def _compile(
         [None if tensor_id is None else shardings.get(tensor_id) for tensor_id in program.argument_ids],
         [shardings[origin] for origin in origins] + ["{replicated}"] * (len(results) - len(origins)),
         {result: arguments[origin] for result, origin in enumerate(origins) if origin in arguments},
+        effort,
     )
 
 
@@ -344,7 +349,9 @@ def format_compiled(compiled: CompiledStep, state_bytes: int, capacity_bytes: Op
 
     lines = [
         f"compiled by the TPU compiler (libtpu {_libtpu_version()}) for {compiled.topology}: {compiled.devices} "
-        f"{compiled.device_kind} devices, in {compiled.compile_seconds:.1f} s; per device:",
+        f"{compiled.device_kind} devices, in {compiled.compile_seconds:.1f} s"
+        + (f" at optimization effort {compiled.effort:g} (0 is the TPU's own compile)" if compiled.effort else "")
+        + "; per device:",
         f"  arguments       {gib(compiled.argument_bytes)}  (parameters and AdamW moments as split, from their "
         f"shapes: {state_bytes / scale:.3f} {unit}; the rest is the batch, scalars and TPU layout padding)",
         f"  outputs         {gib(compiled.output_bytes)}  ({compiled.alias_bytes / scale:.3f} {unit} of them in the "

@@ -150,6 +150,25 @@ def test_the_command_exits_4_with_the_compilers_words_and_refuses_what_it_cannot
         assert "Traceback" not in refused.stderr
 
 
+def test_the_least_effort_compile_says_it_is_one_and_holds_the_same_state():
+    """``compile_effort=-1`` (how a small host compiles a deep unrolled step): the report says which
+    effort it compiled at, and what the arguments hold does not depend on it; out of range is refused."""
+    overrides = [SMALL[0], *SMALL[2:], "sharding=fsdp", f"hardware={TOPOLOGY}"]  # _dry_run adds the backend
+    least = _dry_run(*overrides, "compile_effort=-1")
+    assert least.returncode == ExitCode.FINISHED, least.stdout + least.stderr[-3000:]
+    assert f"for {TOPOLOGY}: 4 TPU v5 devices, in" in least.stdout
+    assert "at optimization effort -1 (0 is the TPU's own compile)" in least.stdout
+    default = _dry_run(*overrides)
+    assert "optimization effort" not in default.stdout
+    held = [
+        [line for line in run.stdout.splitlines() if line.strip().startswith("arguments")] for run in (least, default)
+    ]
+    assert held[0] == held[1] and len(held[0]) == 1
+    refused = _dry_run(*overrides, "compile_effort=2")
+    assert refused.returncode == ExitCode.CONFIG_ERROR
+    assert "invalid config compile_effort=2.0; allowed: a number from -1 (least) to 1 (most)" in refused.stderr
+
+
 def test_the_tpu_launcher_compiles_the_step_first_and_starts_nothing_on_the_pod_when_it_cannot(tmp_path):
     """``CHECK_ON=<slice> launch/tpu_pod.sh ...``: the dry run here, then the pod (a stand-in gcloud
     that records its arguments); a step refused by the check never reaches the pod."""
