@@ -293,20 +293,32 @@ class NativeBackend(HostFedBackend):
         return reduced // copies if not reduced.is_floating_point() else reduced / copies
 
     def clip_grad_norm(self, parameters: list[nn.Parameter], max_norm: Optional[float]) -> torch.Tensor:
-        """Global L2 norm over every shard of every gradient, then in-place clipping."""
+        """Global L2 norm over every shard of every gradient, by one all-reduce, then in-place clipping.
+
+        Each process sums the squares of the gradient shards it holds, each divided by how many
+        processes hold that same shard (its copies over the mesh dimensions it is not split on),
+        so one sum over all processes counts every element once, as torchtitan's clipping over
+        DTensors does: not one all-reduce per parameter.
+        """
         grads = [p.grad for p in parameters if p.grad is not None]
-        squares = torch.zeros((), dtype=torch.float64, device=self.device)
+        holders = self.world_size // self.sizes["pipe"]  # the processes of one stage: its parameters' holders
+        by_copies: dict[int, list[torch.Tensor]] = {}
         for grad in grads:
-            norm = torch.linalg.vector_norm(grad.float())
-            norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
-            squares += norm.double() ** 2
-        if self.sizes["pipe"] > 1:  # the stages hold different parameters
-            dist.all_reduce(squares, group=self.mesh["pipe"].get_group())
+            local, copies = _shard_and_copies(grad, holders)
+            by_copies.setdefault(copies, []).append(local)
+        squares = torch.zeros((), dtype=torch.float64, device=self.device)
+        for copies, shards in by_copies.items():
+            norms = torch._foreach_norm([shard.float() for shard in shards])
+            squares += torch.stack(norms).double().square().sum() / copies
+        dist.all_reduce(squares)
         total = squares.sqrt()
         if max_norm is not None and math.isfinite(max_norm):
             scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
+            by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
             for grad in grads:
-                grad.mul_(scale.to(grad.dtype))
+                by_dtype.setdefault(grad.dtype, []).append(grad.to_local() if isinstance(grad, DTensor) else grad)
+            for dtype, locals_ in by_dtype.items():
+                torch._foreach_mul_(locals_, scale.to(dtype))
         return total.float()
 
     def owned_pieces(self, tensor: torch.Tensor) -> list[Piece]:
@@ -381,3 +393,19 @@ def _distribute(
         return output.to_local()
 
     distribute_module(module, mesh, partition, prepare_input, prepare_output)
+
+
+def _shard_and_copies(grad: torch.Tensor, holders: int) -> tuple[torch.Tensor, int]:
+    """This process's shard of ``grad`` and how many of the stage's ``holders`` hold the same shard.
+
+    A DTensor split over some of its mesh's dimensions has ``holders`` / (their sizes' product)
+    copies of each shard; a plain tensor is whole on every holder. A partial sum (not expected of
+    a gradient after FSDP's reduce-scatter) is summed first, and is then whole everywhere.
+    """
+    if not isinstance(grad, DTensor):
+        return grad, holders
+    if any(placement.is_partial() for placement in grad.placements):
+        return grad.full_tensor(), holders
+    mesh = grad.device_mesh
+    shards = math.prod(mesh.size(dim) for dim, placement in enumerate(grad.placements) if placement.is_shard())
+    return grad.to_local(), holders // shards

@@ -25,8 +25,9 @@ def train_on_one_device(run_dir: Path, cache: Path, *extra: str) -> None:
     Trainer(load_experiment_config(debug_overrides(run_dir, cache, *extra))).fit(until_step=STEPS)
 
 
-def train_losses(run_dir: Path) -> list[float]:
-    return [m["train/loss"] for m in read_metrics(run_dir / "metrics.jsonl") if "train/loss" in m]
+def train_losses(run_dir: Path, key: str = "train/loss") -> list[float]:
+    """``key`` of every logged training step (the loss by default; ``train/grad_norm``, ...)."""
+    return [m[key] for m in read_metrics(run_dir / "metrics.jsonl") if key in m]
 
 
 def assert_weights_match_one_device(checkpoint: Path, reference: Path, label: str) -> None:

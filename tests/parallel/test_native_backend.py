@@ -88,11 +88,17 @@ def test_fsdp2_sees_the_tensors_of_sharded_modules_inputs_and_outputs():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["fsdp2_tp2", "tp2", "fsdp2_seq2", "hsdp", "pp2_fsdp2"])
-def test_losses_match_a_single_device(runs, name):
+def test_losses_and_gradient_norms_match_a_single_device(runs, name):
+    """The norms too: each mesh sums its shards' squares by one all-reduce (shards held by several
+    processes, as HSDP's replicas or tensor parallelism's whole norms are, counted once), where one
+    device's is torch's ``clip_grad_norm_``."""
     root, _ = runs
-    single, distributed = train_losses(root / "single"), train_losses(root / name)
-    assert len(single) == len(distributed) == STEPS
-    torch.testing.assert_close(torch.tensor(distributed), torch.tensor(single), rtol=1e-5, atol=1e-5)
+    for key in ("train/loss", "train/grad_norm"):
+        single, distributed = train_losses(root / "single", key), train_losses(root / name, key)
+        assert len(single) == len(distributed) == STEPS
+        torch.testing.assert_close(
+            torch.tensor(distributed), torch.tensor(single), rtol=1e-5, atol=1e-5, msg=lambda m, key=key: f"{key}: {m}"
+        )
 
 
 @pytest.mark.slow
