@@ -19,13 +19,14 @@ def create_adamw_state(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
         raise TypeError(f"only Adam and AdamW's state can be made ahead, not {type(optimizer).__name__}'s")
     created = []
     for group in optimizer.param_groups:
-        if group["capturable"] or group["fused"]:  # their step count lives on the device
-            raise ValueError("AdamW's state is made ahead for capturable=False, fused=False only")
         for param in group["params"]:
             if not param.requires_grad or param in optimizer.state:
                 continue
             state = optimizer.state[param]
-            state["step"] = torch.tensor(0.0, dtype=_scalar_dtype())
+            if group["capturable"] or group["fused"]:  # the step count lives on the device, in float32
+                state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
+            else:
+                state["step"] = torch.tensor(0.0, dtype=_scalar_dtype())
             state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
             if group["amsgrad"]:

@@ -281,8 +281,10 @@ def load_optimizer(path: Path, optimizer: torch.optim.Optimizer, whole_model: bo
                 entry = index[f"{name}/{key}"]
                 if entry["shape"]:  # moments: same layout as the parameter
                     state[key] = torch.zeros_like(param)
-                else:  # scalars such as the step count
-                    state[key] = torch.zeros((), dtype=getattr(torch, entry["dtype"]))
+                else:  # scalars such as the step count, which fused AdamW keeps on the parameter's device
+                    on_device = group.get("fused") or group.get("capturable")
+                    device = param.device if on_device else torch.device("cpu")
+                    state[key] = torch.zeros((), dtype=getattr(torch, entry["dtype"]), device=device)
                 load_into(state[key], path, entry, f"{name}/{key}")
             if state:
                 optimizer.state[param] = state

@@ -8,6 +8,7 @@ from typing import Optional
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from axtorch.config.errors import ConfigError
 from axtorch.train.schedule import ScheduleConfig
@@ -53,13 +54,36 @@ def parameter_groups(model: nn.Module, config: OptimConfig) -> list[dict]:
     ]
 
 
+#: Devices whose fused AdamW kernel (one kernel over every parameter) this project runs: on the
+#: CPU it steps 3 to 8 times faster than the foreach kernels, and it can drop a step by a flag on
+#: the device (``found_inf``) without the host reading anything first. torch_xla has none.
+FUSED_DEVICES = ("cpu", "cuda")
+
+
 def build_optimizer(model: nn.Module, config: OptimConfig) -> torch.optim.AdamW:
-    """AdamW over ``parameter_groups``; the lr is set by the trainer each step from the schedule."""
+    """AdamW over ``parameter_groups``, fused where the parameters' device has the kernel; the lr
+    is set by the trainer each step from the schedule."""
     beta1, beta2 = config.betas  # validate() checked that there are two
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    fused = device.type in FUSED_DEVICES
+    groups = parameter_groups(model, config)
     return torch.optim.AdamW(
-        parameter_groups(model, config),
+        _one_kind_per_group(groups) if fused else groups,
         lr=config.lr,
         betas=(beta1, beta2),
         eps=config.eps,
-        foreach=True,
+        foreach=None if fused else True,
+        fused=fused or None,
     )
+
+
+def _one_kind_per_group(groups: list[dict]) -> list[dict]:
+    """Each group split into its DTensors and its plain tensors: fused AdamW steps a group in one
+    call, which takes one kind (tensor parallelism without FSDP leaves the norms plain tensors)."""
+    split = []
+    for group in groups:
+        for distributed in (False, True):
+            kept = [(n, p) for n, p in zip(group["names"], group["params"]) if isinstance(p, DTensor) == distributed]
+            if kept:
+                split.append({**group, "names": [n for n, _ in kept], "params": [p for _, p in kept]})
+    return split

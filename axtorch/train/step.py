@@ -64,11 +64,23 @@ class TrainStep:
         grad_norm = self.backend.clip_grad_norm(list(self.model.parameters()), self.config.optim.grad_clip_norm)
         return self.backend.all_reduce_sum(total_loss), grad_norm
 
-    def update(self, lr: Optional[float]) -> None:
-        """Apply the optimizer at ``lr`` (None: skip this step's update), then drop the gradients."""
+    @property
+    def skips_on_device(self) -> bool:
+        """Whether the optimizer drops an update by a flag on the device (fused AdamW's ``found_inf``:
+        no parameter, moment or step count changes), so the host need not read the step first."""
+        return bool(self.optimizer.defaults.get("fused"))
+
+    def update(self, lr: Optional[float], skip: Optional[torch.Tensor] = None) -> None:
+        """Apply the optimizer at ``lr`` (None: skip this step's update), then drop the gradients.
+
+        ``skip``: a boolean on the device that drops the update there (``skips_on_device``).
+        """
         if lr is not None:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
+            if skip is not None:
+                # read by fused AdamW's step (as GradScaler sets it): no attribute torch declares
+                self.optimizer.found_inf = skip.float()  # type: ignore[attr-defined]
             self.backend.step_optimizer(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
 

@@ -23,8 +23,8 @@ def _layout(tensor: torch.Tensor) -> tuple:
 
 @pytest.mark.parametrize(
     "options",
-    [{}, {"amsgrad": True}, {"foreach": False}, {"weight_decay": 0.0}],
-    ids=["axtorch", "amsgrad", "for_loop", "no_decay"],
+    [{}, {"amsgrad": True}, {"fused": None, "foreach": True}, {"fused": None, "foreach": False}, {"weight_decay": 0.0}],
+    ids=["axtorch_fused", "amsgrad", "foreach", "for_loop", "no_decay"],
 )
 def test_the_state_is_the_one_adamws_first_step_makes_with_the_parameters_unchanged(options):
     made, stepped = _model(), _model()
@@ -59,5 +59,3 @@ def test_a_parameter_with_state_keeps_it_and_another_optimizer_is_refused():
     assert all(optimizer.state[param]["step"] == values["step"] for param, values in state.items())
     with pytest.raises(TypeError, match="not SGD's"):
         create_adamw_state(torch.optim.SGD(model.parameters(), lr=0.1))
-    with pytest.raises(ValueError, match="capturable=False, fused=False only"):
-        create_adamw_state(torch.optim.AdamW(model.parameters(), fused=True))
