@@ -60,6 +60,10 @@ class DequantizationScratch:
         self.buffers: dict[tuple[torch.device, torch.Size], torch.Tensor] = {}
 
     def dequantize(self, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """The weight, in the shared buffer; in a fresh tensor under torch.compile (``trainer.compile``),
+        whose graph may keep it for the backward, where the next linear would overwrite a shared one."""
+        if torch.compiler.is_compiling():
+            return dequantize_per_channel_int8(q, scale)
         key = (q.device, q.shape)
         if key not in self.buffers:
             self.buffers[key] = torch.empty(q.shape, device=q.device)

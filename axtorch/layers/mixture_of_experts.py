@@ -313,6 +313,16 @@ def run_local_experts(experts: GroupedExperts, rows: torch.Tensor, counts: Union
     return torch.cat([experts.expert(e, group) for e, group in enumerate(groups) if len(group)])
 
 
+@torch.compiler.disable
+def _compute_dropless(
+    compute: ExpertCompute, experts: GroupedExperts, rows: torch.Tensor, counts: torch.Tensor
+) -> torch.Tensor:
+    """``compute`` run eagerly under torch.compile (``trainer.compile``): each expert's rows are a
+    count the router chose, read on the host, so a compiled graph around them would recompile at
+    every new count. Outside, the layer's graph keeps its static shapes."""
+    return compute(experts, rows, counts)
+
+
 class MixtureOfExperts(nn.Module):
     """``sum_k weight_k * expert_k(x)`` over each token's routed experts, plus the shared experts if any."""
 
@@ -375,7 +385,7 @@ class MixtureOfExperts(nn.Module):
     def _dropless(self, tokens: torch.Tensor, routing: RouterOutput) -> torch.Tensor:
         order, counts = self._sorted_assignments(routing)
         token_of = order // self.top_k  # assignment i in token-major order belongs to token i // top_k
-        out = self.expert_compute(self.experts, tokens[token_of], counts)
+        out = _compute_dropless(self.expert_compute, self.experts, tokens[token_of], counts)
         out = out * routing.weights.reshape(-1)[order, None]
         return torch.zeros_like(tokens).index_add_(0, token_of, out)
 

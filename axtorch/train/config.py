@@ -44,6 +44,9 @@ class TrainerConfig:
     #: bytes; the sharded fp32 parameters stay the optimizer's) and reduces gradients in this
     #: dtype: fp32 (the default) or bf16, which halves the reduce-scatter's bytes at some precision.
     reduce_precision: Precision = Precision.fp32
+    #: torch.compile each decoder layer (``axtorch/train/compile.py``); null: on with CUDA devices
+    #: only. Not with ``backend=xla``, which compiles its whole step itself.
+    compile: Optional[bool] = None
     log_every: int = 10
     eval_every: int = 100
     eval_batches: int = 20

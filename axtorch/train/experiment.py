@@ -127,6 +127,13 @@ class ExperimentConfig:
                 reason="torch's selective checkpointing finds torch_xla's aten.detach_copy in the backward but "
                 "not in what it saved, and stops",
             )
+        if self.trainer.compile and self.backend is BackendKind.xla:
+            raise ConfigError(
+                "trainer.compile",
+                True,
+                "false or null with backend=xla",
+                reason="torch_xla traces and compiles the whole step itself; torch.compile is the native backends'",
+            )
         if self.backend is BackendKind.single:
             self.mesh.resolve(1, "mesh")  # distributed backends check the mesh against their world size
         if self.backend is BackendKind.xla and (hosts := expected_host_count()):

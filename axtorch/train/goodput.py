@@ -1,7 +1,8 @@
 """Goodput, as AXLearn reports it: where a run's wall time goes, across its restarts.
 
 Each process attempt attributes its time to ``startup`` (from building the trainer to the first
-step), ``compile`` (the first step's excess over the second: tracing, compilation, warm-up),
+step), ``compile`` (torch.compile's own seconds in any step, and the first step's excess over the
+second beyond them: tracing, an XLA compile, warm-up),
 ``productive`` steps, ``redone`` steps (those a restart repeats because they came after the
 checkpoint it resumed from), ``eval``, ``checkpoint`` (the training thread's share of saves) and
 ``lost`` (from the previous attempt's last record to this attempt's start: a crash, the restart).
@@ -78,14 +79,21 @@ class GoodputRecorder:
     def start_training(self) -> None:
         self.seconds["startup"] = time.time() - self.started - self.seconds["eval"]
 
-    def step_done(self, step: int, seconds: float) -> None:
-        """A step of ``seconds`` ended at ``step``; the first one's excess over the second is compile time."""
+    def step_done(self, step: int, seconds: float, compile_seconds: float = 0.0) -> None:
+        """A step of ``seconds`` ended at ``step``, ``compile_seconds`` of them in torch.compile.
+
+        Compile time is what torch.compile measured, in any step, and the first step's excess over
+        the second beyond it (tracing, an XLA compile, warm-up).
+        """
         self._steps_seen += 1
+        self.seconds["compile"] += compile_seconds
+        seconds -= compile_seconds
         if self._steps_seen == 1:
             self._first_step = seconds
         elif self._steps_seen == 2 and self._first_step is not None:
-            self.seconds["compile"] = max(0.0, self._first_step - seconds)
-            self._count(step - 1, self._first_step - self.seconds["compile"])
+            excess = max(0.0, self._first_step - seconds)
+            self.seconds["compile"] += excess
+            self._count(step - 1, self._first_step - excess)
         if self._steps_seen > 1:
             self._count(step, seconds)
         self.furthest_step = max(self.furthest_step, step)

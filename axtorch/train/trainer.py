@@ -42,6 +42,7 @@ from axtorch.parallel.single import SingleDeviceBackend
 from axtorch.train.adapters import BASE_DIGEST_KEY, base_digest, check_base, with_fresh_adapters
 from axtorch.train.checkpoint import Checkpointer, list_checkpoints, read_trainer_state
 from axtorch.train.checkpoint_manifest import CheckpointError
+from axtorch.train.compile import CompileWatch, compile_choice, compile_layers
 from axtorch.train.config import Precision, SaveErrorPolicy, TrainerConfig
 from axtorch.train.experiment import ExperimentConfig
 from axtorch.train.flops import layer_flops_per_token, mfu, model_flops_per_token
@@ -195,6 +196,10 @@ class Trainer:
         _check_vocabulary(config.model.vocab_size, self.data.tokenizer.vocab_size)
         self.model = build_parallel_model(config, self.backend, self.pretrained)
         self.pretrained = None  # free the imported copy
+        self.compiling = compile_choice(config, self.device)
+        if self.compiling.enabled:
+            compile_layers(self.model)
+        self.compiles = CompileWatch()
         self.optimizer = build_optimizer(self.model, config.optim)
         self.backend.prepare_optimizer(self.optimizer)
         micro_batch_size = self.local_batch_size // config.trainer.grad_accum_steps
@@ -321,15 +326,26 @@ class Trainer:
 
     def train_step(self, batch: Batch) -> dict[str, float]:
         """One optimizer step over ``batch`` (this replica's rows of the global batch), with gradient
-        accumulation (``TrainStep``), and the reads that decide whether its update applies."""
+        accumulation (``TrainStep``), and the reads that decide whether its update applies.
+
+        Where the optimizer can drop an update on the device (``TrainStep.skips_on_device``), the
+        step is decided there and its loss and norm are read once, after the update is queued: the
+        host never waits inside the step. Otherwise (torch_xla) they are read before the update.
+        """
         loss_sum, grad_norm = self.work.gradients(batch)
-        self.backend.run_traced()  # forward, backward and clipping as one program, before the reads below
-        loss_value = float(loss_sum)
-        norm_value = float(grad_norm)  # the global norm: every process takes the same decision below
         lr = learning_rate(self.config.optim.schedule, self.config.optim.lr, self.step, self.config.trainer.max_steps)
-        apply = self.numerics.check(self.step + 1, loss_value, norm_value)
-        self.work.update(lr if apply else None)
-        self.backend.run_traced()  # the update
+        if self.work.skips_on_device:
+            self.work.update(lr, skip=~(torch.isfinite(loss_sum) & torch.isfinite(grad_norm)))
+            loss_value, norm_value = torch.stack([loss_sum.float(), grad_norm.float()]).tolist()
+            # the same test as on the device; with nonfinite=stop it raises with the update already dropped
+            apply = self.numerics.check(self.step + 1, loss_value, norm_value)
+        else:
+            self.backend.run_traced()  # forward, backward and clipping as one program, before the reads below
+            loss_value = float(loss_sum)
+            norm_value = float(grad_norm)  # the global norm: every process takes the same decision below
+            apply = self.numerics.check(self.step + 1, loss_value, norm_value)
+            self.work.update(lr if apply else None)
+            self.backend.run_traced()  # the update
         self.step += 1
         metrics = {"train/loss": loss_value, "train/grad_norm": norm_value, "train/lr": lr}
         if not apply:
@@ -377,9 +393,12 @@ class Trainer:
         initial_eval = final_eval = None
         metrics_logger = MetricsLogger(self.run_dir, enable_tensorboard=trainer.tensorboard) if main else None
         watchdog = Watchdog(trainer.watchdog_seconds, trainer.watchdog_action, self.run_dir, self.backend.rank)
+        if main and self.compiling.enabled:
+            print(f"compile: {self.compiling.reason}; each decoder layer compiles at its first use")
         with (
             self.checkpointer.saves_finish_on_error(),
             watchdog,
+            self.compiles,
             metrics_logger or contextlib.nullcontext() as metrics,
         ):
             if self.step == 0:
@@ -394,7 +413,9 @@ class Trainer:
             while preempted_by is None and self.step < stop:
                 fetched = time.perf_counter()
                 set_aside = self._set_aside_seconds()
+                compiled_before = (self.compiles.graphs, self.compiles.seconds)
                 result, seconds = self._timed_train_step(next(self.train_batches), metrics)
+                compile_seconds = self._note_compiles(compiled_before, progress.write)
                 watchdog.step_done()
                 self._settle_saves(block=False)  # a background save that failed stops the run now
                 self._record_step(result, seconds, window, metrics, stop, progress)
@@ -406,7 +427,7 @@ class Trainer:
                     last_checkpoint = self.save_checkpoint() or last_checkpoint
                 # The step's wall time, logging included, less its evaluation and checkpoint.
                 set_aside = self._set_aside_seconds() - set_aside
-                self.goodput.step_done(self.step, time.perf_counter() - fetched - set_aside)
+                self.goodput.step_done(self.step, time.perf_counter() - fetched - set_aside, compile_seconds)
                 if (preempted_by := preemption.agreed(self.backend)) and not saved_now:
                     last_checkpoint = self.save_checkpoint() or last_checkpoint
             progress.close()
@@ -431,6 +452,16 @@ class Trainer:
     def _progress_bar(self, stop: int) -> tqdm:
         show = self.config.trainer.progress_bar and self.backend.is_main_process
         return tqdm(total=stop, initial=self.step, disable=not show, desc="train", unit="step", dynamic_ncols=True)
+
+    def _note_compiles(self, before: tuple[int, float], say: Callable[[str], Any]) -> float:
+        """The seconds this step spent compiling; a compile after the second step is said, once a step."""
+        graphs, seconds = self.compiles.graphs - before[0], self.compiles.seconds - before[1]
+        if graphs and self.step > 2 and self.backend.is_main_process:
+            say(
+                f"step {self.step}: torch.compile compiled {graphs} more graph(s) in {seconds:.1f} s "
+                f"({self.compiles.graphs} in all): a shape or guard changed; TORCH_LOGS=recompiles says which"
+            )
+        return seconds
 
     def _set_aside_seconds(self) -> float:
         """Seconds spent on evaluation and checkpoints so far: not part of any step's time."""
