@@ -39,6 +39,10 @@
 #   NEURON_COMPILE_CACHE_URL   where Neuron caches compiled graphs (read by Neuron itself)
 #   TORCHRUN, PYTHON the torchrun / python of the Neuron virtual environment
 #                    (default: torchrun / python3 on PATH)
+#
+# Exit status: 0 when the run finished, 203 when a signal stopped it at a step boundary after saving
+# ("resume me": start it again, no failure), otherwise torchrun's own status (native: it runs under
+# launch/preemptible.sh) or axtorch-train's (xla) (docs/training.md, "Exit codes").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -69,7 +73,7 @@ case "$VARIANT" in
     else
       rendezvous=(--standalone --nnodes 1)
     fi
-    exec "$TORCHRUN" "${rendezvous[@]}" --nproc-per-node "$NEURON_CORES" --max-restarts "${MAX_RESTARTS:-3}" \
+    exec launch/preemptible.sh "$TORCHRUN" "${rendezvous[@]}" --nproc-per-node "$NEURON_CORES" --max-restarts "${MAX_RESTARTS:-3}" \
       -m axtorch.train backend=native trainer.device=neuron "$@"
     ;;
   xla)

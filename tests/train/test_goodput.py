@@ -42,7 +42,7 @@ def test_a_sigterm_and_a_sigkill_leave_a_goodput_record_that_adds_up(tmp_path, c
         "trainer.log_every=1",
         "trainer.progress_bar=false",
     ]
-    _run_until(command, run_dir, 8, signal.SIGTERM)  # saves at its step, exits 0
+    _run_until(command, run_dir, 8, signal.SIGTERM)  # saves at its step, exits 203 ("resume me")
     _run_until(command, run_dir, 25, signal.SIGKILL)  # loses the steps since step 20's checkpoint
     subprocess.run(command, check=True, capture_output=True, timeout=600)
 
