@@ -4,7 +4,9 @@ torchrun's node and process counts and the mesh follow from the replicas and the
 from __future__ import annotations
 
 import math
+import os
 import shlex
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -189,8 +191,23 @@ def test_pytorchjob_restarts_a_preempted_pod_uncounted_and_fails_on_a_real_failu
     for name, spec in replicas.items():
         got = {code: _pytorchjob_action(spec["restartPolicy"], int(code)) for code in expected}
         assert got == expected, name
-    # The policy the manifest used before: a preempted run that exited 0 ended the job.
-    assert _pytorchjob_action("OnFailure", 0) == DONE
+
+
+@pytest.mark.journey
+def test_a_preempted_pytorchjob_pod_exits_with_a_code_its_restart_policy_restarts_uncounted(tmp_path):
+    """Each pod's own command, its torchrun a stand-in preempted as the real one is: the workers
+    saved and wrote 203 where the launcher asked, and torchrun exits 1 itself. Run as ``exec
+    torchrun`` alone, the pod exited with torchrun's status: the job failed, or ended at exit 0."""
+    torchrun = tmp_path / "torchrun"
+    torchrun.write_text('#!/bin/sh\n[ -z "$AXTORCH_STATUS_FILE" ] || echo 203 >"$AXTORCH_STATUS_FILE"\nexit 1\n')
+    torchrun.chmod(0o755)
+    for name, spec in _load("pytorchjob.yaml")["spec"]["pytorchReplicaSpecs"].items():
+        (container,) = spec["template"]["spec"]["containers"]
+        path = f"{tmp_path}{os.pathsep}{os.environ['PATH']}"
+        env = {**os.environ, **_env(container), "MASTER_ADDR": "master", "MASTER_PORT": "23456", "PATH": path}
+        pod = subprocess.run(container["command"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+        action = _pytorchjob_action(spec["restartPolicy"], pod.returncode)
+        assert action == RESTART_UNCOUNTED, (name, pod.returncode, pod.stderr)
 
 
 def test_jobset_restarts_a_preempted_slice_uncounted_and_counts_every_other_failure():

@@ -135,30 +135,48 @@ def test_lora_on_a_float8_or_int8_base_exports_merged_weights_transformers_reads
     base,
 ):
     """The adapters merge into the weights they trained on (float8's full-precision ones, an int8
-    base's dequantised ones): the HF directory and the GGUF both give transformers our merged logits."""
+    base's dequantised ones): the HF directory and the GGUF give transformers the trained model's
+    logits (an int8 base's to rounding; a float8 model's to float8's own error, and exactly the
+    imported weights plus ``(alpha / rank) B A`` as computed here from the saved adapters)."""
     pytest.importorskip("gguf")
-    if base[0].startswith("model/float8"):
+    float8 = base[0].startswith("model/float8")
+    if float8:
         pytest.importorskip("torchao")
     run = tmp_path / "run"
     overrides = [f"init_from=hf:{hf_dir}", "model.adapter.target=_proj", "optim.lr=0.02", "trainer.max_steps=2"]
-    Trainer(_config(run, data_cache, *overrides, *base, "trainer.checkpoint_every=2")).fit()
+    trainer = Trainer(_config(run, data_cache, *overrides, *base, "trainer.checkpoint_every=2"))
+    trainer.fit()
     merged, _ = load_trained_model(run, torch.device("cpu"))
     assert all(type(m).__name__ != "Float8Linear" for m in merged.modules()) and not _adapter_names(merged)
-    imported, _ = from_hf(hf_dir)
-    assert not torch.equal(
-        merged.decoder.layers[0].attention.q_proj.weight, imported.decoder.layers[0].attention.q_proj.weight
-    )
 
     assert export_main([f"checkpoint={run}", f"to=hf:{tmp_path / 'exported'}"]) == 0
     assert export_main([f"checkpoint={run}", f"to=gguf:{tmp_path / 'exported.gguf'}", "dtype=f32"]) == 0
+    exported = [
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exported").eval(),
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="exported.gguf").eval(),
+    ]
     ids = torch.randint(0, 400, (2, 16))
+    trainer.model.eval()
     with torch.no_grad():
-        ours = merged(CausalLMInput(ids)).logits
-        for theirs in (
-            transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exported"),
-            transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="exported.gguf"),
-        ):
-            torch.testing.assert_close(theirs.eval()(ids).logits, ours, rtol=1e-4, atol=1e-4)
+        trained = trainer.model(CausalLMInput(ids)).logits  # int8 or float8 products, with the adapters
+        untrained = from_hf(hf_dir)[0](CausalLMInput(ids)).logits
+        scale = (trained - untrained).abs().max()
+        # float8's products differ from the exported full-precision ones (measured: 9% of what the
+        # two steps moved the logits, the most at any logit); int8's dequantised weights are exact.
+        tolerance = 0.15 * scale if float8 else 1e-4
+        assert scale > 1e-2, "the adapters changed nothing to compare"
+        for theirs in exported:
+            torch.testing.assert_close(theirs(ids).logits, trained, rtol=0, atol=float(tolerance))
+    if float8:  # the merge itself, to rounding: the imported weights plus each saved adapter's product
+        saved = read_model_tensors(run / "checkpoints" / "step_00000002")
+        imported = dict(from_hf(hf_dir)[0].named_parameters())
+        adapted = {name.removesuffix(".adapter.lora_a") for name in saved if name.endswith(".adapter.lora_a")}
+        assert adapted
+        lora = trainer.config.model.adapter
+        for module in adapted:
+            update = saved[f"{module}.adapter.lora_b"] @ saved[f"{module}.adapter.lora_a"] * (lora.alpha / lora.rank)
+            expected = imported[f"{module}.weight"] + update
+            torch.testing.assert_close(merged.get_parameter(f"{module}.weight"), expected, rtol=1e-6, atol=1e-6)
 
 
 def test_the_base_digest_names_the_imported_file_or_the_seed(tmp_path, data_cache):

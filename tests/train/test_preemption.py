@@ -23,7 +23,7 @@ from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.config.errors import ConfigError
 from axtorch.train.checkpoint import checkpoint_problems, list_checkpoints, read_model_tensors
 from axtorch.train.checkpoint_manifest import CheckpointError
-from axtorch.train.exit_codes import STATUS_FILE_ENV, ExitCode, process_exit_code
+from axtorch.train.exit_codes import STATUS_FILE_ENV, ExitCode
 from axtorch.train.numerics import NonFiniteError
 from axtorch.train.preemption import PreemptionWatch
 from axtorch.train.trainer import Trainer, TrainResult
@@ -194,11 +194,9 @@ def test_the_command_line_exits_with_the_code_of_how_the_run_ended(monkeypatch, 
     assert skipped_finalization == [preempted, preempted]
 
 
-def test_the_preempted_code_is_retryable_and_no_signal_death(monkeypatch):
+def test_the_preempted_code_is_retryable_and_no_signal_death():
     """203: Kubeflow's ExitCode policy retries 128-255; a death by signal N is 128 + N, N <= 64."""
     assert 128 + 64 < ExitCode.PREEMPTED <= 255
-    monkeypatch.delenv(STATUS_FILE_ENV, raising=False)
-    assert [process_exit_code(code) for code in ExitCode] == [int(code) for code in ExitCode]
 
 
 def _command(run_dir: Path, cache: Path, launcher: list[str], *extra: str) -> list[str]:
@@ -240,6 +238,30 @@ def _interrupt(command: list[str], run_dir: Path, *signals: int) -> subprocess.C
     process.wait(timeout=300)
     reader.join(timeout=60)
     return subprocess.CompletedProcess(command, process.returncode, stdout, "".join(stderr))
+
+
+def _catches(pid: int, number: int) -> bool:
+    """Whether the process has a handler for signal ``number`` (its ``SigCgt`` mask in /proc)."""
+    with open(f"/proc/{pid}/status") as status:
+        mask = next(line.split()[1] for line in status if line.startswith("SigCgt:"))
+    return bool(int(mask, 16) >> (number - 1) & 1)
+
+
+@pytest.mark.journey
+def test_a_process_signalled_as_it_starts_exits_203_not_by_the_signal(tmp_path, data_cache):
+    """The command line, alone (no launcher's status file), signalled as soon as it watches for it:
+    it stops before its first step and exits 203 itself, the code a scheduler restarts uncounted."""
+    run_dir = tmp_path / "run"
+    command = _command(run_dir, data_cache, [sys.executable])
+    env = {name: value for name, value in os.environ.items() if name != STATUS_FILE_ENV}
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 120
+    while process.poll() is None and not _catches(process.pid, signal.SIGTERM) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    process.send_signal(signal.SIGTERM)
+    stdout, stderr = process.communicate(timeout=300)
+    assert process.returncode == 203, stdout[-2000:] + stderr[-3000:]
+    assert "preempted by SIGTERM at step 0" in stdout and list_checkpoints(run_dir / "checkpoints") == []
 
 
 def _preempted_checkpoint(result: subprocess.CompletedProcess, run_dir: Path, name: str = "SIGTERM") -> int:
