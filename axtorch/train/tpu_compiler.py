@@ -82,6 +82,8 @@ class CompiledStep:
     compile_seconds: float
     #: The compiler's optimization effort it compiled at (``compile_program``).
     effort: float = 0.0
+    #: Whether its 64-bit integer tensors were compiled as 32-bit ones (``compile_program``).
+    int64_as_int32: bool = False
     #: Results the executable aliases to arguments, as (result, argument) indices.
     aliased: list[tuple[int, int]] = field(default_factory=list)
 
@@ -130,6 +132,7 @@ def compile_program(
     result_shardings: Sequence[str],
     aliases: Mapping[int, int],
     effort: float = 0.0,
+    int64_as_int32: bool = False,
 ) -> CompiledStep:
     """Compile ``stablehlo`` (torch_xla's text of one SPMD program) for ``topology``.
 
@@ -139,6 +142,10 @@ def compile_program(
     default. -1 compiles in less of the host's time and memory: Llama 3 8B unrolled over 64 v5p
     chips (fsdp=64) in 144 s and 20 GB, where 0 takes more than this 24 GB host; its program holds
     more HBM (at 8 layers 9.1 GiB a chip against 8.2 at 0).
+    ``int64_as_int32``: compile the program's 64-bit integer tensors (token ids, positions, indices)
+    as 32-bit ones. libtpu 0.0.21 aborts the process on torch_xla's layer scan otherwise (a failed
+    check in its windowing pass, on the two 32-bit words a TPU emulates a 64-bit integer with,
+    inside the loop); the step's floating-point tensors are unchanged, its integer ones half as large.
     Raises ``DoesNotFit`` when the compiler runs out of a chip's memory.
     """
     devices = topology_devices(topology)  # and with them JAX and libtpu, or the extra to install
@@ -149,7 +156,7 @@ def compile_program(
     from jax._src.lib.mlir import ir
 
     with mlir.make_ir_context():
-        module = ir.Module.parse(stablehlo)
+        module = ir.Module.parse(_int64_as_int32(stablehlo) if int64_as_int32 else stablehlo)
         main = next(op for op in module.body.operations if ir.StringAttr(op.attributes["sym_name"]).value == "main")
         traced = list(ir.ArrayAttr(main.attributes["arg_attrs"])) if "arg_attrs" in main.attributes else []
         int32 = ir.IntegerType.get_signless(32)
@@ -200,6 +207,7 @@ def compile_program(
         collectives=collectives_of(hlo),
         compile_seconds=seconds,
         effort=effort,
+        int64_as_int32=int64_as_int32,
         aliased=aliases_of(hlo),
     )
 
@@ -250,3 +258,16 @@ def aliases_of(hlo: str) -> list[tuple[int, int]]:
     """(result, argument) pairs of the compiled module's ``input_output_alias``."""
     header = hlo.split("\n", 1)[0].partition("input_output_alias=")[2]
     return [(int(result), int(argument)) for result, argument in re.findall(r"\{(\d+)\}: \((\d+), \{\}", header)]
+
+
+def _int64_as_int32(stablehlo: str) -> str:
+    """The program with every ``i64`` tensor type made ``i32`` and its hex-encoded constants
+    re-encoded; a value past 32 bits wraps, which a compile-only check can bear (it reads shapes,
+    not values). Attributes such as dimension lists (``array<i64: ...>``) are no tensors and stay."""
+
+    def constant(match: re.Match) -> str:
+        values = np.frombuffer(bytes.fromhex(match.group(1)), dtype="<i8")
+        return f'dense<"0x{values.astype("<i4").tobytes().hex().upper()}"> : tensor<{match.group(2)}i64>'
+
+    stablehlo = re.sub(r'dense<"0x([0-9A-Fa-f]+)"> : tensor<((?:\d+x)*)i64>', constant, stablehlo)
+    return re.sub(r"tensor<((?:\d+x)*)i64>", r"tensor<\1i32>", stablehlo)

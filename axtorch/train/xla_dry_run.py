@@ -101,14 +101,6 @@ def xla_dry_run(
     ``compile_effort``: the TPU compiler's optimization effort (``compile_program``).
     """
     devices = math.prod(mesh.values())
-    if topology is not None and config.execution.layer_runner is LayerRunnerKind.scan:
-        raise ConfigError(
-            "execution.layer_runner",
-            "scan",
-            "unrolled with hardware=<a TPU topology>",
-            reason="libtpu 0.0.21's compiler aborts the process on torch_xla's scanned step (a failed check in "
-            "its windowing pass); the unrolled step compiles",
-        )
     if topology is not None:  # before tracing: a mesh the slice cannot hold is refused at once
         chips = len(topology_devices(topology))
         if chips != devices:
@@ -155,12 +147,18 @@ def xla_dry_run(
             tensors.append(_activation(f"{module} {io}.{field}", shape, ways, itemsize, spec, sizes))
     report = XlaDryRunReport(devices, mesh, tensors, unplaced)
     if topology is not None:
-        report.compiled = _compile(backend, topology, [*state, loss, grad_norm], origins, compile_effort)
+        scanned = config.execution.layer_runner is LayerRunnerKind.scan
+        report.compiled = _compile(backend, topology, [*state, loss, grad_norm], origins, compile_effort, scanned)
     return report
 
 
 def _compile(
-    backend: XlaBackend, topology: TpuTopology, results: list[torch.Tensor], origins: list[int], effort: float
+    backend: XlaBackend,
+    topology: TpuTopology,
+    results: list[torch.Tensor],
+    origins: list[int],
+    effort: float,
+    scanned: bool,
 ) -> CompiledStep:
     """The traced step as one program for ``topology``: placeholders are sharded arguments, the
     updated state (``results`` before the loss and norm, each from the placeholder in ``origins``)
@@ -175,6 +173,7 @@ def _compile(
         [shardings[origin] for origin in origins] + ["{replicated}"] * (len(results) - len(origins)),
         {result: arguments[origin] for result, origin in enumerate(origins) if origin in arguments},
         effort,
+        int64_as_int32=scanned,  # what libtpu 0.0.21 compiles the layer scan with (``compile_program``)
     )
 
 
@@ -376,6 +375,11 @@ def format_compiled(compiled: CompiledStep, state_bytes: int, capacity_bytes: Op
         ),
         "  not checked by compiling: the step time, the network between hosts, the runtime (docs/parallelism.md)",
     ]
+    if compiled.int64_as_int32:  # the layer scan's program (``compile_program``)
+        lines[-1:-1] = [
+            "  the layer scan: its loop's FLOPs, bytes and collectives are counted once, not once a layer; its "
+            "64-bit integers (token ids, positions, indices) compiled as 32-bit ones, which libtpu 0.0.21 needs there"
+        ]
     return lines
 
 
