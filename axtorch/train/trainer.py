@@ -197,8 +197,8 @@ class Trainer:
         self.model = build_parallel_model(config, self.backend, self.pretrained)
         self.pretrained = None  # free the imported copy
         self.compiling = compile_choice(config, self.device)
-        #: What runs eagerly inside the compiled layers, a line each (said when training starts).
-        self.eager_parts = compile_layers(self.model) if self.compiling.enabled else []
+        if self.compiling.enabled:
+            compile_layers(self.model)
         self.compiles = CompileWatch()
         self.optimizer = build_optimizer(self.model, config.optim)
         self.backend.prepare_optimizer(self.optimizer)
@@ -395,8 +395,6 @@ class Trainer:
         watchdog = Watchdog(trainer.watchdog_seconds, trainer.watchdog_action, self.run_dir, self.backend.rank)
         if main and self.compiling.enabled:
             print(f"compile: {self.compiling.reason}; each decoder layer compiles at its first use")
-            for part in self.eager_parts:
-                print(f"compile: {part}")
         with (
             self.checkpointer.saves_finish_on_error(),
             watchdog,
