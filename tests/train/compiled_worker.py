@@ -3,8 +3,8 @@
     python tests/train/compiled_worker.py OUT.json STEPS OVERRIDE...    (or as every rank of a group)
 
 Each run has its own run directory (``<run_dir>/eager``, ``<run_dir>/compiled``). ``graphs``: how many
-graphs torch.compile had compiled after each step of the compiled run, counted by dynamo's own
-compile callbacks (not the trainer's counter), from a cleared cache; ``compiled_regions_in_last_step``:
+graphs dynamo had captured after each step of the compiled run (its own ``unique_graphs`` counter,
+not the compile callbacks the trainer counts with), from a cleared cache; ``compiled_regions_in_last_step``:
 the compiled regions torch's profiler saw run in the last step.
 """
 
@@ -13,7 +13,7 @@ import sys
 
 import torch
 import torch._dynamo
-from torch._dynamo.callback import callback_handler
+from torch._dynamo.utils import counters
 
 from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.parallel.shutdown import exit_process
@@ -28,9 +28,6 @@ def train(overrides: list[str], steps: int, run_dir: str, compiled: bool) -> Run
     losses: list[float] = []
     graphs: list[int] = []
     regions = [0]
-    ended = [0]
-    count = ended.__setitem__
-    callback_handler.register_end_callback(lambda args: count(0, ended[0] + 1))
     step = trainer.train_step
 
     def counted(batch):
@@ -41,12 +38,11 @@ def train(overrides: list[str], steps: int, run_dir: str, compiled: bool) -> Run
         else:
             result = step(batch)
         losses.append(result["train/loss"])
-        graphs.append(ended[0])
+        graphs.append(counters["stats"]["unique_graphs"])
         return result
 
     trainer.train_step = counted
     trainer.fit(until_step=steps)
-    callback_handler.end_callbacks.clear()
     return losses, graphs, regions[0], trainer
 
 
@@ -57,7 +53,7 @@ def main() -> None:
     eager, _, _, _ = train(rest, int(steps), f"{run_dir}/eager", compiled=False)
     torch._dynamo.reset()
     compiled, graphs, regions, trainer = train(rest, int(steps), f"{run_dir}/compiled", compiled=True)
-    layers = [layer for layer in trainer.model.decoder.layers]
+    layers = list(trainer.model.decoder.layers)
     report = {
         "eager": eager,
         "compiled": compiled,
