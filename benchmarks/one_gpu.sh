@@ -23,6 +23,8 @@ python3 -c "import torch, axtorch; print('torch', torch.__version__, torch.cuda.
 runs 1 && {
 echo "== 1. gpu_train.py"
 timeout 240 python3 benchmarks/gpu_train.py --model llama3_1b --seq-len 2048 --batch 4 2>&1 | tee "$out/gpu_train.txt" | grep -v Warning
+echo "-- the fused head's chunks, eager and compiled (trainer.compile compiles them on CUDA)"
+timeout 90 python3 benchmarks/head_loss.py 2>&1 | tee "$out/head_loss.txt" | grep -v Warning
 
 }
 runs 2 && {

@@ -53,6 +53,7 @@ from axtorch.layers.feed_forward import (
 from axtorch.layers.init import initialize
 from axtorch.layers.linear import Linear, LinearConfig
 from axtorch.layers.remat import ActivationWidths, activation_name, combine_widths
+from axtorch.layers.eager_parts import EagerReason
 from axtorch.layers.seams import Seams
 
 
@@ -323,11 +324,22 @@ def _compute_dropless(
     return compute(experts, rows, counts)
 
 
+def _eager_under_compile(module: MixtureOfExperts) -> Optional[str]:
+    if module.capacity_factor is not None:
+        return None
+    return (
+        "the dropless mixture of experts runs its experts eagerly (each expert's rows are a count the router "
+        "chooses at run time); a capacity (model.decoder.layer.feed_forward.capacity_factor) compiles them"
+    )
+
+
 class MixtureOfExperts(nn.Module):
     """``sum_k weight_k * expert_k(x)`` over each token's routed experts, plus the shared experts if any."""
 
     #: What a backend may replace (``axtorch.layers.seams``).
     SEAMS: ClassVar[Seams] = {"expert_compute": ExpertCompute}
+    #: What stays eager in a compiled layer (``axtorch.layers.eager_parts``).
+    EAGER_UNDER_COMPILE: ClassVar[EagerReason] = _eager_under_compile
 
     def __init__(self, config: MixtureOfExpertsConfig, dim: int):
         super().__init__()

@@ -31,10 +31,13 @@ class VocabShard:
     offset: int  # the first row's index in the vocabulary
     group: dist.ProcessGroup  # the processes holding the other rows
 
+    # Collectives stay eager inside a compiled chunk of the loss (``head_cross_entropy``'s ``compiled``).
+    @torch.compiler.disable
     def reduce_max_(self, tensor: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
         return tensor
 
+    @torch.compiler.disable
     def reduce_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
         return tensor

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch._dynamo.callback import CallbackArgs, callback_handler
 
+from axtorch.layers.eager_parts import eager_parts
 from axtorch.layers.transformer import TransformerLayer
 from axtorch.parallel.backend_kind import BackendKind
 from axtorch.train.experiment import ExperimentConfig
@@ -29,10 +30,14 @@ from axtorch.train.experiment import ExperimentConfig
 
 @dataclass(frozen=True)
 class CompileChoice:
-    """Whether the trainer compiles its layers, and the one line that says why."""
+    """Whether the trainer compiles its layers (and the fused head's chunks), and the line that says why."""
 
     enabled: bool
     reason: str
+    #: The fused head's per-chunk softmax and gradient compile too: on CUDA, where that elementwise
+    #: work over [chunk, vocab] is several passes over memory per matmul. On the CPU the matmuls
+    #: dominate and the compiled chunk is no faster (docs/training.md, "Compiled steps").
+    head: bool = False
 
 
 def compile_choice(config: ExperimentConfig, device: torch.device) -> CompileChoice:
@@ -47,18 +52,24 @@ def compile_choice(config: ExperimentConfig, device: torch.device) -> CompileCho
     asked = config.trainer.compile
     if config.backend is BackendKind.xla:
         return CompileChoice(False, "off: backend=xla compiles the whole step itself")
+    on = device.type == "cuda" if asked is None else asked
     if asked is None:
-        on = device.type == "cuda"
         where = "on CUDA" if on else f"off on {device.type} (trainer.compile=true turns it on)"
-        return CompileChoice(on, f"{'on' if on else 'off'}: trainer.compile=null is {where}")
-    return CompileChoice(asked, f"{'on' if asked else 'off'}: trainer.compile={str(asked).lower()}")
+        reason = f"{'on' if on else 'off'}: trainer.compile=null is {where}"
+    else:
+        reason = f"{'on' if on else 'off'}: trainer.compile={str(on).lower()}"
+    head = on and device.type == "cuda"
+    if on:
+        reason += "; the fused head's chunks " + ("compile too" if head else f"run eagerly on {device.type}")
+    return CompileChoice(on, reason, head)
 
 
-def compile_layers(model: nn.Module) -> None:
-    """Compile each decoder layer of ``model`` in place."""
+def compile_layers(model: nn.Module) -> list[str]:
+    """Compile each decoder layer of ``model`` in place; return a line for each part that stays eager."""
     for module in model.modules():
         if isinstance(module, TransformerLayer):
             module.compile()
+    return [f"{reason} ({count} layer(s))" for reason, count in eager_parts(model).items()]
 
 
 @dataclass

@@ -20,12 +20,65 @@ logit, which one of them holds), and each keeps the gradient of its own rows onl
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
 
 from axtorch.parallel.tensor_shards import is_distributed
 from axtorch.parallel.vocab_shards import VocabShard, vocab_shard
+
+
+def _chunk_loss(
+    logits: torch.Tensor,  # [N, V] float32, overwritten
+    targets: torch.Tensor,  # [N]
+    ignore_index: int,
+    z_loss_weight: float,
+    scale: torch.Tensor,  # 1 / the normalizer
+    shard: Optional[VocabShard],
+    want_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """One chunk's ``(cross-entropy sum, z-loss sum, gradient of the scaled loss w.r.t. logits or None)``.
+
+    Everything here but the vocabulary reductions is elementwise over ``[N, V]``: what a compiler
+    fuses (``compiled=True`` in ``head_cross_entropy``).
+    """
+    valid = targets != ignore_index
+    local_targets = targets if shard is None else targets - shard.offset
+    here = valid & (local_targets >= 0) & (local_targets < logits.shape[1])  # the target is a row of ours
+    safe_targets = torch.where(here, local_targets, 0)
+    target_logits = torch.where(here, logits.gather(1, safe_targets.unsqueeze(1)).squeeze(1), 0.0)
+    # Softmax in place: one [chunk, vocab] buffer, no temporaries of its size.
+    row_max = logits.amax(1, keepdim=True)
+    if shard is not None:
+        shard.reduce_max_(row_max)
+    probs = logits.sub_(row_max).exp_()
+    sums = probs.sum(1, keepdim=True)
+    if shard is not None:  # one reduction for both: each row's sum, and its target's logit
+        reduced = shard.reduce_sum_(torch.cat([sums, target_logits.unsqueeze(1)], dim=1))
+        sums, target_logits = reduced[:, :1], reduced[:, 1]
+    log_z = (row_max + sums.log()).squeeze(1)
+    ce = torch.where(valid, log_z - target_logits, 0.0).sum()
+    z = torch.where(valid, log_z.square(), 0.0).sum() if z_loss_weight > 0 else torch.zeros_like(ce)
+    if not want_grad:
+        return ce, z, None
+    # d(ce + w * log_z^2)/d logits = softmax * (1 + 2 w log_z) - one_hot(target), per valid row.
+    probs.div_(sums)
+    if z_loss_weight > 0:
+        probs.mul_((1.0 + 2.0 * z_loss_weight * log_z).unsqueeze(1))
+    probs.scatter_add_(1, safe_targets.unsqueeze(1), -here.to(probs.dtype).unsqueeze(1))
+    return ce, z, probs.mul_((valid * scale).unsqueeze(1))
+
+
+ChunkFn = Callable[..., tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]
+
+
+@functools.cache
+def _compiled_chunk_loss() -> ChunkFn:
+    """``_chunk_loss`` compiled: one graph per chunk shape (the last chunk may be shorter), two when
+    the vocabulary is split (its reductions run eagerly between them)."""
+    return torch.compile(_chunk_loss, dynamic=False)
 
 
 class _HeadCrossEntropy(torch.autograd.Function):
@@ -42,6 +95,7 @@ class _HeadCrossEntropy(torch.autograd.Function):
         chunk_size: int,
         wanted: tuple[bool, bool, bool],  # which of hidden, weight, bias need a gradient
         shard: Optional[VocabShard],  # weight and bias are these rows of the vocabulary
+        chunk_fn: ChunkFn,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         ce_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
         z_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -60,32 +114,12 @@ class _HeadCrossEntropy(torch.autograd.Function):
             rows = hidden[:, start : start + step].reshape(-1, dim)
             targets = labels[:, start : start + step].reshape(-1)
             logits = torch.nn.functional.linear(rows, weight, bias).float()
-            valid = targets != ignore_index
-            local_targets = targets if shard is None else targets - shard.offset
-            here = valid & (local_targets >= 0) & (local_targets < weight.shape[0])  # the target is a row of ours
-            safe_targets = torch.where(here, local_targets, 0)
-            target_logits = torch.where(here, logits.gather(1, safe_targets.unsqueeze(1)).squeeze(1), 0.0)
-            # Softmax in place: one [chunk, vocab] buffer, no temporaries of its size.
-            row_max = logits.amax(1, keepdim=True)
-            if shard is not None:
-                shard.reduce_max_(row_max)
-            probs = logits.sub_(row_max).exp_()
-            sums = probs.sum(1, keepdim=True)
-            if shard is not None:  # one reduction for both: each row's sum, and its target's logit
-                reduced = shard.reduce_sum_(torch.cat([sums, target_logits.unsqueeze(1)], dim=1))
-                sums, target_logits = reduced[:, :1], reduced[:, 1]
-            log_z = (row_max + sums.log()).squeeze(1)
-            ce_sum += torch.where(valid, log_z - target_logits, 0.0).sum()
-            if z_loss_weight > 0:
-                z_sum += torch.where(valid, log_z.square(), 0.0).sum()
-            if not any(wanted):
+            ce, z, grad_logits = chunk_fn(logits, targets, ignore_index, z_loss_weight, scale, shard, any(wanted))
+            ce_sum += ce
+            z_sum += z
+            if grad_logits is None:
                 continue
-            # d(ce + w * log_z^2)/d logits = softmax * (1 + 2 w log_z) - one_hot(target), per valid row.
-            probs.div_(sums)
-            if z_loss_weight > 0:
-                probs.mul_((1.0 + 2.0 * z_loss_weight * log_z).unsqueeze(1))
-            probs.scatter_add_(1, safe_targets.unsqueeze(1), -here.to(probs.dtype).unsqueeze(1))
-            grad_logits = probs.mul_((valid * scale).unsqueeze(1)).to(rows.dtype)
+            grad_logits = grad_logits.to(rows.dtype)
             if grad_hidden is not None:
                 grad_hidden[:, start : start + step] = (grad_logits @ weight.to(rows.dtype)).view(num_rows, -1, dim)
             if grad_weight is not None and accumulate_in_place:
@@ -114,7 +148,7 @@ class _HeadCrossEntropy(torch.autograd.Function):
             None if grad_weight is None else grad_weight.mul_(grad_loss).to(weight_dtype),
             None if grad_bias is None else grad_bias.mul_(grad_loss).to(bias_dtype),
         )
-        return (*grads, None, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None, None)
 
 
 def head_cross_entropy(
@@ -127,6 +161,7 @@ def head_cross_entropy(
     z_loss_weight: float,
     normalizer: torch.Tensor,
     chunk_size: int,
+    compiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(loss, cross_entropy, z_loss)`` of ``linear(hidden, weight, bias)`` against ``labels``.
 
@@ -138,6 +173,7 @@ def head_cross_entropy(
     the inputs that require a gradient get one (a frozen head's is never computed). A head split
     over its vocabulary rows (tensor parallelism) stays split; one sharded any other way (a
     DTensor) is gathered whole here, and its gradient returns through the gather, sharded again.
+    ``compiled`` runs each chunk's elementwise work through torch.compile (the matmuls stay eager).
     """
     shard = vocab_shard(weight, bias)
     if shard is not None:
@@ -164,5 +200,6 @@ def head_cross_entropy(
         chunk_size,
         wanted,
         shard,
+        _compiled_chunk_loss() if compiled else _chunk_loss,
     )
     return loss, cross_entropy, z_loss

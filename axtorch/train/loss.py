@@ -33,8 +33,9 @@ class CrossEntropyLossConfig:
         if self.chunk_size is not None and self.chunk_size <= 0:
             raise ConfigError(f"{key}.chunk_size", self.chunk_size, "a positive number of tokens, or null")
 
-    def build(self) -> CrossEntropyLoss:
-        return CrossEntropyLoss(self)
+    def build(self, compiled_head: bool = False) -> CrossEntropyLoss:
+        """``compiled_head``: the fused head's chunks run through torch.compile (``trainer.compile`` on CUDA)."""
+        return CrossEntropyLoss(self, compiled_head)
 
 
 #: ``(final hidden states [B, S, D], head weight [V, D], head bias [V] or None) -> (loss, cross_entropy, z_loss)``.
@@ -64,9 +65,10 @@ class LossOutput:
 class CrossEntropyLoss(nn.Module):
     """Token-averaged cross-entropy computed in float32, whatever the logits' dtype."""
 
-    def __init__(self, config: CrossEntropyLossConfig):
+    def __init__(self, config: CrossEntropyLossConfig, compiled_head: bool = False):
         super().__init__()
         self.config = config
+        self.compiled_head = compiled_head
 
     def head_fn(self, labels: torch.Tensor, num_target_tokens: Optional[torch.Tensor] = None) -> Optional[HeadLossFn]:
         """The loss for the model to take with its output head (``CausalLMInput.head_fn``); None without chunking.
@@ -102,6 +104,7 @@ class CrossEntropyLoss(nn.Module):
             z_loss_weight=self.config.z_loss_weight,
             normalizer=normalizer,
             chunk_size=self.config.chunk_size,
+            compiled=self.compiled_head,
         )
 
     def forward(self, inputs: LossInput) -> LossOutput:

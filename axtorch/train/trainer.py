@@ -197,13 +197,15 @@ class Trainer:
         self.model = build_parallel_model(config, self.backend, self.pretrained)
         self.pretrained = None  # free the imported copy
         self.compiling = compile_choice(config, self.device)
-        if self.compiling.enabled:
-            compile_layers(self.model)
+        #: What stays eager in the compiled layers, one line a reason (said with the compile line).
+        self.eager_parts = compile_layers(self.model) if self.compiling.enabled else []
         self.compiles = CompileWatch()
         self.optimizer = build_optimizer(self.model, config.optim)
         self.backend.prepare_optimizer(self.optimizer)
         micro_batch_size = self.local_batch_size // config.trainer.grad_accum_steps
-        self.work = TrainStep(config, self.backend, self.model, config.loss.build(), self.optimizer, micro_batch_size)
+        self.work = TrainStep(
+            config, self.backend, self.model, config.loss.build(self.compiling.head), self.optimizer, micro_batch_size
+        )
         trainer = config.trainer
         self.checkpointer = Checkpointer(
             self.run_dir / CHECKPOINTS_DIR,
@@ -395,6 +397,8 @@ class Trainer:
         watchdog = Watchdog(trainer.watchdog_seconds, trainer.watchdog_action, self.run_dir, self.backend.rank)
         if main and self.compiling.enabled:
             print(f"compile: {self.compiling.reason}; each decoder layer compiles at its first use")
+            for line in self.eager_parts:
+                print(f"compile: {line}")
         with (
             self.checkpointer.saves_finish_on_error(),
             watchdog,

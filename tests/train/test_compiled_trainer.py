@@ -11,6 +11,7 @@ from quiet_runs import quiet_debug_run
 
 from axtorch.compose.experiment_loader import load_experiment_config
 from axtorch.config.errors import ConfigError
+from axtorch.train.compile import compile_choice, compile_layers
 from axtorch.train.trainer import Trainer
 
 # Inductor builds and loads its kernels in processes of its own.
@@ -74,6 +75,73 @@ def test_a_compile_after_the_second_step_is_said_and_counted_as_compile_time(tmp
     assert record["seconds"]["compile"] > float(said.group(1)) > 0.5 > record["seconds"]["productive"]
 
 
+def test_the_compiled_head_gives_the_losses_and_gradients_of_whole_logits():
+    """The fused head's chunks compiled (what CUDA runs), a short last chunk and the z-loss included."""
+    from test_loss import _losses_and_grads
+
+    expected, expected_grads = _losses_and_grads(None, z_loss_weight=1e-2, bias=True, tied=False)
+    got, grads = _losses_and_grads(7, z_loss_weight=1e-2, bias=True, tied=False, compiled_head=True)
+    for name in ("loss", "cross_entropy", "z_loss"):
+        torch.testing.assert_close(getattr(got, name), getattr(expected, name), rtol=1e-6, atol=1e-7)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_the_compile_line_says_where_the_head_compiles():
+    config = load_experiment_config(["experiment=debug", "trainer.compile=true"])
+    on_cpu, on_cuda = compile_choice(config, torch.device("cpu")), compile_choice(config, torch.device("cuda"))
+    assert not on_cpu.head and "the fused head's chunks run eagerly on cpu" in on_cpu.reason
+    assert on_cuda.head and "the fused head's chunks compile too" in on_cuda.reason
+
+
+@pytest.mark.parametrize("capacity, said", [("null", True), ("1.25", False)])
+def test_a_dropless_mixture_says_its_experts_run_eagerly(capacity, said):
+    config = load_experiment_config(["experiment=debug", "model=mixtral_tiny"])
+    config.model.decoder.layer.feed_forward.capacity_factor = None if capacity == "null" else float(capacity)
+    lines = compile_layers(config.model.build())
+    layers = config.model.decoder.num_layers
+    expected = [
+        "the dropless mixture of experts runs its experts eagerly (each expert's rows are a count the router "
+        "chooses at run time); a capacity (model.decoder.layer.feed_forward.capacity_factor) compiles them "
+        f"({layers} layer(s))"
+    ]
+    assert lines == (expected if said else [])
+
+
 def test_compile_with_the_xla_backend_is_refused_by_name(tmp_path, data_cache):
     with pytest.raises(ConfigError, match=r"trainer.compile=True.*torch_xla.*allowed: false or null"):
         load_experiment_config(quiet_debug_run(tmp_path, data_cache, "backend=xla", "trainer.compile=true"))
+
+
+def _bytes_saved_for_backward(compiled: bool, *overrides: str) -> int:
+    """Bytes of the distinct storages autograd keeps from a step's forward for its backward (the second step's)."""
+    from axtorch.train.loss import forward_with_loss
+
+    torch.manual_seed(0)
+    config = load_experiment_config(["experiment=debug", "model=llama_tiny", *overrides])
+    model = config.model.build()
+    model.init_weights()
+    if compiled:
+        compile_layers(model)
+    ids = torch.randint(0, config.model.vocab_size, (2, 128))
+    for _ in range(2):
+        storages = {}
+
+        def keep(tensor):
+            storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+            loss, _ = forward_with_loss(model, config.loss.build(), ids, ids)
+        loss.loss.backward()
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_compiled_layers_keep_no_more_for_the_backward_than_eager_ones(remat):
+    """What the dry run's docs claim: it traces the eager step, an upper bound of the compiled one's activations."""
+    eager = _bytes_saved_for_backward(False, f"model/remat={remat}")
+    compiled = _bytes_saved_for_backward(True, f"model/remat={remat}")
+    assert compiled <= eager, (compiled, eager)
+    if remat == "none":  # inductor recomputes cheap pointwise results rather than keeping them
+        assert compiled < 0.9 * eager, (compiled, eager)

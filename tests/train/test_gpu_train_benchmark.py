@@ -29,6 +29,21 @@ def test_the_gpu_benchmark_script_runs_on_the_cpu_and_prints_its_table():
     assert lines[-1].startswith("ratio axtorch / hf_transformers: ")
 
 
+@pytest.mark.journey
+def test_the_head_loss_benchmark_times_eager_and_compiled_chunks():
+    command = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "head_loss.py"),
+        *("--device", "cpu", "--tokens", "64", "--vocab", "512", "--dim", "32", "--steps", "1", "--repeats", "1"),
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    row = result.stdout.splitlines()[-1].strip("| ").split(" | ")
+    assert row[0] == "1" and row[1].endswith("GFLOP/s"), result.stdout
+    eager, compiled, ratio = (float(cell) for cell in row[2:])
+    assert eager > 0 and compiled > 0 and ratio == pytest.approx(compiled / eager, abs=0.01)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="here the script would run its whole benchmark")
 def test_asking_for_a_gpu_where_there_is_none_says_so(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["gpu_train.py", "--device", "cuda"])

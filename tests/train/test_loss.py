@@ -46,7 +46,7 @@ def test_bf16_logits_are_reduced_in_float32():
     assert out.loss.dtype == torch.float32 and math.isfinite(float(out.loss))
 
 
-def _losses_and_grads(chunk_size, *, z_loss_weight, bias, tied, num_targets=None):
+def _losses_and_grads(chunk_size, *, z_loss_weight, bias, tied, num_targets=None, compiled_head=False):
     """The loss and the gradients of every parameter, from a tiny model with the head fused or not."""
     from axtorch.compose.experiment_loader import load_experiment_config
 
@@ -57,7 +57,7 @@ def _losses_and_grads(chunk_size, *, z_loss_weight, bias, tied, num_targets=None
     ids = torch.randint(0, model.config.vocab_size, (3, 11))
     labels = torch.randint(0, model.config.vocab_size, (3, 11))
     labels[0, :4] = IGNORE_INDEX
-    loss_fn = CrossEntropyLossConfig(z_loss_weight=z_loss_weight, chunk_size=chunk_size).build()
+    loss_fn = CrossEntropyLossConfig(z_loss_weight=z_loss_weight, chunk_size=chunk_size).build(compiled_head)
     loss, _ = forward_with_loss(model, loss_fn, ids, labels, num_targets)
     (loss.loss * 3.0).backward()
     grads = {name: p.grad.clone() for name, p in model.named_parameters()}
