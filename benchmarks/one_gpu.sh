@@ -52,6 +52,8 @@ print([(r["step"], round(r["train/tokens_per_s"]), round(r["train/mfu"], 3), rou
 goodput = [json.loads(line) for line in open("/tmp/bf16/goodput.jsonl")][-1]["seconds"]
 print("goodput seconds:", {k: round(v, 1) for k, v in goodput.items()})
 PY
+echo "-- the host's gap between two steps (what the GPU idles for while the trainer reads a step's numbers)"
+timeout 120 python3 benchmarks/host_gap.py "${settings[@]}" trainer.precision=bf16 trainer.max_steps=12 2>&1 | tail -2
 
 }
 runs 4 && {
