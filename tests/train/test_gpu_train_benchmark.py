@@ -44,6 +44,17 @@ def test_the_head_loss_benchmark_times_eager_and_compiled_chunks():
     assert eager > 0 and compiled > 0 and ratio == pytest.approx(compiled / eager, abs=0.01)
 
 
+@pytest.mark.journey
+def test_the_host_gap_benchmark_times_the_gaps_of_a_real_run():
+    command = [sys.executable, str(ROOT / "benchmarks" / "host_gap.py"), "trainer.max_steps=4"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    steps, gap = result.stdout.splitlines()[-2:]
+    assert steps.startswith("steps: 4, median step "), result.stdout
+    median = float(gap.split("median ")[1].split(" ms")[0])
+    assert gap.startswith("host gap between steps: median") and 0 < median < 1000, gap
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="here the script would run its whole benchmark")
 def test_asking_for_a_gpu_where_there_is_none_says_so(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["gpu_train.py", "--device", "cuda"])
