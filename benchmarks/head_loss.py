@@ -71,7 +71,9 @@ def main() -> None:
         peak = measure_matmul_peak_flops(device, dtype)
         eager = time_head(False, hidden, weight, labels, args.steps)
         compiled = time_head(True, hidden, weight, labels, args.steps)
-        print(f"| {run} | {peak / 1e9:,.0f} GFLOP/s | {eager * 1e3:.3f} | {compiled * 1e3:.3f} | {compiled / eager:.2f} |")
+        print(
+            f"| {run} | {peak / 1e9:,.0f} GFLOP/s | {eager * 1e3:.3f} | {compiled * 1e3:.3f} | {compiled / eager:.2f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ from omegaconf import MISSING
 from torch import nn
 
 from axtorch.config.errors import ConfigError
+from axtorch.layers.eager_parts import EagerReason
 from axtorch.layers.feed_forward import (
     Activation,
     FeedForwardConfig,
@@ -53,7 +54,6 @@ from axtorch.layers.feed_forward import (
 from axtorch.layers.init import initialize
 from axtorch.layers.linear import Linear, LinearConfig
 from axtorch.layers.remat import ActivationWidths, activation_name, combine_widths
-from axtorch.layers.eager_parts import EagerReason
 from axtorch.layers.seams import Seams
 
 

@@ -14,7 +14,6 @@ buffers) and kernels' workspaces; it traces on the CPU, the same shapes a GPU ru
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import itertools
@@ -285,31 +284,23 @@ def dry_run(config: ExperimentConfig, mesh: dict[str, int], steps: int = 1) -> D
         stage_ranks, desc="tracing the pipeline's stages", unit="stage", disable=len(stage_ranks) == 1
     ):
         with fake_world(stage_rank, devices):
-            trace, handed_on = _measure(traced, steps, fake=True, handed_on=handed_on)
+            trace, handed_on = _measure(traced, steps, handed_on=handed_on)
         ranks.append(trace)
     return DryRunReport(devices, mesh, steps, ranks)
 
 
-def measured_run(config: ExperimentConfig, mesh: dict[str, int], steps: int = 1) -> DryRunReport:
-    """``steps`` real training steps of ``config`` on this process's rank of the process group its
-    launcher started (torchrun), measured with the dry run's own tools on real tensors and real
-    collectives: what the dry run is held to (tests/parallel/test_dry_run_vs_gloo.py)."""
-    trace, _ = _measure(config, steps, fake=False)
-    return DryRunReport(math.prod(mesh.values()), mesh, steps, [trace])
-
-
 def _measure(
-    config: ExperimentConfig, steps: int, fake: bool, handed_on: Optional[torch.Tensor] = None
+    config: ExperimentConfig, steps: int, handed_on: Optional[torch.Tensor] = None
 ) -> tuple[RankTrace, Optional[torch.Tensor]]:
     """Memory at the peak by kind, and per step the collectives and FLOPs, of ``steps`` training
-    steps on zero tokens: traced on fake tensors, or run on real ones (their weights initialised).
+    steps on zero tokens, traced on fake tensors.
     Under ``mesh.pipe`` a trace gives its stages their shapes first (``Pipeline.shape_stages``:
     ``handed_on``, the hidden states the first stage hands on, which it returns)."""
     backend = build_run_backend(config)  # the device mesh is made outside fake mode: it reads its ranks
     groups = MeshGroups(getattr(backend, "mesh", None))  # and so are its groups' names
     rows = rows_per_replica(config.trainer, backend.data_parallel_size)
-    with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
-        model = build_parallel_model(config, backend, fill=not fake)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = build_parallel_model(config, backend, fill=False)
         optimizer = build_optimizer(model, config.optim)
         backend.prepare_optimizer(optimizer)
         # The optimizer state exists before the trace, as from the second step on: one traced
@@ -325,19 +316,11 @@ def _measure(
         if not backend.runner.holds_whole_model:
             pipeline = cast("Pipeline", backend.runner)
             stages = pipeline.stage_indices
-            if not pipeline.peers_answer:
-                with routed_evenly():
-                    handed_on = pipeline.shape_stages(work.micro_batches(batch)[0], work, handed_on)
-            else:
-                # A real schedule's first step asks the neighbours for its stages' shapes, through
-                # an ``autograd.grad`` over each stage that torch's memory tracker cannot watch: a
-                # real run is measured from its second step, as a trace given the shapes is.
-                work.gradients(batch)
-                optimizer.zero_grad(set_to_none=True)
+            with routed_evenly():  # the fake world's peers do not answer: the trace gives the stages their shapes
+                handed_on = pipeline.shape_stages(work.micro_batches(batch)[0], work, handed_on)
         tracker = memory_tracker(model, optimizer, batch)
         collectives = CollectiveLog(groups)
-        # Routing is data: fake tensors have none, so experts take their rows evenly (in a real run
-        # measured against the dry run too, so that both route alike).
+        # Routing is data: fake tensors have none, so experts take their rows evenly.
         with (
             tracker,
             FlopCounterMode(display=False, custom_mapping=_CPU_FLOP_FORMULAS) as flops,

@@ -124,13 +124,14 @@ def _bytes_saved_for_backward(compiled: bool, *overrides: str) -> int:
     if compiled:
         compile_layers(model)
     ids = torch.randint(0, config.model.vocab_size, (2, 128))
+    storages: dict[int, int] = {}
+
+    def keep(tensor):
+        storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
     for _ in range(2):
-        storages = {}
-
-        def keep(tensor):
-            storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-            return tensor
-
+        storages.clear()  # the second step's
         with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
             loss, _ = forward_with_loss(model, config.loss.build(), ids, ids)
         loss.loss.backward()
