@@ -153,13 +153,13 @@ class ExpertParallelCompute:
         ``routed_evenly`` every process splits its ``rows`` evenly over all the experts."""
         if isinstance(counts, int):  # a capacity's buffer: every process sends every expert that many rows
             return [[counts] * local] * self.size, [counts * local] * self.size
+        incoming = torch.empty_like(counts)
+        dist.all_to_all_single(incoming, counts, group=self.group)  # under routed_evenly too: a dry run counts it
         if routing_is_even():
             per_expert = even_counts(rows, local * self.size)
             rank = dist.get_rank(self.group)
             mine = per_expert[rank * local : (rank + 1) * local]
             return [mine] * self.size, [sum(per_expert[p * local : (p + 1) * local]) for p in range(self.size)]
-        incoming = torch.empty_like(counts)
-        dist.all_to_all_single(incoming, counts, group=self.group)
         return incoming.view(self.size, local).tolist(), counts.view(self.size, local).sum(1).tolist()
 
     def _gather(self, weight: DTensor) -> DTensor:

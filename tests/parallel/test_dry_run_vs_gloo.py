@@ -24,13 +24,12 @@ TOLERANCE = 0.10
 
 
 #: Where the dry run and the real step differ by more than TOLERANCE today, as docs/parallelism.md
-#: states with the figures: the dry run counts a tensor-parallel matmul twice (the DTensor's and its
-#: local one); a mixture routes evenly in the dry run and as its router chooses in the real step.
-#: A gap that closes fails here as surely as a new one: the docs then change with the test.
+#: states with the figures: a mixture routes evenly in the dry run and as its router chooses in the
+#: real step. A gap that closes fails here as surely as a new one: the docs then change with the test.
 KNOWN_GAPS = {
     "fsdp": set(),
-    "fsdp_x_model": {"flops"},
-    "fsdp_x_expert": {"all-to-all count", "all-to-all bytes", "flops"},
+    "fsdp_x_model": set(),
+    "fsdp_x_expert": {"all-to-all bytes", "flops"},
     "pipe_x_fsdp": set(),
 }
 
