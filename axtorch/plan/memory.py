@@ -47,7 +47,7 @@ class DeviceMemory:
     gathered_bytes: int = 0
     #: The fused output head's ``[vocab, dim]`` weight gradient (each process's rows under tensor
     #: parallelism), computed in the forward (``axtorch.train.head_cross_entropy``), and under FSDP
-    #: a copy beside it.
+    #: a collective buffer as large as the root's embedding and head beside it.
     head_bytes: int = 0
 
     @property
@@ -170,10 +170,13 @@ def device_memory(
     if mesh_sizes.get("fsdp", 1) > 1:  # split over fsdp, one layer's experts are gathered at a time
         gathered += max((elements for _, elements in held), default=0)
     # The fused loss's head gradient: each process's vocabulary rows under tensor parallelism
-    # (axtorch/parallel/vocab_shards.py), and beside it under FSDP the copy it reduce-scatters. An
-    # adapter freezes the head; under stages it is the last process's, not the first (the busiest).
+    # (axtorch/parallel/vocab_shards.py), and beside it under FSDP a collective buffer as large as
+    # the root's embedding and head (the dry run finds it at the peak: llama3_8b on fsdp=64 at 64 x
+    # 256, 3.91 GiB of collective buffers beside the head's 1.96 GiB gradient). An adapter freezes
+    # the head; under stages it is the last process's, not the first (the busiest).
     frozen_or_elsewhere = model.adapter is not None or pipe > 1
-    head = 0 if frozen_or_elsewhere else vocab_by_dim / tensor_parallel * (2 if data_parallel > 1 else 1)
+    head_gradient = vocab_by_dim / tensor_parallel
+    head = 0 if frozen_or_elsewhere else head_gradient + (head_weights / tensor_parallel if data_parallel > 1 else 0)
     # A stage's FSDP units have no root above them, so each keeps its weights gathered (in the
     # compute precision) from a micro-batch's forward to its backward, as torchtitan's stages do:
     # at the first backward, the process's whole stage, over fsdp.

@@ -82,3 +82,29 @@ def test_the_searchs_best_mesh_is_checked():
     assert compute is not None and "step time, seconds" in report, report
     planned, traced = map(float, compute.groups())
     assert planned > 0 and traced == pytest.approx(planned, rel=0.25), report  # FLOPs counted and computed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "row",
+    [
+        ["model=llama3_8b", "mesh.fsdp=64", "sharding=fsdp", "batch=1", "seq_len=256"],
+        ["model=llama3_8b", "mesh.fsdp=64", "sharding=fsdp", "batch=1", "seq_len=4096"],
+        [
+            "model=llama3_70b",
+            "mesh.fsdp=32",
+            "mesh.model=8",
+            "sharding=fsdp_tp",
+            "batch=1",
+            "seq_len=256",
+            "check=true",
+        ],
+    ],
+    ids=["8b-fsdp64-short", "8b-fsdp64-long", "70b-fsdp32xmodel8-short"],
+)
+def test_the_planner_prices_large_meshes_within_a_tenth_of_the_dry_run(capsys, row):
+    """Short sequences, where the weights' and the head's buffers weigh most, and a long one, where activations do."""
+    assert main(["backend=native", *row]) == 0
+    out = capsys.readouterr().out
+    ratio = float(re.search(r"the planner's peak is ([\d.]+)x the dry run's", out).group(1))
+    assert 0.9 <= ratio <= 1.1, out

@@ -116,6 +116,26 @@ def test_a_preempted_job_saves_requeues_uncounted_and_resumes_exactly(slurm, str
     _assert_resumed_exactly(run_dir, root / "straight")
 
 
+def test_a_job_whose_training_processes_alone_are_signalled_requeues_uncounted_on_their_203(
+    slurm, straight, data_cache
+):
+    """``scancel --signal=TERM`` without ``--batch``: Slurm signals the job step's processes and not
+    the batch script, whose trap never runs. The step's exit status, 203 from launch/preemptible.sh,
+    is all it learns: that alone must requeue the job uncounted."""
+    root, _ = straight
+    run_dir, out = root / "step_signalled", root / "step_signalled.out"
+    job = _submit(slurm, out, debug_overrides(run_dir, data_cache, *FSDP2, *LONG), MAX_REQUEUES="0")
+    _wait_for_step(run_dir, 5)
+    slurm.scancel("--signal=TERM", str(job))
+    slurm.wait_until_requeued(job, 1)
+    record = slurm.wait_until_finished(job)
+    output = out.read_text()
+    assert record["JobState"] == "COMPLETED" and record["Restarts"] == "1", (record, output[-3000:])
+    assert output.count("preempted by SIGTERM at step") == 1, output[-3000:]
+    assert "axtorch: preempted (exit 203)" in output and "axtorch-failures" not in record.get("Comment", "")
+    _assert_resumed_exactly(run_dir, root / "straight")
+
+
 def test_a_failing_job_requeues_itself_max_requeues_times(slurm, tmp_path, data_cache):
     """The script sees only srun's exit status: a torchrun that fails at once (``false``) stands in
     for a failed training run, without two minutes of Python start-ups on a loaded machine."""
