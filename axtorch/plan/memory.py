@@ -79,6 +79,32 @@ def shard_elements(
     return {name: sizes[(shape, specs[name])] for name, shape in shapes.items()}
 
 
+#: The axes the native backend's FSDP shards a parameter over (``NativeBackend._sharding_mesh``):
+#: every axis but ``data`` (replicated) that is data-parallel outside the experts.
+NATIVE_FSDP_AXES = ("fsdp", "seq", "expert")
+
+
+def native_fsdp_specs(
+    shapes: Mapping[str, tuple[int, ...]], specs: Mapping[str, PartitionSpec], mesh_sizes: Mapping[str, int]
+) -> dict[str, PartitionSpec]:
+    """``specs`` as the native backend applies them: FSDP2 splits each parameter that expert
+    parallelism does not place, on the dimension its spec gives ``fsdp`` (else the first), over
+    ``fsdp`` x ``seq`` x ``expert``, where a preset's spec names ``fsdp`` alone (under xla it means
+    that axis only): llama-style weights on fsdp=8 x expert=8 are split 64 ways, not 8. A dimension
+    that would not split evenly (FSDP pads it) keeps its spec's count."""
+    axes = tuple(axis for axis in NATIVE_FSDP_AXES if mesh_sizes.get(axis, 1) > 1)
+    native = dict(specs)
+    for name, spec in specs.items():
+        shape = shapes[name]
+        if not axes or not shape or any(entry and "expert" in entry for entry in spec):
+            continue  # nothing to split over, a scalar, or placed by expert parallelism (FSDP leaves it)
+        dim = next((i for i, entry in enumerate(spec) if entry and "fsdp" in entry), 0)
+        entry = tuple(axis for axis in (spec[dim] or ()) if axis != "fsdp") + axes
+        if shape[dim] % math.prod(mesh_sizes[axis] for axis in entry) == 0:
+            native[name] = (*spec[:dim], entry, *spec[dim + 1 :])
+    return native
+
+
 def stage_layers(layer_costs: Sequence[int], pipe: int, pipeline: PipelineConfig) -> list[range]:
     """Each pipeline stage's layers, split by ``layer_costs`` (``layer_flops_per_token``) as a run
     splits them (one stage of all of them without ``mesh.pipe``)."""
@@ -170,13 +196,15 @@ def device_memory(
     if mesh_sizes.get("fsdp", 1) > 1:  # split over fsdp, one layer's experts are gathered at a time
         gathered += max((elements for _, elements in held), default=0)
     # The fused loss's head gradient: each process's vocabulary rows under tensor parallelism
-    # (axtorch/parallel/vocab_shards.py), and beside it under FSDP a collective buffer as large as
-    # the root's embedding and head (the dry run finds it at the peak: llama3_8b on fsdp=64 at 64 x
-    # 256, 3.91 GiB of collective buffers beside the head's 1.96 GiB gradient). An adapter freezes
-    # the head; under stages it is the last process's, not the first (the busiest).
+    # (axtorch/parallel/vocab_shards.py), and beside it, data-parallel, the buffer its reduction
+    # takes: under FSDP2 a collective buffer as large as the root's embedding and head (the dry
+    # run finds it at the peak: llama3_8b on fsdp=64 at 64 x 256, 3.91 GiB of collective buffers
+    # beside the head's 1.96 GiB gradient), in XLA's program a copy of the head's. An adapter
+    # freezes the head; under stages it is the last process's, not the first (the busiest).
     frozen_or_elsewhere = model.adapter is not None or pipe > 1
-    head_gradient = vocab_by_dim / tensor_parallel
-    head = 0 if frozen_or_elsewhere else head_gradient + (head_weights / tensor_parallel if data_parallel > 1 else 0)
+    reduced = vocab_by_dim if keeps_weights_gathered else head_weights
+    head_gradient = vocab_by_dim + (reduced if data_parallel > 1 else 0)
+    head = 0 if frozen_or_elsewhere else head_gradient / tensor_parallel
     # A stage's FSDP units have no root above them, so each keeps its weights gathered (in the
     # compute precision) from a micro-batch's forward to its backward, as torchtitan's stages do:
     # at the first backward, the process's whole stage, over fsdp.

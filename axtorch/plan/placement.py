@@ -14,7 +14,7 @@ from axtorch.config.errors import ConfigError
 from axtorch.layers.remat import RematConfig
 from axtorch.parallel.backend_kind import BackendKind
 from axtorch.parallel.sharding import PartitionSpec, auto_sharding_preset, resolve_parameter_specs, shard_shape
-from axtorch.plan.memory import DeviceMemory, device_memory, parameter_elements, stage_layers
+from axtorch.plan.memory import DeviceMemory, device_memory, native_fsdp_specs, parameter_elements, stage_layers
 from axtorch.train.config import Precision
 from axtorch.train.experiment import ExperimentConfig
 from axtorch.train.flops import active_parameters, layer_flops_per_token, model_flops_per_token
@@ -83,6 +83,8 @@ def plan(
         network = model.build()
     named_shapes = {name: tuple(p.shape) for name, p in network.named_parameters()}
     specs = resolve_parameter_specs(named_shapes, config.sharding, mesh_sizes)
+    if config.backend is BackendKind.native:
+        specs = native_fsdp_specs(named_shapes, specs, mesh_sizes)
     pipe, pipeline = mesh_sizes.get("pipe", 1), config.pipeline
     layer_costs = layer_flops_per_token(model, seq_len)  # what pipeline stages balance, as a run's do
     microbatches = 1

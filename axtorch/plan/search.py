@@ -22,7 +22,7 @@ from axtorch.layers.remat import RematConfig
 from axtorch.parallel.pipeline_config import PipelineConfig
 from axtorch.parallel.sharding import PartitionSpec, ShardingConfig, resolve_parameter_specs
 from axtorch.plan.cluster import Cluster
-from axtorch.plan.memory import device_memory, parameter_elements, stage_layers
+from axtorch.plan.memory import device_memory, native_fsdp_specs, parameter_elements, stage_layers
 from axtorch.plan.step_time import RECOMPUTE, StepTimeModel
 from axtorch.train.experiment import ExperimentConfig
 from axtorch.train.flops import layer_flops_per_token, model_flops_per_token
@@ -199,5 +199,7 @@ class Planner:
         """Each parameter's spec under the preset ``sharding`` on ``mesh`` (resolved once per pair)."""
         key = (sharding, tuple(mesh.values()))
         if key not in self._specs:
-            self._specs[key] = resolve_parameter_specs(self.shapes, self.shardings[sharding], mesh)
+            specs = resolve_parameter_specs(self.shapes, self.shardings[sharding], mesh)
+            native = self.cluster.backend == "native"
+            self._specs[key] = native_fsdp_specs(self.shapes, specs, mesh) if native else specs
         return self._specs[key]

@@ -99,11 +99,13 @@ def test_the_searchs_best_mesh_is_checked():
             "seq_len=256",
             "check=true",
         ],
+        ["model=mixtral_8x7b", "mesh.fsdp=8", "mesh.expert=8", "sharding=fsdp_ep", "batch=1", "seq_len=256"],
     ],
-    ids=["8b-fsdp64-short", "8b-fsdp64-long", "70b-fsdp32xmodel8-short"],
+    ids=["8b-fsdp64-short", "8b-fsdp64-long", "70b-fsdp32xmodel8-short", "mixtral-fsdp8xexpert8-short"],
 )
 def test_the_planner_prices_large_meshes_within_a_tenth_of_the_dry_run(capsys, row):
-    """Short sequences, where the weights' and the head's buffers weigh most, and a long one, where activations do."""
+    """Short sequences, where the weights' and the head's buffers weigh most, and a long one, where
+    activations do; dense, tensor-parallel and a mixture of experts over an expert axis."""
     assert main(["backend=native", *row]) == 0
     out = capsys.readouterr().out
     ratio = float(re.search(r"the planner's peak is ([\d.]+)x the dry run's", out).group(1))

@@ -53,14 +53,15 @@ def test_memory_and_step_time_follow_the_precision(precision, value_bytes, peak)
     candidate = planner.score({"pipe": 1, "data": 1, "fsdp": 8, "seq": 1, "expert": 1, "model": 1}, "fsdp", "none")
     assert candidate is not None
     # At the backward's start, 12 bytes of fp32 weights and AdamW moments per parameter, split 8
-    # ways (the 65 norms of 4096 whole; no gradient yet); activations in the compute precision,
-    # per token a layer's 6h + 2q + 2kv + 4H + heads + 2 x head_dim (92,448 values) and the
-    # model's 4h; the embedding and head FSDP gathers, and the fused loss's two whole head buffers.
-    parameters, norms, vocab_by_dim = 8_030_261_248, 65 * 4096, 128_256 * 4096
-    state = 12 * ((parameters - norms) / 8 + norms)
+    # ways (FSDP2 splits the 65 norms of 4096 too; no gradient yet); activations in the compute
+    # precision, per token a layer's 6h + 2q + 2kv + 4H + heads + 2 x head_dim (92,448 values) and
+    # the model's 4h; the embedding and head FSDP gathers; the fused loss's whole head gradient,
+    # and a collective buffer as large as the embedding and head.
+    parameters, vocab_by_dim = 8_030_261_248, 128_256 * 4096
+    state = 12 * parameters / 8
     per_layer = 6 * 4096 + 2 * 4096 + 2 * 1024 + 4 * 14336 + 32 + 2 * 128
     activations = value_bytes * 8192 * (32 * per_layer + 4 * 4096)
-    head = 4 * 2 * vocab_by_dim + 4 * 2 * vocab_by_dim
+    head = 4 * 2 * vocab_by_dim + 4 * (1 + 2) * vocab_by_dim
     assert candidate.memory_bytes == pytest.approx(state + activations + head, rel=1e-6)
     # Compute runs at 70% of the precision's peak: 8 sequences of 8192 tokens over 8 devices.
     flops = planner.step_time.flops_per_token * 8 * 8192
