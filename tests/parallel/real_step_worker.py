@@ -10,8 +10,8 @@ data's real tokens, with the router's real choices. Each rank measures
 - the bytes the step starts with that are its parameters and optimizer state, from the tensors;
 - the collectives the process group ran (the profiler's ``record_param_comms`` events: the
   collective's name, its group's size and the bytes it moved);
-- the FLOPs: the profiler's own count of its matmuls, plus attention's, counted here from the
-  shapes the profiler recorded for the CPU attention kernels.
+- the FLOPs: the profiler's own count of its matmuls, plus what it does not price, counted here
+  from the shapes it recorded: the in-place ``addmm_`` and the CPU attention kernels.
 
 Rank 0 writes OUT (JSON): every rank's measurement, in rank order.
 """
@@ -59,6 +59,17 @@ def _outermost_only(events: list[dict]) -> list[dict]:
         if outer is None or event["ts"] >= outer["ts"] + outer["dur"]:
             kept.append(event)
     return kept
+
+
+def _in_place_matmul_flops(events: list[dict]) -> float:
+    """``addmm_``'s products (the fused loss accumulates the head's gradient with it), which the
+    profiler gives no FLOPs: ``2 m k n`` from the shapes it recorded."""
+    flops = 0.0
+    for event in events:
+        if event.get("name") == "aten::addmm_" and event.get("ph") == "X":
+            _, (m, k), (_, n) = event["args"]["Input Dims"][:3]
+            flops += 2 * m * k * n
+    return flops
 
 
 def _attention_flops(events: list[dict]) -> float:
@@ -140,7 +151,7 @@ def main() -> None:
         "optimizer state": state,
         "collectives": dict(collectives),
         "collective_bytes": dict(moved),
-        "flops": _matmul_flops(prof.events()) + _attention_flops(events),
+        "flops": _matmul_flops(prof.events()) + _in_place_matmul_flops(events) + _attention_flops(events),
     }
     every_rank: list = [None] * dist.get_world_size()
     dist.all_gather_object(every_rank, measured)
