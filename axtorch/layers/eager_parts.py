@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from typing import Optional
+from typing import Any, Optional
 
 from torch import nn
 
-#: A layer's declaration: the module -> why part of it runs eagerly under torch.compile, or None.
-EagerReason = Callable[[nn.Module], Optional[str]]
+#: A layer's declaration: the module (of the declaring class) -> why part of it runs eagerly under
+#: torch.compile, or None.
+EagerReason = Callable[[Any], Optional[str]]
 
 
 def eager_parts(model: nn.Module) -> dict[str, int]:

@@ -35,8 +35,8 @@ from axtorch.layers.mixture_of_experts import routed_evenly
 from axtorch.parallel.backend_kind import BackendKind
 from axtorch.parallel.chips import GIB
 from axtorch.parallel.fake_world import fake_world, memory_tracker
-from axtorch.parallel.tensor_shards import is_distributed
 from axtorch.parallel.optimizer_state import create_adamw_state
+from axtorch.parallel.tensor_shards import is_distributed
 from axtorch.train.experiment import ExperimentConfig
 from axtorch.train.optimizer import build_optimizer
 from axtorch.train.step import TrainStep
@@ -103,6 +103,8 @@ _CPU_FLOP_FORMULAS = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _attention_flops,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _attention_backward_flops,
 }
+
+
 #: Collective ops by name (c10d's and the functional ones), as the report names them.
 class _RankFlopCounter(FlopCounterMode):
     """FLOPs at the shapes this rank computes: a DTensor's operator (tensor parallelism's matmuls)

@@ -25,7 +25,8 @@ TOLERANCE = 0.10
 
 #: Where the dry run and the real step differ by more than TOLERANCE today, as docs/parallelism.md
 #: states with the figures: a mixture routes evenly in the dry run and as its router chooses in the
-#: real step, and an exchange counts the larger of what a rank sends and receives. A gap that closes fails here as surely as a new one: the docs then change with the test.
+#: real step, and an exchange counts the larger of what a rank sends and receives. A gap that
+#: closes fails here as surely as a new one: the docs then change with the test.
 KNOWN_GAPS = {
     "fsdp": set(),
     "fsdp_x_model": set(),
