@@ -10,8 +10,8 @@ data's real tokens, with the router's real choices. Each rank measures
 - the bytes the step starts with that are its parameters and optimizer state, from the tensors;
 - the collectives the process group ran (the profiler's ``record_param_comms`` events: the
   collective's name, its group's size and the bytes it moved);
-- the FLOPs: the profiler's own count of its matmuls, plus what it does not price, counted here
-  from the shapes it recorded: the in-place ``addmm_`` and the CPU attention kernels.
+- the FLOPs of its matrix products and CPU attention kernels, counted here from the shapes the
+  profiler recorded (``2 m k n`` a product).
 
 Rank 0 writes OUT (JSON): every rank's measurement, in rank order.
 """
@@ -39,14 +39,32 @@ def _local_bytes(tensor: torch.Tensor) -> int:
     return local.numel() * local.element_size()
 
 
-def _matmul_flops(events: list) -> float:
-    """The profiler's FLOPs of the matmuls that ran on plain tensors: a DTensor's matmul is an event
-    around its local one, and both carry a count (the outer one at the global shapes)."""
+def _matmul_flops(events: list[dict]) -> float:
+    """``2 m k n`` (times the batch) of every matrix product that ran on plain tensors, from the
+    shapes the profiler recorded. A DTensor's product is an event around its local one (at the
+    global shapes): an event that holds another product of its thread within its time is left out."""
+    products = sorted(
+        (e for e in events if e.get("ph") == "X" and e.get("name") in _OPERANDS), key=lambda e: (e["tid"], e["ts"])
+    )
+    total = 0
+    for index, event in enumerate(products):
+        end = event["ts"] + event["dur"]
+        inner = next((e for e in products[index + 1 :] if e["tid"] == event["tid"] and e["ts"] < end), None)
+        if inner is not None and inner["ts"] + inner["dur"] <= end:
+            continue  # a DTensor's product around its local one
+        first, second = (event["args"]["Input Dims"][i] for i in _OPERANDS[event["name"]])
+        total += 2 * math.prod(first) * second[-1]
+    return float(total)
 
-    def counted_inside(event) -> bool:
-        return any(child.flops or counted_inside(child) for child in event.cpu_children)
 
-    return float(sum(event.flops for event in events if event.flops and not counted_inside(event)))
+#: A matrix product's operator -> the positions of its two factors among its inputs.
+_OPERANDS = {
+    "aten::mm": (0, 1),
+    "aten::bmm": (0, 1),
+    "aten::addmm": (1, 2),
+    "aten::addmm_": (1, 2),  # the fused loss accumulates the head's gradient with it
+    "aten::baddbmm": (1, 2),
+}
 
 
 def _outermost_only(events: list[dict]) -> list[dict]:
@@ -59,17 +77,6 @@ def _outermost_only(events: list[dict]) -> list[dict]:
         if outer is None or event["ts"] >= outer["ts"] + outer["dur"]:
             kept.append(event)
     return kept
-
-
-def _in_place_matmul_flops(events: list[dict]) -> float:
-    """``addmm_``'s products (the fused loss accumulates the head's gradient with it), which the
-    profiler gives no FLOPs: ``2 m k n`` from the shapes it recorded."""
-    flops = 0.0
-    for event in events:
-        if event.get("name") == "aten::addmm_" and event.get("ph") == "X":
-            _, (m, k), (_, n) = event["args"]["Input Dims"][:3]
-            flops += 2 * m * k * n
-    return flops
 
 
 def _attention_flops(events: list[dict]) -> float:
@@ -131,7 +138,7 @@ def main() -> None:
     batch = next(trainer.train_batches)
     held = sum(_local_bytes(p) for p in trainer.model.parameters())
     state = sum(_local_bytes(v) for s in trainer.optimizer.state.values() for v in s.values() if torch.is_tensor(v))
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, with_flops=True, record_shapes=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True) as prof:
         trainer.train_step(batch)
     with tempfile.TemporaryDirectory() as scratch:
         trace = Path(scratch) / "trace.json"
@@ -151,7 +158,7 @@ def main() -> None:
         "optimizer state": state,
         "collectives": dict(collectives),
         "collective_bytes": dict(moved),
-        "flops": _matmul_flops(prof.events()) + _in_place_matmul_flops(events) + _attention_flops(events),
+        "flops": _matmul_flops(events) + _attention_flops(events),
     }
     every_rank: list = [None] * dist.get_world_size()
     dist.all_gather_object(every_rank, measured)

@@ -70,9 +70,12 @@ def test_a_compile_after_the_second_step_is_said_and_counted_as_compile_time(tmp
     said = re.search(r"step 3: torch.compile compiled \d+ more graph\(s\) in ([\d.]+) s .*TORCH_LOGS=recompiles", out)
     assert said, out
     assert "step 4: torch.compile" not in out
-    # The first step's compile and step 3's are compile time, not productive (evaluation's own are eval's).
-    record = json.loads((tmp_path / "run" / "goodput.jsonl").read_text().splitlines()[-1])
-    assert record["seconds"]["compile"] > float(said.group(1)) > 0.5 > record["seconds"]["productive"]
+    # The first step's compile and step 3's are compile time, not productive (evaluation's own are
+    # eval's). Step 3's may be quick (inductor's cache can hold its kernels from an earlier run),
+    # but it is counted in full: a tenth of a second of rounding in the line aside.
+    record = json.loads((tmp_path / "run" / "goodput.jsonl").read_text().splitlines()[-1])["seconds"]
+    recompiled = float(said.group(1))
+    assert recompiled > 0 and record["compile"] > recompiled - 0.05 and record["compile"] > record["productive"]
 
 
 def test_the_compiled_head_gives_the_losses_and_gradients_of_whole_logits():
