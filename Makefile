@@ -85,7 +85,8 @@ test-newest: $(VENV)/.axtorch-test $(OLDEST_VENV)/.axtorch-xla
 # locality (source text), the suite's own tooling (tiers, timings, coverage floors, scheduling groups), the launcher script, the command-line journeys whose pieces the unit tests cover on 2.9 (generate,
 # export, the SmolLM2 fine-tune), the GGUF file formats and the real GGUFs' tokenizers and special
 # tokens (numpy, gguf and tokenizers; the models they load are the HF-parity-tested ones) and the
-# GPU script's CPU smoke run.
+# GPU script's CPU smoke run, and the planner's large-mesh rows (the planner is arithmetic; the dry
+# run they price it against is held to a real step on 2.9.0 by the gloo check).
 ALSO_NOT_ON_OLDEST := \
 	--deselect tests/parallel/test_native_backend.py::test_launcher_runs_native_training_and_rejects_a_mesh_that_does_not_fit \
 	--deselect tests/train/test_preemption.py::test_a_sigterm_and_its_repeat_save_at_a_step_boundary_and_exit_resume_me \
@@ -97,7 +98,8 @@ ALSO_NOT_ON_OLDEST := \
 	--deselect tests/launch/test_slurm.py::test_a_failing_job_requeues_itself_max_requeues_times \
 	--deselect tests/parallel/test_native_lora.py::test_lora_under_xla_sharding_trains_as_one_device_does \
 	--deselect tests/parallel/test_document_masking_backends.py::test_xla_matches_one_device \
-	--deselect tests/parallel/test_layer_stacks_parallel.py::test_xla_scan_over_pattern_groups_equals_running_the_layers_unrolled
+	--deselect tests/parallel/test_layer_stacks_parallel.py::test_xla_scan_over_pattern_groups_equals_running_the_layers_unrolled \
+	--deselect tests/cli/test_plan_check.py::test_the_planner_prices_large_meshes_within_a_tenth_of_the_dry_run
 test-oldest: $(OLDEST_VENV)/.axtorch-xla
 	$(OLDEST_VENV)/bin/python -m pytest $(PARALLEL) --durations=15 --timings-json $(REPORT)/oldest.json --ignore=tests/parallel/test_xla_backend.py --ignore=tests/parallel/test_xla_multihost.py \
 		--ignore=tests/parallel/test_xla_dry_run.py --ignore=tests/parallel/test_tpu_compile.py \
