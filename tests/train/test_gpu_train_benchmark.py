@@ -29,15 +29,19 @@ def test_the_gpu_benchmark_script_runs_on_the_cpu_and_prints_its_table():
     assert lines[-1].startswith("ratio axtorch / hf_transformers: ")
 
 
-@pytest.mark.journey
-def test_the_head_loss_benchmark_times_eager_and_compiled_chunks():
-    command = [
-        sys.executable,
-        str(ROOT / "benchmarks" / "head_loss.py"),
-        *("--device", "cpu", "--tokens", "64", "--vocab", "512", "--dim", "32", "--steps", "1", "--repeats", "1"),
-    ]
+def _run_benchmark(script: str, *arguments: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, str(ROOT / "benchmarks" / script), *arguments]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+@pytest.mark.journey
+def test_the_head_loss_benchmark_times_eager_and_compiled_chunks():
+    result = _run_benchmark(
+        "head_loss.py",
+        *("--device", "cpu", "--tokens", "64", "--vocab", "512", "--dim", "32", "--steps", "1", "--repeats", "1"),
+    )
     row = result.stdout.splitlines()[-1].strip("| ").split(" | ")
     assert row[0] == "1" and row[1].endswith("GFLOP/s"), result.stdout
     eager, compiled, ratio = (float(cell) for cell in row[2:])
@@ -46,9 +50,7 @@ def test_the_head_loss_benchmark_times_eager_and_compiled_chunks():
 
 @pytest.mark.journey
 def test_the_host_gap_benchmark_times_the_gaps_of_a_real_run():
-    command = [sys.executable, str(ROOT / "benchmarks" / "host_gap.py"), "trainer.max_steps=4"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = _run_benchmark("host_gap.py", "trainer.max_steps=4")
     steps, gap = result.stdout.splitlines()[-2:]
     assert steps.startswith("steps: 4, median step "), result.stdout
     median = float(gap.split("median ")[1].split(" ms")[0])
