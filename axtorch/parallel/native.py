@@ -55,7 +55,7 @@ from axtorch.parallel.context import GatheredSequence, split_sequence
 from axtorch.parallel.experts import ExpertParallelCompute
 from axtorch.parallel.mesh import MeshConfig
 from axtorch.parallel.pipeline_config import PipelineConfig, layer_ranges, stages_of_process
-from axtorch.parallel.sharding import PartitionSpec, ShardingConfig, resolve_parameter_specs
+from axtorch.parallel.sharding import NATIVE_FSDP_AXES, PartitionSpec, ShardingConfig, resolve_parameter_specs
 from axtorch.parallel.tensor_shards import Piece, owned_pieces
 
 #: Device types that exist only once their plugin is imported (untested here: not installable).
@@ -228,7 +228,7 @@ class NativeBackend(HostFedBackend):
             return self.mesh["data", shard]
 
     def _apply_fsdp(self, model: CausalLM, specs: dict[str, PartitionSpec]) -> None:
-        dp_mesh = self._sharding_mesh("fsdp", "seq", "expert")
+        dp_mesh = self._sharding_mesh(*NATIVE_FSDP_AXES)
         dims = {}
         for name, param in model.named_parameters():
             spec = specs[name]

@@ -24,6 +24,9 @@ from axtorch.config.errors import ConfigError
 
 #: Per tensor dimension, the mesh axes splitting it (in order), or None for replicated.
 PartitionSpec = tuple[Optional[tuple[str, ...]], ...]
+#: The axes the native backend's FSDP shards a parameter over (one flattened mesh): every axis but
+#: ``data`` (replicated) that is data-parallel outside the experts. The planner counts by it too.
+NATIVE_FSDP_AXES = ("fsdp", "seq", "expert")
 
 ACTIVATION_IO = ("input", "output")
 

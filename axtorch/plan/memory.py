@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from axtorch.models.causal_lm import CausalLMConfig
 from axtorch.parallel.pipeline_config import PipelineConfig, layer_ranges, stage_parameter_names, stages_of_process
-from axtorch.parallel.sharding import PartitionSpec, shard_shape
+from axtorch.parallel.sharding import NATIVE_FSDP_AXES, PartitionSpec, shard_shape
 from axtorch.train.config import Precision
 
 FP32_BYTES = 4
@@ -77,11 +77,6 @@ def shard_elements(
         if key not in sizes:
             sizes[key] = math.prod(shard_shape(shape, specs[name], mesh_sizes))
     return {name: sizes[(shape, specs[name])] for name, shape in shapes.items()}
-
-
-#: The axes the native backend's FSDP shards a parameter over (``NativeBackend._sharding_mesh``):
-#: every axis but ``data`` (replicated) that is data-parallel outside the experts.
-NATIVE_FSDP_AXES = ("fsdp", "seq", "expert")
 
 
 def native_fsdp_specs(
